@@ -1,0 +1,212 @@
+"""The HTTP contract between serving processes and a coordinator (shared/WIRE.md).
+
+This module is the only place the wire shapes, their defaults and limits, and the
+token codec are written down; the plugin's client and reporter and the bundled
+coordinator all import them from here. The shapes follow LMCache's MP coordinator
+(0.5.x) field for field, so either side can talk to LMCache's other side.
+
+Decoding is validation: `decode(body, Shape)` either returns a fully checked
+value or raises `WireError` whose message names the offending field, e.g.
+``Expected `int` >= 1 - at `$.batches[0].seq```. Nothing partial is returned.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Literal, NamedTuple, TypeVar
+
+import msgspec
+import numpy as np
+
+BLEND_LOOKUP_PATH = "/directory/blend-lookup"
+EVENTS_PATH = "/events"
+STATS_PATH = "/directory/stats"
+HEALTH_PATH = "/healthz"
+
+#: `token_offset` of a chunk whose stored position the emitter did not report.
+UNKNOWN_TOKEN_OFFSET = -1
+
+_MAX_TOKEN = 2**32 - 1
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN)]
+
+
+class WireError(ValueError):
+    """A body that breaks the wire contract. The message says which field and why."""
+
+
+class BlendNamespace(NamedTuple):
+    """Who may be offered a chunk: only requesters of the namespace that stored it."""
+
+    model_name: str
+    cache_salt: str
+    world_size: int
+
+
+# --- token codec -----------------------------------------------------------------
+
+
+def encode_tokens(tokens) -> str:
+    """Pack token ids as little-endian uint32, then standard base64 with padding."""
+    array = np.asarray(tokens)
+    if array.size and (array.min() < 0 or array.max() > _MAX_TOKEN):
+        raise WireError("token ids must fit in uint32")
+    return base64.b64encode(array.astype("<u4", copy=False).tobytes()).decode("ascii")
+
+
+def decode_tokens(text: str) -> np.ndarray:
+    """Inverse of `encode_tokens`; returns a read-only native uint32 array."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WireError(f"tokens_b64 is not valid base64: {exc}") from None
+    if len(raw) % 4:
+        raise WireError(f"tokens_b64 decodes to {len(raw)} bytes, not a multiple of 4")
+    return np.frombuffer(raw, dtype="<u4").astype(np.uint32, copy=False)
+
+
+# --- kv_rank packing ---------------------------------------------------------------
+
+
+def pack_kv_rank(world_size: int, global_rank: int = 0, local_world_size: int | None = None,
+                 local_rank: int = 0) -> int:
+    """`(world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank`."""
+    if local_world_size is None:
+        local_world_size = world_size
+    for name, value in (("world_size", world_size), ("global_rank", global_rank),
+                        ("local_world_size", local_world_size), ("local_rank", local_rank)):
+        if not 0 <= value <= 0xFF:
+            raise WireError(f"{name}={value} does not fit in one byte of kv_rank")
+    return (world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank
+
+
+def world_size_of(kv_rank: int) -> int:
+    return (kv_rank >> 24) & 0xFF
+
+
+# --- POST /directory/blend-lookup ---------------------------------------------------
+
+
+class BlendLookupRequest(msgspec.Struct, kw_only=True):
+    tokens_b64: str = ""
+    model_name: str = ""
+    world_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tokens_b64 and not self.model_name:
+            raise ValueError("model_name is required when tokens_b64 is non-empty")
+
+    @property
+    def namespace(self) -> BlendNamespace:
+        return BlendNamespace(self.model_name, self.cache_salt, self.world_size)
+
+
+class WireBlendMatch(msgspec.Struct, kw_only=True):
+    chunk_hash: str
+    old_st: int
+    cur_st: int
+
+
+class BlendLookupReply(msgspec.Struct, kw_only=True):
+    matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
+
+
+# --- POST /events --------------------------------------------------------------------
+
+
+class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
+    chunk_hash_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.chunk_hash_hex:
+            raise ValueError("chunk_hash_hex must be non-empty hex")
+        try:
+            bytes.fromhex(self.chunk_hash_hex)
+        except ValueError:
+            raise ValueError(f"chunk_hash_hex {self.chunk_hash_hex[:64]!r} is not valid hex") from None
+
+    @property
+    def chunk_hash(self) -> bytes:
+        return bytes.fromhex(self.chunk_hash_hex)
+
+    @property
+    def namespace(self) -> BlendNamespace:
+        return BlendNamespace(self.model_name, self.cache_salt, world_size_of(self.kv_rank))
+
+
+class CacheEventEntry(msgspec.Struct, kw_only=True):
+    key: EncodedObjectKey
+    size_bytes: NonNegative = 0
+    token_ids: list[TokenId] = msgspec.field(default_factory=list)
+    token_offset: int = UNKNOWN_TOKEN_OFFSET
+
+    def __post_init__(self) -> None:
+        if self.token_offset < UNKNOWN_TOKEN_OFFSET:
+            raise ValueError(
+                f"token_offset {self.token_offset} is invalid: use >= 0, or -1 for unknown")
+
+
+EventType = Literal["store", "delete", "access", "config"]
+Tier = Literal["l1", "l2"]
+
+
+class CacheEventBatch(msgspec.Struct, kw_only=True):
+    instance_id: Annotated[str, msgspec.Meta(min_length=1)]
+    incarnation: NonNegative = 0
+    seq: Annotated[int, msgspec.Meta(ge=1)]
+    event_type: EventType
+    tier: Tier
+    backend: str = ""
+    entries: list[CacheEventEntry] = msgspec.field(default_factory=list)
+    shared: bool = False
+    ts: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    capacity_bytes: NonNegative = 0
+    capacity_revision: NonNegative = 0
+
+    def __post_init__(self) -> None:
+        if self.event_type in ("store", "delete", "config") and not self.backend:
+            raise ValueError(f"backend must be non-empty for a {self.event_type} batch")
+        if self.event_type == "config" and self.entries:
+            raise ValueError("a config batch carries no entries")
+
+
+class EventsRequest(msgspec.Struct, kw_only=True):
+    batches: list[CacheEventBatch]
+
+
+class EventsReply(msgspec.Struct, kw_only=True):
+    applied: int
+    duplicates: int
+    stale: int
+
+
+# --- encoding and validated decoding ----------------------------------------------------
+
+T = TypeVar("T")
+_decoders: dict[type, msgspec.json.Decoder] = {}
+encode = msgspec.json.Encoder().encode
+
+
+def decode(body: bytes | str, shape: type[T]) -> T:
+    """Decode and validate a JSON body as `shape`, or raise `WireError` naming the field."""
+    decoder = _decoders.get(shape)
+    if decoder is None:
+        decoder = _decoders[shape] = msgspec.json.Decoder(shape)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise WireError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"body is not valid JSON: {exc}") from None
+
+
+def decode_blend_lookup(body: bytes | str) -> tuple[BlendLookupRequest, np.ndarray]:
+    """Validate a blend-lookup request and decode its tokens in one step."""
+    request = decode(body, BlendLookupRequest)
+    return request, decode_tokens(request.tokens_b64)
