@@ -1,0 +1,324 @@
+"""The content index: which stored chunks does a token sequence contain, and where?
+
+Design (shared/DESIGN.md, "The content index"): content of exactly `chunk_size` tokens is
+stored once in a `ContentStore`; every chunk hash that names that content is an
+*occupant* of it, carrying its own stored offset and the set of namespaces that claim
+it. A match rolls a fingerprint over the query, lets the filter and the exact table
+reject almost every window, skips contents no occupant of which the requester's
+namespace may claim, and only then compares tokens.
+
+Invariants (all under `self._lock`, which is never held while calling out):
+- `_chunks[h].cid` is the content of chunk `h`; `_occupants[cid]` is the head of the
+  singly linked list (`_Chunk.next`) of the chunks of that content.
+- A chunk exists iff at least one namespace claims it (`claims != 0`); a content is
+  stored iff it has at least one occupant. Removing the last one frees the slot.
+- `claims` is a bit set of namespace ids (Python int); a namespace's id is recycled
+  once nothing claims it, so the ids stay small.
+- `store.ns_mask[cid]` holds bit `id % 64` of every namespace claiming an occupant of
+  `cid`; it may carry stale extra bits (a cheap pre-test), never miss one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from local_matcher.store import ContentStore
+from local_matcher.types import BlendMatch
+
+log = logging.getLogger(__name__)
+
+_MAX_TOKEN = 2**32 - 1
+
+
+def as_tokens(values) -> np.ndarray:
+    """A contiguous uint32 array of token ids; ValueError for ids outside uint32."""
+    array = np.asarray(values)
+    if array.dtype == np.uint32:
+        return np.ascontiguousarray(array)
+    if array.size == 0:
+        return np.zeros(array.shape, dtype=np.uint32)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, not {array.dtype}")
+    if array.min() < 0 or array.max() > _MAX_TOKEN:
+        raise ValueError("token ids must fit in uint32 (0 .. 2**32-1)")
+    return array.astype(np.uint32)
+
+
+class _Chunk:
+    __slots__ = ("hash", "cid", "offset", "claims", "next")
+
+    def __init__(self, chunk_hash: Hashable, cid: int, offset: int, following: "_Chunk | None"):
+        self.hash = chunk_hash
+        self.cid = cid
+        self.offset = offset
+        self.claims = 0
+        self.next = following
+
+
+def _mask_bit(ns_id: int) -> int:
+    return 1 << (ns_id & 63)
+
+
+class ContentIndex:
+    """Namespaced index of fixed-size token chunks, matched at any offset of a query.
+
+    Thread-safe. `namespace` is any hashable (the coordinator uses
+    `(model_name, cache_salt, world_size)`). `fingerprint_key` fixes the fingerprint's
+    `(salt, base)`; leave it None (random per process) outside tests.
+    """
+
+    def __init__(self, chunk_size: int = 256, probe_stride: int = 1, *,
+                 fingerprint_key: tuple[int, int] | None = None) -> None:
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+        if not isinstance(probe_stride, int) or probe_stride < 1:
+            raise ValueError(f"probe_stride must be an integer >= 1, got {probe_stride!r}")
+        self.chunk_size = chunk_size
+        self.probe_stride = probe_stride
+        self._lock = threading.Lock()
+        self._store = ContentStore(chunk_size, fingerprint_key)
+        self._chunks: dict[Hashable, _Chunk] = {}
+        self._occupants: list[_Chunk | None] = []
+        self._ns_ids: dict[Hashable, int] = {}
+        self._ns_names: list[Hashable] = []
+        self._ns_claim_counts: list[int] = []
+        self._free_ns_ids: list[int] = []
+        self._num_claims = 0
+        warm_up()
+
+    # --- adding ---------------------------------------------------------------------
+
+    def add(self, tokens, chunk_hash: Hashable, token_offset: int, namespace: Hashable) -> None:
+        """Index one chunk for `namespace` at stored position `token_offset`.
+
+        Content that is not exactly `chunk_size` tokens, or an unknown (negative)
+        offset, is logged and skipped. Adding again only updates the offset and adds
+        the claim; a known hash with different tokens moves to the new content,
+        dropping every claim it had on the old one.
+        """
+        rows = as_tokens(tokens)
+        if rows.shape != (self.chunk_size,):
+            log.debug("not indexed: chunk %r has %d tokens, not %d",
+                      chunk_hash, rows.size, self.chunk_size)
+            return
+        self.add_many(rows.reshape(1, -1), [chunk_hash], [token_offset], namespace)
+
+    def add_many(self, rows, chunk_hashes: Sequence[Hashable], token_offsets: Sequence[int],
+                 namespace: Hashable) -> None:
+        """`add` for a (n, chunk_size) array of rows in one lock acquisition."""
+        rows = as_tokens(rows)
+        if rows.ndim != 2 or rows.shape[1] != self.chunk_size:
+            raise ValueError(f"rows must have shape (n, {self.chunk_size}), got {rows.shape}")
+        if not (len(rows) == len(chunk_hashes) == len(token_offsets)):
+            raise ValueError("rows, chunk_hashes and token_offsets differ in length")
+        offsets = [int(x) for x in token_offsets]
+        keep = [i for i, offset in enumerate(offsets) if offset >= 0]
+        if len(keep) < len(offsets):
+            log.debug("not indexed: %d chunks with unknown offset", len(offsets) - len(keep))
+            if not keep:
+                return
+            rows = rows[keep]
+            chunk_hashes = [chunk_hashes[i] for i in keep]
+            offsets = [offsets[i] for i in keep]
+        with self._lock:
+            ns_id = self._namespace_id(namespace)
+            cids, _ = self._store.insert(np.ascontiguousarray(rows))
+            if len(self._occupants) < self._store.capacity:
+                self._occupants.extend([None] * (self._store.capacity - len(self._occupants)))
+            vacated: list[int] = []
+            for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets):
+                chunk = self._chunks.get(chunk_hash)
+                if chunk is not None and chunk.cid != cid:
+                    vacated.append(chunk.cid)
+                    self._drop(chunk)
+                    chunk = None
+                    # Dropping may have retired the namespace's id along with its last claim.
+                    ns_id = self._namespace_id(namespace)
+                if chunk is None:
+                    chunk = _Chunk(chunk_hash, cid, offset, self._occupants[cid])
+                    self._occupants[cid] = chunk
+                    self._chunks[chunk_hash] = chunk
+                else:
+                    chunk.offset = offset
+                self._claim(chunk, ns_id)
+            # Released only now: a later row of this batch may have found that content.
+            self._release_if_vacant(vacated)
+
+    # --- removing ---------------------------------------------------------------------
+
+    def remove_claim(self, tokens, chunk_hash: Hashable, namespace: Hashable) -> None:
+        """Drop `namespace`'s claim on a chunk; the chunk lives on for other namespaces.
+
+        `tokens` name the content the caller knows the chunk by (None: whatever it is);
+        if they differ from the indexed content, or anything is unknown, nothing changes.
+        """
+        with self._lock:
+            chunk = self._known_chunk(tokens, chunk_hash)
+            ns_id = self._ns_ids.get(namespace)
+            if chunk is None or ns_id is None or not (chunk.claims >> ns_id) & 1:
+                return
+            self._unclaim(chunk, ns_id)
+            if chunk.claims == 0:
+                self._unlink(chunk)
+            self._release_if_vacant([chunk.cid])
+
+    def remove_chunk(self, tokens, chunk_hash: Hashable) -> None:
+        """Drop a chunk and every claim on it, in one lock acquisition.
+
+        `tokens` as for `remove_claim`."""
+        with self._lock:
+            chunk = self._known_chunk(tokens, chunk_hash)
+            if chunk is not None:
+                self._drop(chunk)
+                self._release_if_vacant([chunk.cid])
+
+    def remove_chunks(self, chunk_hashes: Iterable[Hashable]) -> None:
+        """Drop chunks by hash with all their claims; unknown hashes are skipped."""
+        with self._lock:
+            vacated = []
+            for chunk_hash in chunk_hashes:
+                chunk = self._chunks.get(chunk_hash)
+                if chunk is not None:
+                    self._drop(chunk)
+                    vacated.append(chunk.cid)
+            self._release_if_vacant(vacated)
+
+    # --- matching -------------------------------------------------------------------------
+
+    def match(self, query, namespace: Hashable) -> list[BlendMatch]:
+        """Every chunk `namespace` claims whose content occurs in `query`.
+
+        Ascending by `cur_st`; one match per chunk, at its first occurrence; every
+        match compared token by token.
+        """
+        tokens = as_tokens(query)
+        if tokens.ndim != 1:
+            raise ValueError(f"query must be one-dimensional, got shape {tokens.shape}")
+        if tokens.size < self.chunk_size:
+            return []
+        with self._lock:
+            ns_id = self._ns_ids.get(namespace)
+            if ns_id is None:
+                return []
+            positions, cids = self._store.probe(tokens, self.probe_stride, _mask_bit(ns_id))
+            matches = []
+            for cur_st, cid in zip(positions.tolist(), cids.tolist()):
+                chunk = self._occupants[cid]
+                while chunk is not None:
+                    if (chunk.claims >> ns_id) & 1:
+                        matches.append(BlendMatch(chunk.hash, chunk.offset, cur_st))
+                    chunk = chunk.next
+            return matches
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            num_chunks = len(self._chunks)
+            python_bytes = (sys.getsizeof(self._chunks) + sys.getsizeof(self._occupants)
+                            + num_chunks * _CHUNK_BYTES)
+            return {
+                "num_contents": self._store.num_contents,
+                "num_chunks": num_chunks,
+                "num_claims": self._num_claims,
+                "num_namespaces": len(self._ns_ids),
+                "table_size": self._store.table_size,
+                "bytes": self._store.nbytes + python_bytes,
+            }
+
+    # --- internals (caller holds the lock) ----------------------------------------------
+
+    def _namespace_id(self, namespace: Hashable) -> int:
+        ns_id = self._ns_ids.get(namespace)
+        if ns_id is None:
+            if self._free_ns_ids:
+                ns_id = self._free_ns_ids.pop()
+                self._ns_names[ns_id] = namespace
+            else:
+                ns_id = len(self._ns_names)
+                self._ns_names.append(namespace)
+                self._ns_claim_counts.append(0)
+            self._ns_ids[namespace] = ns_id
+        return ns_id
+
+    def _known_chunk(self, tokens, chunk_hash: Hashable) -> _Chunk | None:
+        chunk = self._chunks.get(chunk_hash)
+        if chunk is None or tokens is None:
+            return chunk
+        return chunk if self._store.holds(chunk.cid, as_tokens(tokens)) else None
+
+    def _claim(self, chunk: _Chunk, ns_id: int) -> None:
+        if not (chunk.claims >> ns_id) & 1:
+            chunk.claims |= 1 << ns_id
+            self._ns_claim_counts[ns_id] += 1
+            self._num_claims += 1
+        self._store.ns_mask[chunk.cid] |= np.uint64(_mask_bit(ns_id))
+
+    def _unclaim(self, chunk: _Chunk, ns_id: int) -> None:
+        chunk.claims &= ~(1 << ns_id)
+        self._num_claims -= 1
+        self._ns_claim_counts[ns_id] -= 1
+        if self._ns_claim_counts[ns_id] == 0:
+            del self._ns_ids[self._ns_names[ns_id]]
+            self._ns_names[ns_id] = None
+            self._free_ns_ids.append(ns_id)
+
+    def _drop(self, chunk: _Chunk) -> None:
+        claims, ns_id = chunk.claims, 0
+        while claims:
+            if claims & 1:
+                self._unclaim(chunk, ns_id)
+            claims >>= 1
+            ns_id += 1
+        self._unlink(chunk)
+
+    def _unlink(self, chunk: _Chunk) -> None:
+        del self._chunks[chunk.hash]
+        cursor = self._occupants[chunk.cid]
+        if cursor is chunk:
+            self._occupants[chunk.cid] = chunk.next
+        else:
+            while cursor.next is not chunk:
+                cursor = cursor.next
+            cursor.next = chunk.next
+
+    def _release_if_vacant(self, cids: Iterable[int]) -> None:
+        """Free each content that lost its last occupant; refresh the others' masks."""
+        vacant = []
+        for cid in set(cids):
+            mask = 0
+            chunk = self._occupants[cid]
+            if chunk is None:
+                vacant.append(cid)
+                continue
+            while chunk is not None:
+                claims = chunk.claims
+                while claims:
+                    mask |= claims & 0xFFFFFFFFFFFFFFFF
+                    claims >>= 64
+                chunk = chunk.next
+            self._store.ns_mask[cid] = np.uint64(mask)
+        if vacant:
+            self._store.remove(np.array(vacant, dtype=np.int64))
+
+
+_CHUNK_BYTES = sys.getsizeof(_Chunk(b"", 0, 0, None)) + sys.getsizeof(10**6)
+
+_warmed = False
+
+
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) every kernel once per process."""
+    global _warmed
+    if _warmed:
+        return
+    store = ContentStore(4, initial_capacity=16)
+    cids, _ = store.insert(np.arange(8, dtype=np.uint32).reshape(2, 4))
+    store.ns_mask[cids] = 1
+    store.probe(np.arange(12, dtype=np.uint32), 1, 1)
+    store.remove(cids)
+    store._reserve(64)  # grows the table: compiles rebuild_table
+    _warmed = True

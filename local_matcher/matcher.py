@@ -1,0 +1,96 @@
+"""The local matcher: the chunks one serving process stored, found in its requests.
+
+`LocalMatcher` is a `ContentIndex` with one implicit namespace, fed by the store path.
+Registration must never slow that path, so `register` and `evict` only enqueue; one
+background worker shared by every matcher in the process applies the queue, and
+`match` drains whatever is still pending first, so a chunk stored just before a lookup
+is found. Queued operations apply in the order they were made (`_drain_lock`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from threading import Lock
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from local_matcher.index import ContentIndex, as_tokens
+from local_matcher.types import CBMatchResult
+
+log = logging.getLogger(__name__)
+
+_LOCAL = "local"
+_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-matcher")
+
+
+class LocalMatcher:
+    """Chunks stored by this process, matched at any offset of a request.
+
+    Thread-safe. Chunk `i` of a registered range is `token_ids[i*C:(i+1)*C]`, stored
+    at position `position_offset + i*C`; trailing tokens short of a chunk are ignored.
+    """
+
+    def __init__(self, chunk_size: int = 256, probe_stride: int = 1, *,
+                 fingerprint_key: tuple[int, int] | None = None) -> None:
+        self._index = ContentIndex(chunk_size, probe_stride, fingerprint_key=fingerprint_key)
+        self.chunk_size = chunk_size
+        self._pending: collections.deque = collections.deque()
+        self._drain_lock = Lock()
+        self._scheduled = False
+
+    def register(self, token_ids, chunk_hashes: Sequence[Hashable], position_offset: int = 0) -> None:
+        """Queue chunks of a stored range for indexing (returns at once)."""
+        chunk_hashes = list(chunk_hashes)
+        tokens = as_tokens(token_ids).ravel()
+        count = min(len(chunk_hashes), tokens.size // self.chunk_size)
+        if count < len(chunk_hashes):
+            log.warning("register: %d chunk hashes but only %d full chunks of tokens; "
+                        "the extra hashes are ignored", len(chunk_hashes), count)
+        if count == 0:
+            return
+        rows = tokens[: count * self.chunk_size].reshape(count, self.chunk_size).copy()
+        offsets = position_offset + self.chunk_size * np.arange(count)
+        self._enqueue((rows, chunk_hashes[:count], offsets.tolist()))
+
+    def evict(self, chunk_hashes: Iterable[Hashable]) -> None:
+        """Queue chunks for removal; unknown hashes are ignored."""
+        self._enqueue(list(chunk_hashes))
+
+    def match(self, token_ids) -> list[CBMatchResult]:
+        """Registered chunks found in `token_ids`, ascending by `cur_st`."""
+        self.flush()
+        size = self.chunk_size
+        return [CBMatchResult.from_match(m, size) for m in self._index.match(token_ids, _LOCAL)]
+
+    def flush(self) -> None:
+        """Apply every queued registration and eviction now."""
+        with self._drain_lock:
+            while self._pending:
+                operation = self._pending.popleft()
+                if isinstance(operation, tuple):
+                    self._index.add_many(*operation, _LOCAL)
+                else:
+                    self._index.remove_chunks(operation)
+
+    def stats(self) -> dict[str, int]:
+        return {**self._index.stats(), "pending": len(self._pending)}
+
+    def close(self) -> None:
+        """Apply what is queued; the matcher stays usable (it owns no thread)."""
+        self.flush()
+
+    def _enqueue(self, operation) -> None:
+        self._pending.append(operation)
+        if not self._scheduled:
+            self._scheduled = True
+            _background.submit(self._drain_in_background)
+
+    def _drain_in_background(self) -> None:
+        self._scheduled = False  # cleared first: what arrives during the drain reschedules
+        try:
+            self.flush()
+        except Exception:  # the worker must survive; the next match() drains and raises
+            log.exception("local matcher: background indexing failed")

@@ -1,0 +1,136 @@
+"""Content-addressed storage of token windows, searched by rolling fingerprint.
+
+`ContentStore` keeps each distinct content of exactly `chunk_size` tokens once, under a
+small integer id, and finds every stored content in a query with `probe`. It owns the
+arrays the kernels in `local_matcher.kernels` work on and is their only caller.
+
+Not thread-safe: `ContentIndex` serialises every call under its lock.
+
+Sizing invariants:
+- `capacity` content slots; ids of unused slots sit on a free stack and are reused, so
+  any number of insert/remove cycles never exhausts the store. Capacity grows by a
+  quarter (tokens dominate memory, so slack is kept small).
+- The table has at least `2 * capacity` slots (never more than half full) and the
+  filter 16 bits per table slot, so at most 1 probe in 32 passes the filter by chance.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+
+from local_matcher import kernels
+
+_FILTER_BITS_PER_SLOT_LOG2 = 4
+_MASK64 = 2**64 - 1
+
+
+def _as_u64(value: int) -> np.uint64:
+    return np.uint64(value & _MASK64)
+
+
+class ContentStore:
+    def __init__(self, chunk_size: int, fingerprint_key: tuple[int, int] | None = None,
+                 initial_capacity: int = 1024) -> None:
+        if fingerprint_key is None:
+            fingerprint_key = (secrets.randbits(64), secrets.randbits(64))
+        salt, base = fingerprint_key
+        self.chunk_size = chunk_size
+        self._salt = _as_u64(salt)
+        self._base = _as_u64(base | 1)  # odd: multiplication by it is invertible mod 2**64
+        self._base_top = _as_u64(pow(int(self._base), chunk_size - 1, 2**64))
+        self._epoch = 0
+        capacity = max(16, initial_capacity)
+        self.tokens = np.zeros((capacity, chunk_size), dtype=np.uint32)
+        self.ns_mask = np.zeros(capacity, dtype=np.uint64)
+        self._seen = np.zeros(capacity, dtype=np.int64)
+        self._free_ids = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._free_top = np.array([capacity], dtype=np.int64)
+        self._allocate_table(self._table_bits_for(capacity))
+
+    # --- sizing ---------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_contents(self) -> int:
+        return self.capacity - int(self._free_top[0])
+
+    @property
+    def table_size(self) -> int:
+        return self._table_cid.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.tokens, self.ns_mask, self._seen, self._free_ids, self._table_fp,
+                  self._table_cid, self._filter)
+        return sum(a.nbytes for a in arrays)
+
+    @staticmethod
+    def _table_bits_for(capacity: int) -> int:
+        return max(4, (2 * capacity - 1).bit_length())
+
+    def _allocate_table(self, bits: int) -> None:
+        filter_bits = bits + _FILTER_BITS_PER_SLOT_LOG2
+        self._table_shift = np.uint64(64 - bits)
+        self._filter_shift = np.uint64(64 - filter_bits)
+        self._table_fp = np.zeros(1 << bits, dtype=np.uint64)
+        self._table_cid = np.full(1 << bits, -1, dtype=np.int64)
+        self._filter = np.zeros(max(1, (1 << filter_bits) // 64), dtype=np.uint64)
+
+    def _reserve(self, extra: int) -> None:
+        free = int(self._free_top[0])
+        if free >= extra:
+            return
+        old = self.capacity
+        new = max(old + old // 4, self.num_contents + extra)
+        grown = np.zeros((new, self.chunk_size), dtype=np.uint32)
+        grown[:old] = self.tokens
+        self.tokens = grown
+        self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
+        self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
+        free_ids = np.empty(new, dtype=np.int64)
+        free_ids[: new - old] = np.arange(new - 1, old - 1, -1)
+        free_ids[new - old: new - old + free] = self._free_ids[:free]
+        self._free_ids = free_ids
+        self._free_top[0] = free + new - old
+        bits = self._table_bits_for(new)
+        if (1 << bits) != self.table_size:
+            old_fp, old_cid = self._table_fp, self._table_cid
+            self._allocate_table(bits)
+            kernels.rebuild_table(old_fp, old_cid, self._table_fp, self._table_cid,
+                                  self._table_shift, self._filter, self._filter_shift)
+
+    # --- operations -------------------------------------------------------------------
+
+    def insert(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Find-or-store each row of a (n, chunk_size) uint32 array.
+
+        Returns the content id of every row and a flag array, 1 where the row's
+        content was stored by this call.
+        """
+        self._reserve(rows.shape[0])
+        return kernels.insert_rows(rows, self._salt, self._base, self.tokens, self._table_fp,
+                                   self._table_cid, self._table_shift, self._filter,
+                                   self._filter_shift, self._free_ids, self._free_top)
+
+    def remove(self, cids: np.ndarray) -> None:
+        """Forget stored contents by id (each id once); their slots become reusable."""
+        kernels.remove_contents(cids, self._salt, self._base, self.tokens, self._table_fp,
+                                self._table_cid, self._table_shift, self._filter,
+                                self._filter_shift, self._free_ids, self._free_top)
+
+    def holds(self, cid: int, tokens: np.ndarray) -> bool:
+        return bool(np.array_equal(self.tokens[cid], tokens))
+
+    def probe(self, query: np.ndarray, stride: int, ns_bit: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, content ids) of the first verified occurrence of each content
+        whose namespace mask has `ns_bit`, ascending by position."""
+        self._epoch += 1
+        return kernels.probe(query, stride, self._salt, self._base, self._base_top, self._filter,
+                             self._filter_shift, self._table_fp, self._table_cid,
+                             self._table_shift, self.tokens, self.ns_mask, np.uint64(ns_bit),
+                             self._seen, self._epoch)
