@@ -1,0 +1,189 @@
+"""Plugin configuration: one frozen value, read once at start-up.
+
+Contract:
+- `PluginConfig.from_env(**overrides)` reads the `LMCACHE_COORDINATOR_*` names of WIRE.md
+  (plus `LMCACHE_CHUNK_SIZE` and `LMCACHE_COORDINATOR_INSTANCE_ID`, this project's additions),
+  then applies keyword overrides, which win over the environment.
+- A bad value is a `ConfigError` at start-up whose message names the environment variable
+  (or the field, for an override) and says what is accepted. Nothing is clamped silently.
+- The fleet leg is on only with a URL *and* event reporting (`fleet_enabled`); deciding what
+  to do about a URL without reporting (warn, no client) belongs to the plugin.
+- `blend_timeout` is both the per-request HTTP timeout and the per-lookup match budget
+  (`match_budget_s`), as in LMCache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_COORDINATOR_URL = "LMCACHE_COORDINATOR_URL"
+ENV_EVENT_REPORTING = "LMCACHE_COORDINATOR_EVENT_REPORTING"
+ENV_EVENT_FLUSH_INTERVAL = "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL"
+ENV_BLEND_TIMEOUT = "LMCACHE_COORDINATOR_BLEND_TIMEOUT"
+ENV_MATCH_CONCURRENCY = "LMCACHE_COORDINATOR_BLEND_MATCH_CONCURRENCY"
+# Not in WIRE.md: LMCache's own chunk-size name, and an id for this serving process.
+ENV_CHUNK_SIZE = "LMCACHE_CHUNK_SIZE"
+ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
+
+_TRUE = frozenset({"1", "true", "yes"})
+# Values that plainly mean "off". Anything else is rejected rather than read as off: a
+# typo such as "on" would otherwise disable the fleet leg without a word.
+_FALSE = frozenset({"", "0", "false", "no"})
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used. The message names the variable."""
+
+
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """Everything the plugin reads at start-up. Construct with `from_env` or directly."""
+
+    coordinator_url: str | None = None
+    event_reporting: bool = False
+    event_flush_interval: float = 1.0
+    blend_timeout: float = 1.0
+    match_concurrency: int = 8
+    chunk_size: int = 256
+    instance_id: str = field(default_factory=_default_instance_id)
+    # Incarnation of this emitter; None derives one from the start time (time.time_ns()), so
+    # a restarted process always outranks its predecessor and the coordinator fences it.
+    incarnation: int | None = None
+    # Tier and backend reported in cache events (WIRE.md: tier is "l1" or "l2").
+    event_tier: str = "l1"
+    event_backend: str = "dram"
+    # Events held while the coordinator is unreachable; beyond this the oldest are dropped.
+    event_queue_limit: int = 100_000
+    # Consecutive failed round-trips that open the circuit breaker, and how long it stays open
+    # before one probe query may close it again.
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
+    # A finished coordinator result nobody takes is dropped after this long.
+    result_ttl_s: float = 30.0
+    # Upper bound on coordinator queries tracked at once (queued, in flight or unclaimed).
+    max_tracked_queries: int = 4096
+    # Optional and better (DESIGN.md): prefetch every usable candidate, overlapping ones
+    # included, and resolve overlaps among the chunks the prefetch actually found, so a
+    # missing chunk cannot shadow an available one. Costs loads of overlap losers.
+    resolve_after_prefetch: bool = False
+    # A lookup state nobody polled for this long is released (the scheduler dropped it).
+    abandoned_lookup_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        url = (self.coordinator_url or "").strip().rstrip("/") or None
+        object.__setattr__(self, "coordinator_url", url)
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"coordinator_url={url!r} must start with http:// or https://")
+        _check_positive("event_flush_interval", self.event_flush_interval)
+        _check_positive("blend_timeout", self.blend_timeout)
+        _check_int_at_least("match_concurrency", self.match_concurrency, 1)
+        _check_int_at_least("chunk_size", self.chunk_size, 1)
+        if not isinstance(self.instance_id, str) or not self.instance_id:
+            raise ConfigError("instance_id must be a non-empty string")
+        if self.incarnation is not None:
+            _check_int_at_least("incarnation", self.incarnation, 0)
+        if self.event_tier not in ("l1", "l2"):
+            raise ConfigError(f"event_tier={self.event_tier!r} must be 'l1' or 'l2'")
+        if not self.event_backend:
+            raise ConfigError("event_backend must be non-empty (e.g. 'dram')")
+        _check_int_at_least("event_queue_limit", self.event_queue_limit, 1)
+        _check_int_at_least("breaker_threshold", self.breaker_threshold, 1)
+        _check_positive("breaker_cooldown_s", self.breaker_cooldown_s)
+        _check_positive("result_ttl_s", self.result_ttl_s)
+        _check_int_at_least("max_tracked_queries", self.max_tracked_queries, 1)
+        _check_positive("abandoned_lookup_s", self.abandoned_lookup_s)
+
+    @property
+    def match_budget_s(self) -> float:
+        """Wall-clock budget of one unified lookup for the coordinator leg."""
+        return self.blend_timeout
+
+    @property
+    def fleet_enabled(self) -> bool:
+        """The coordinator leg runs only with a URL and event reporting on (WIRE.md)."""
+        return self.coordinator_url is not None and self.event_reporting
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "PluginConfig":
+        """Read the environment (`os.environ` unless `environ` is given), then apply overrides.
+
+        Raises `ConfigError` naming the variable for a value that cannot be parsed or is out
+        of range, and `TypeError` for an override that is not a field.
+        """
+        env = os.environ if environ is None else environ
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown PluginConfig field(s): {', '.join(unknown)}")
+
+        values: dict[str, Any] = {}
+        if ENV_COORDINATOR_URL in env:
+            values["coordinator_url"] = env[ENV_COORDINATOR_URL]
+        if ENV_EVENT_REPORTING in env:
+            values["event_reporting"] = _parse_bool(ENV_EVENT_REPORTING, env[ENV_EVENT_REPORTING])
+        if ENV_EVENT_FLUSH_INTERVAL in env:
+            values["event_flush_interval"] = _parse_seconds(
+                ENV_EVENT_FLUSH_INTERVAL, env[ENV_EVENT_FLUSH_INTERVAL])
+        if ENV_BLEND_TIMEOUT in env:
+            values["blend_timeout"] = _parse_seconds(ENV_BLEND_TIMEOUT, env[ENV_BLEND_TIMEOUT])
+        if ENV_MATCH_CONCURRENCY in env:
+            values["match_concurrency"] = _parse_int(
+                ENV_MATCH_CONCURRENCY, env[ENV_MATCH_CONCURRENCY], minimum=1)
+        if ENV_CHUNK_SIZE in env:
+            values["chunk_size"] = _parse_int(ENV_CHUNK_SIZE, env[ENV_CHUNK_SIZE], minimum=1)
+        if env.get(ENV_INSTANCE_ID):
+            values["instance_id"] = env[ENV_INSTANCE_ID]
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not understood: use 1, true or yes to turn it on, "
+                      "or 0, false, no or leave it unset to keep it off")
+
+
+def _parse_seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds (e.g. 0.5)") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be a finite number of seconds > 0")
+    return value
+
+
+def _parse_int(name: str, raw: str, *, minimum: int) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be an integer >= {minimum}")
+    return value
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={value!r} must be a finite number > 0")
+
+
+def _check_int_at_least(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+    if value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")

@@ -1,0 +1,346 @@
+"""`BlendPlugin`: what a serving process loads for fleet-wide CacheBlend reuse.
+
+Contract:
+- `on_store(key, chunk_hashes, start)` registers a stored range in the local matcher of the
+  key's namespace and queues STORE events (tokens + offsets); `on_evict(chunk_hashes)` removes
+  the chunks locally and queues DELETE events. Both only enqueue work.
+- `cb_unified_lookup(key, tp_size)` is non-blocking, submit-once / poll-on-recall, keyed by
+  `key.request_id`. The first call starts the host's prefix lookup, runs the local matcher,
+  submits the coordinator query (only for at least one chunk of tokens, and only when the fleet
+  leg is on) and arms the deadline `now + match_budget_s`. Every call advances what it can and
+  returns None while the prefix, the coordinator (before the deadline) or the sparse prefetch
+  is pending. Past the deadline the lookup continues local-only; the late reply is discarded.
+  Then both legs are merged (`plugin.lookup`), one sparse prefetch is submitted (none when
+  there is nothing to fetch), and only the chunks it found are returned. A request id's state
+  is released when its lookup completes.
+- Nothing raises into the serving path: an internal error is logged and the lookup answers
+  "no reuse" (`CBUnifiedLookupResult(0, [])`), which is always safe (the engine recomputes).
+- Gating: the fleet leg (client + reporter) exists only with a coordinator URL *and* event
+  reporting; with a URL alone the plugin warns once and runs local-only. Without a URL no
+  plugin thread is started.
+- Local matchers are per namespace, so one tenant's chunks are never offered to another even
+  on the same server.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from local_matcher import LocalMatcher
+from plugin.client import PENDING, BlendCoordinatorClient
+from plugin.config import ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, PluginConfig
+from plugin.host import ServingHost
+from plugin.lookup import FLEET, Candidate, merge_candidates, resolve_overlaps
+from plugin.reporter import CacheEventReporter
+from plugin.types import BlendMatch, CBMatchResult, CBUnifiedLookupResult, LookupKey
+from plugin.wire import BlendNamespace
+
+logger = logging.getLogger(__name__)
+
+# Fleet-leg outcomes of one lookup, as recorded in its trace.
+FLEET_OFF = "off"            # no client (no URL, or no event reporting)
+FLEET_SHORT = "short"        # query shorter than one chunk: not asked
+FLEET_DECLINED = "declined"  # the client declined (breaker open, or too many queries tracked)
+FLEET_PENDING = "pending"
+FLEET_OK = "ok"
+FLEET_TIMEOUT = "timeout"    # the deadline passed first; the lookup went local-only
+FLEET_LOST = "lost"          # the client no longer tracked the query (expired)
+
+
+@dataclass
+class LookupTrace:
+    """What one completed lookup saw and decided; kept for demos, benchmarks and debugging."""
+
+    request_id: str
+    num_tokens: int
+    prefix_tokens: int
+    local_matches: int
+    fleet_matches: int
+    fleet_status: str
+    segments: list[CBMatchResult]
+    sources: list[str]          # per segment: "local", "fleet" or "both"
+    prefetched: int             # segments asked of the sparse prefetch
+    elapsed_s: float            # first call to completion
+    calls: int                  # how many times the lookup was called
+
+    def tokens_from(self, *sources: str) -> int:
+        return sum(s.cur_ed - s.cur_st for s, src in zip(self.segments, self.sources) if src in sources)
+
+
+@dataclass(eq=False)
+class _Lookup:
+    key: LookupKey
+    tokens: np.ndarray
+    tp_size: int
+    started_at: float
+    deadline: float
+    last_call: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    started: bool = False
+    calls: int = 0
+    prefix_tokens: int | None = None
+    local: list[CBMatchResult] = field(default_factory=list)
+    fleet: list[BlendMatch] = field(default_factory=list)
+    fleet_status: str = FLEET_OFF
+    prefetch: list[Candidate] | None = None
+
+
+class BlendPlugin:
+    """Unified CacheBlend lookup (local matcher + coordinator) for one serving process."""
+
+    def __init__(self, config: PluginConfig, host: ServingHost) -> None:
+        self.config = config
+        self.host = host
+        self.chunk_size = config.chunk_size
+        self.client: BlendCoordinatorClient | None = None
+        self.reporter: CacheEventReporter | None = None
+        if config.coordinator_url and not config.event_reporting:
+            logger.warning("%s is set but %s is off: the coordinator would hold no cache state "
+                           "to match, so the fleet leg stays off. Set %s=1 to enable it.",
+                           ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_EVENT_REPORTING)
+        if config.fleet_enabled:
+            self.client = BlendCoordinatorClient(
+                config.coordinator_url, chunk_size=config.chunk_size, timeout=config.blend_timeout,
+                match_concurrency=config.match_concurrency,
+                breaker_threshold=config.breaker_threshold,
+                breaker_cooldown_s=config.breaker_cooldown_s, result_ttl_s=config.result_ttl_s,
+                max_tracked=config.max_tracked_queries)
+            self.reporter = CacheEventReporter(
+                config.coordinator_url, instance_id=config.instance_id,
+                incarnation=config.incarnation, flush_interval=config.event_flush_interval,
+                timeout=config.blend_timeout, max_events=config.event_queue_limit,
+                tier=config.event_tier, backend=config.event_backend)
+        self._lock = threading.Lock()
+        self._matchers: dict[BlendNamespace, LocalMatcher] = {}
+        self._owners: dict[Hashable, set[BlendNamespace]] = {}  # chunk -> namespaces storing it
+        self._lookups: dict[str, _Lookup] = {}
+        self._last_sweep = time.monotonic()
+        self._closed = False
+        self.traces: collections.deque[LookupTrace] = collections.deque(maxlen=1024)
+        self._stats = collections.Counter()
+
+    # --- the store path ------------------------------------------------------------------------
+
+    def on_store(self, key: LookupKey, chunk_hashes: Sequence[Hashable], start: int = 0) -> None:
+        """A stored range: chunk i is tokens `[start + i*C, start + (i+1)*C)` of `key`."""
+        try:
+            size = self.chunk_size
+            tokens = np.asarray(key.token_ids, dtype=np.uint32)
+            hashes = list(chunk_hashes)
+            if start < 0 or start + len(hashes) * size > len(tokens):
+                raise ValueError(f"{len(hashes)} chunks at {start} do not fit in "
+                                 f"{len(tokens)} tokens (chunk_size={size})")
+            namespace = key.namespace
+            with self._lock:
+                if self._closed:
+                    return
+                matcher = self._matchers.get(namespace)
+                if matcher is None:
+                    matcher = self._matchers[namespace] = LocalMatcher(chunk_size=size)
+                for chunk_hash in hashes:
+                    self._owners.setdefault(chunk_hash, set()).add(namespace)
+            matcher.register(tokens[start:start + len(hashes) * size], hashes, position_offset=start)
+            if self.reporter is not None:
+                offsets = [start + i * size for i in range(len(hashes))]
+                self.reporter.report_store(namespace, hashes,
+                                           [tokens[o:o + size] for o in offsets], offsets)
+        except Exception:
+            logger.exception("on_store failed for request %s; the range is not indexed",
+                             getattr(key, "request_id", "?"))
+
+    def on_evict(self, chunk_hashes: Sequence[Hashable]) -> None:
+        """Evicted chunks: removed from the local matchers, DELETE events queued."""
+        try:
+            by_namespace: dict[BlendNamespace, list[Hashable]] = collections.defaultdict(list)
+            with self._lock:
+                for chunk_hash in chunk_hashes:
+                    for namespace in self._owners.pop(chunk_hash, ()):
+                        by_namespace[namespace].append(chunk_hash)
+                matchers = {ns: self._matchers.get(ns) for ns in by_namespace}
+            for namespace, hashes in by_namespace.items():
+                if matchers[namespace] is not None:
+                    matchers[namespace].evict(hashes)
+                if self.reporter is not None:
+                    self.reporter.report_delete(namespace, hashes)
+        except Exception:
+            logger.exception("on_evict failed; some chunks may stay indexed")
+
+    # --- the lookup path -----------------------------------------------------------------------
+
+    def cb_unified_lookup(self, key: LookupKey, tp_size: int = 1) -> CBUnifiedLookupResult | None:
+        """None while pending; then the prefix coverage and the segments to blend in."""
+        request_id = key.request_id
+        try:
+            now = time.monotonic()
+            with self._lock:
+                state = self._lookups.get(request_id)
+                if state is None:
+                    self._sweep_locked(now)
+                    state = _Lookup(key, np.asarray(key.token_ids, dtype=np.uint32), tp_size,
+                                    started_at=now, deadline=now + self.config.match_budget_s,
+                                    last_call=now)
+                    self._lookups[request_id] = state
+            with state.lock:
+                state.calls += 1
+                state.last_call = now
+                if not state.started:
+                    state.started = True
+                    self._start(state)
+                result = self._advance(state)
+            if result is not None:
+                self._release(request_id, state)
+            return result
+        except Exception:
+            logger.exception("unified lookup failed for request %s; answering no reuse", request_id)
+            self._stats["errors"] += 1
+            with self._lock:
+                state = self._lookups.get(request_id)
+            if state is not None:
+                self._release(request_id, state)
+            return CBUnifiedLookupResult(0, [])
+
+    def _start(self, state: _Lookup) -> None:
+        key = state.key
+        self.host.submit_prefix_lookup(key, state.tp_size)
+        with self._lock:
+            matcher = self._matchers.get(key.namespace)
+        if matcher is not None:
+            state.local = list(matcher.match(state.tokens))
+        if self.client is None:
+            state.fleet_status = FLEET_OFF
+        elif len(state.tokens) < self.chunk_size:
+            state.fleet_status = FLEET_SHORT
+        elif self.client.submit_match(key.request_id, state.tokens, key.namespace, state.deadline):
+            state.fleet_status = FLEET_PENDING
+        else:
+            state.fleet_status = FLEET_DECLINED
+
+    def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
+        request_id = state.key.request_id
+        if state.prefix_tokens is None:
+            prefix_chunks = self.host.poll_prefix_lookup(request_id)
+            if prefix_chunks is None:
+                return None
+            state.prefix_tokens = min(len(prefix_chunks) * self.chunk_size, len(state.tokens))
+        if state.fleet_status == FLEET_PENDING:
+            reply = self.client.poll_match(request_id)
+            if reply is PENDING:
+                if time.monotonic() < state.deadline:
+                    return None
+                self.client.cancel(request_id)  # a late reply is discarded
+                state.fleet_status = FLEET_TIMEOUT
+            elif reply is None:
+                state.fleet_status = FLEET_LOST
+            else:
+                self.client.cancel(request_id)
+                state.fleet, state.fleet_status = reply, FLEET_OK
+        if state.prefetch is None:
+            candidates = merge_candidates(state.local, state.fleet, state.prefix_tokens,
+                                          self.chunk_size)
+            if not self.config.resolve_after_prefetch:
+                candidates = resolve_overlaps(candidates)
+            state.prefetch = candidates
+            if not candidates:
+                return self._complete(state, [])
+            self.host.submit_prefetch(request_id, [c.segment for c in candidates])
+        found = self.host.poll_prefetch(request_id)
+        if found is None:
+            return None
+        found = set(found)
+        kept = [c for c in state.prefetch if c.segment.hash in found]
+        if self.config.resolve_after_prefetch:
+            kept = resolve_overlaps(kept)
+        return self._complete(state, kept)
+
+    def _complete(self, state: _Lookup, kept: list[Candidate]) -> CBUnifiedLookupResult:
+        segments = [c.segment for c in kept]
+        self.traces.append(LookupTrace(
+            request_id=state.key.request_id, num_tokens=len(state.tokens),
+            prefix_tokens=state.prefix_tokens, local_matches=len(state.local),
+            fleet_matches=len(state.fleet), fleet_status=state.fleet_status, segments=segments,
+            sources=[c.source for c in kept], prefetched=len(state.prefetch or ()),
+            elapsed_s=time.monotonic() - state.started_at, calls=state.calls))
+        self._stats["lookups"] += 1
+        self._stats[f"fleet_{state.fleet_status}"] += 1
+        self._stats["segments_fleet_only"] += sum(c.source == FLEET for c in kept)
+        return CBUnifiedLookupResult(state.prefix_tokens, segments)
+
+    def _release(self, request_id: str, state: _Lookup) -> None:
+        with self._lock:
+            if self._lookups.get(request_id) is state:
+                del self._lookups[request_id]
+        if self.client is not None and state.fleet_status == FLEET_PENDING:
+            self.client.cancel(request_id)
+
+    def _sweep_locked(self, now: float) -> None:
+        # Release lookups the scheduler abandoned, at most once a second.
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        stale = [rid for rid, s in self._lookups.items()
+                 if now - s.last_call > self.config.abandoned_lookup_s]
+        for rid in stale:
+            del self._lookups[rid]
+            self._stats["abandoned"] += 1
+            if self.client is not None:
+                self.client.cancel(rid)
+
+    # --- introspection and lifecycle -------------------------------------------------------------
+
+    def trace(self, request_id: str) -> LookupTrace | None:
+        """The trace of the most recent completed lookup of `request_id`, if still kept."""
+        for trace in reversed(self.traces):
+            if trace.request_id == request_id:
+                return trace
+        return None
+
+    @property
+    def active_lookups(self) -> int:
+        with self._lock:
+            return len(self._lookups)
+
+    def stats(self) -> dict:
+        out = {**self._stats, "active_lookups": self.active_lookups}
+        if self.client is not None:
+            out["client"] = self.client.stats()
+        if self.reporter is not None:
+            out["reporter"] = self.reporter.stats()
+        return out
+
+    def flush(self) -> bool:
+        """Deliver queued cache events now; True when none is left (or there is no reporter)."""
+        if self.reporter is None:
+            return True
+        try:
+            return self.reporter.flush()
+        except Exception:
+            logger.exception("cache-event flush failed")
+            return False
+
+    def close(self) -> None:
+        """Stop threads, flush what can be flushed, close HTTP clients. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            matchers = list(self._matchers.values())
+            self._lookups.clear()
+        for closer in ([self.client.close] if self.client else []) + \
+                      ([self.reporter.close] if self.reporter else []) + [m.close for m in matchers]:
+            try:
+                closer()
+            except Exception:
+                logger.exception("error while closing the blend plugin")
+
+    def __enter__(self) -> "BlendPlugin":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

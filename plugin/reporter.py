@@ -1,0 +1,281 @@
+"""Cache-event reporter: the server's stores and evictions, as `POST /events` batches.
+
+Contract:
+- `report_store` / `report_delete` only append to an in-memory queue (the store path never
+  waits on the network); a daemon thread flushes every `flush_interval`, and `close()` flushes
+  once more.
+- STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
+  Keys come from the namespace: `kv_rank` packs the world size in its top byte.
+- Batches are numbered `seq = 1, 2, ...` per `(instance_id, incarnation)`. The incarnation
+  defaults to the start time in nanoseconds, so a new reporter for the same `instance_id`
+  outranks the previous one and the coordinator fences its placements.
+- A seq is given to a batch once; a failed POST is retried later with the same batches in the
+  same order (a retry of something that did land is then a harmless duplicate), and events
+  reported meanwhile queue behind them.
+- The queue is bounded (`max_events` entries, formed batches included): when it is full the
+  oldest events are dropped first and counted in `stats()["dropped_events"]`.
+- A batch the coordinator rejects as invalid (422) can never succeed: it is dropped, counted
+  and logged, so it cannot wedge the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from typing import Hashable, NamedTuple, Sequence
+
+import httpx
+import numpy as np
+
+from plugin.wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
+                         CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
+                         decode, encode, pack_kv_rank)
+
+logger = logging.getLogger(__name__)
+
+_incarnation_lock = threading.Lock()
+_last_incarnation = 0
+
+
+def next_incarnation() -> int:
+    """A start-time incarnation, strictly increasing within this process too."""
+    global _last_incarnation
+    with _incarnation_lock:
+        _last_incarnation = max(time.time_ns(), _last_incarnation + 1)
+        return _last_incarnation
+
+
+class _Event(NamedTuple):
+    event_type: str  # "store" | "delete"
+    namespace: BlendNamespace
+    chunk_hash: Hashable
+    tokens: np.ndarray | None
+    offset: int
+    size_bytes: int
+
+
+def encode_key(namespace: BlendNamespace, chunk_hash: Hashable) -> EncodedObjectKey:
+    """The wire key of a chunk stored in `namespace` (world size in kv_rank's top byte)."""
+    hex_hash = chunk_hash.hex() if isinstance(chunk_hash, (bytes, bytearray)) else str(chunk_hash)
+    return EncodedObjectKey(chunk_hash_hex=hex_hash, model_name=namespace.model_name,
+                            kv_rank=pack_kv_rank(namespace.world_size),
+                            cache_salt=namespace.cache_salt)
+
+
+class CacheEventReporter:
+    """Queues cache events and delivers them in order in the background; see module doc."""
+
+    def __init__(self, base_url: str, *, instance_id: str, incarnation: int | None = None,
+                 flush_interval: float = 1.0, timeout: float = 1.0, max_events: int = 100_000,
+                 tier: str = "l1", backend: str = "dram", max_entries_per_batch: int = 1024,
+                 max_entries_per_post: int = 4096, transport: httpx.BaseTransport | None = None,
+                 start: bool = True) -> None:
+        if not instance_id:
+            raise ValueError("instance_id must be non-empty")
+        self.base_url = base_url.rstrip("/")
+        self.instance_id = instance_id
+        self.incarnation = next_incarnation() if incarnation is None else incarnation
+        self.flush_interval = flush_interval
+        self.max_events = max_events
+        self.tier, self.backend = tier, backend
+        self.max_entries_per_batch = max_entries_per_batch
+        self.max_entries_per_post = max_entries_per_post
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
+                                  trust_env=False)  # no proxy between server and coordinator
+        self._lock = threading.Lock()         # guards the queue, the outbox and the stats
+        self._flush_lock = threading.Lock()   # one flush at a time keeps the order
+        self._events: collections.deque[_Event] = collections.deque()
+        self._outbox: list[CacheEventBatch] = []  # formed, numbered, not yet acknowledged
+        self._outbox_entries = 0
+        self._seq = itertools.count(1)
+        self._stats = collections.Counter()
+        self._failing = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="blend-events", daemon=True)
+            self._thread.start()
+
+    # --- the store path: enqueue only ----------------------------------------------------------
+
+    def report_store(self, namespace: BlendNamespace, chunk_hashes: Sequence[Hashable],
+                     token_chunks: Sequence[Sequence[int] | None], offsets: Sequence[int],
+                     size_bytes: int = 0) -> None:
+        """Queue one STORE per chunk: its tokens and the position of its first token."""
+        if not len(chunk_hashes) == len(token_chunks) == len(offsets):
+            raise ValueError("chunk_hashes, token_chunks and offsets must have the same length")
+        namespace = BlendNamespace(*namespace)
+        self._enqueue([_Event("store", namespace, h, t, int(o) if o is not None else UNKNOWN_TOKEN_OFFSET,
+                              size_bytes)
+                       for h, t, o in zip(chunk_hashes, token_chunks, offsets)])
+
+    def report_delete(self, namespace: BlendNamespace, chunk_hashes: Sequence[Hashable]) -> None:
+        """Queue one DELETE per chunk."""
+        namespace = BlendNamespace(*namespace)
+        self._enqueue([_Event("delete", namespace, h, None, UNKNOWN_TOKEN_OFFSET, 0)
+                       for h in chunk_hashes])
+
+    def _enqueue(self, events: list[_Event]) -> None:
+        with self._lock:
+            if self._closed:
+                self._stats["dropped_after_close"] += len(events)
+                return
+            self._events.extend(events)
+            self._stats["enqueued"] += len(events)
+            overflow = len(self._events) + self._outbox_entries - self.max_events
+            if overflow > 0:
+                self._drop_oldest_locked(overflow)
+
+    def _drop_oldest_locked(self, count: int) -> None:
+        # The oldest events are the ones already formed into batches, then the queue's head.
+        dropped = 0
+        while dropped < count and self._outbox:
+            batch = self._outbox[0]
+            take = min(count - dropped, len(batch.entries))
+            del batch.entries[:take]
+            self._outbox_entries -= take
+            dropped += take
+            if not batch.entries:
+                self._outbox.pop(0)  # its seq is skipped; gaps are fine, order is kept
+        while dropped < count and self._events:
+            self._events.popleft()
+            dropped += 1
+        self._stats["dropped_events"] += dropped
+
+    # --- delivery --------------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """One delivery attempt of everything queued; True when nothing is left undelivered."""
+        with self._flush_lock:
+            self._form_batches()
+            while True:
+                with self._lock:
+                    to_send, entries = [], 0
+                    for batch in self._outbox:
+                        if to_send and entries + len(batch.entries) > self.max_entries_per_post:
+                            break
+                        to_send.append(batch)
+                        entries += len(batch.entries)
+                if not to_send:
+                    return True
+                if not self._post(to_send):
+                    return False
+
+    def _form_batches(self) -> None:
+        with self._lock:
+            if not self._events:
+                return
+            events = list(self._events)
+            self._events.clear()
+            now = time.time()
+            # Consecutive events of one type share a batch; a change of type starts a new one,
+            # so a store and a later delete of the same chunk keep their order.
+            for event_type, run in itertools.groupby(events, key=lambda e: e.event_type):
+                run = list(run)
+                for start in range(0, len(run), self.max_entries_per_batch):
+                    part = run[start:start + self.max_entries_per_batch]
+                    entries = [self._entry(e) for e in part]
+                    self._outbox.append(CacheEventBatch(
+                        instance_id=self.instance_id, incarnation=self.incarnation,
+                        seq=next(self._seq), event_type=event_type, tier=self.tier,
+                        backend=self.backend, entries=entries, ts=now))
+                    self._outbox_entries += len(entries)
+
+    @staticmethod
+    def _entry(event: _Event) -> CacheEventEntry:
+        key = encode_key(event.namespace, event.chunk_hash)
+        if event.event_type == "delete":
+            return CacheEventEntry(key=key)
+        tokens = [] if event.tokens is None else np.asarray(event.tokens).tolist()
+        return CacheEventEntry(key=key, size_bytes=event.size_bytes, token_ids=tokens,
+                               token_offset=event.offset)
+
+    def _post(self, batches: list[CacheEventBatch]) -> bool:
+        body = encode(EventsRequest(batches=batches))
+        try:
+            response = self._http.post(EVENTS_PATH, content=body,
+                                       headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            return self._failed(f"{type(exc).__name__}: {exc}")
+        if response.status_code == 422:
+            self._remove_sent(batches)
+            with self._lock:
+                self._stats["rejected_batches"] += len(batches)
+            logger.error("coordinator rejected %d event batch(es) as invalid and they were "
+                         "dropped: %s", len(batches), response.text[:300])
+            return True
+        if response.status_code != 200:
+            return self._failed(f"HTTP {response.status_code}: {response.text[:200]!r}")
+        self._remove_sent(batches)
+        try:
+            reply = decode(response.content, EventsReply)
+            counts = {"applied": reply.applied, "duplicates": reply.duplicates, "stale": reply.stale}
+        except WireError:
+            counts = {}
+            logger.debug("events reply is not {applied, duplicates, stale}: %r", response.text[:200])
+        with self._lock:
+            self._stats["sent_batches"] += len(batches)
+            self._stats.update(counts)
+            if self._failing:
+                logger.info("coordinator at %s accepts events again", self.base_url)
+            self._failing = False
+        return True
+
+    def _remove_sent(self, batches: list[CacheEventBatch]) -> None:
+        sent = {id(b) for b in batches}
+        with self._lock:
+            kept = [b for b in self._outbox if id(b) not in sent]
+            self._outbox_entries = sum(len(b.entries) for b in kept)
+            self._outbox = kept
+
+    def _failed(self, reason: str) -> bool:
+        with self._lock:
+            self._stats["failed_flushes"] += 1
+            first = not self._failing
+            self._failing = True
+            pending = len(self._events) + self._outbox_entries
+        # One warning per outage, not one per flush interval.
+        log = logger.warning if first else logger.debug
+        log("cannot deliver cache events to %s (%s); %d event(s) kept and retried in order",
+            self.base_url, reason, pending)
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval):
+            try:
+                self.flush()
+            except Exception:  # the flusher must outlive any surprise
+                logger.exception("cache-event flush failed")
+
+    # --- lifecycle and introspection -------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Events not yet acknowledged by the coordinator."""
+        with self._lock:
+            return len(self._events) + self._outbox_entries
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self._stats, "pending": len(self._events) + self._outbox_entries,
+                    "incarnation": self.incarnation}
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the flusher, try one last flush, close the HTTP client. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        try:
+            self.flush()
+        except Exception:
+            logger.exception("final cache-event flush failed")
+        finally:
+            self._http.close()
