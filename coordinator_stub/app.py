@@ -1,0 +1,109 @@
+"""HTTP layer: the aiohttp application serving WIRE.md's endpoints.
+
+Contract:
+- `create_app(config)` builds the application; `app[COORDINATOR]` is its `Coordinator`
+  (tests use it to reach the directory, e.g. to enable blend lookup mid-life).
+- The event loop only moves bytes. Every blocking step (validation, the directory lock,
+  matching) runs on a worker thread:
+  * ingest on ONE dedicated thread: requests are applied in the order their bodies
+    arrived, so batches of an instance apply in order, and a slow ingest never takes a
+    thread a lookup could use;
+  * lookups and stats on a pool of `match_workers` threads, so a long query stalls
+    neither ingest nor `/healthz` (which never leaves the loop).
+- Errors: a body breaking the wire contract -> 422 `{"error": "<what and where>"}`; a body
+  over `max_body_bytes` or a query over `max_query_tokens` -> 413. Neither affects other
+  requests or the state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import AsyncIterator, Callable
+
+from aiohttp import web
+
+from coordinator_stub.config import CoordinatorConfig
+from coordinator_stub.service import Coordinator, TooLarge
+from plugin.wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, WireError, encode
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+_INGEST_POOL = web.AppKey("ingest_pool", concurrent.futures.ThreadPoolExecutor)
+_MATCH_POOL = web.AppKey("match_pool", concurrent.futures.ThreadPoolExecutor)
+
+_JSON = "application/json"
+_HEALTHY = encode({"status": "ok"})
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=encode({"error": message}), content_type=_JSON)
+
+
+async def _read_body(request: web.Request) -> bytes:
+    limit = request.app[COORDINATOR].config.max_body_bytes
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        # Refuse on the declared length, without reading (and buffering) the body at all.
+        raise TooLarge(f"body of {declared} bytes exceeds {limit} (--max-body-bytes)")
+    try:
+        # A body without a declared length is cut off at the app's client_max_size.
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise TooLarge(f"body exceeds {limit} bytes (--max-body-bytes)") from None
+
+
+async def _off_loop(request: web.Request, pool: web.AppKey,
+                    work: Callable[..., bytes], with_body: bool = True) -> web.Response:
+    loop = asyncio.get_running_loop()
+    try:
+        args = (await _read_body(request),) if with_body else ()
+        reply = await loop.run_in_executor(request.app[pool], work, *args)
+    except WireError as exc:
+        return _error(422, str(exc))
+    except TooLarge as exc:
+        return _error(413, str(exc))
+    return web.Response(body=reply, content_type=_JSON)
+
+
+async def _events(request: web.Request) -> web.Response:
+    return await _off_loop(request, _INGEST_POOL, request.app[COORDINATOR].ingest)
+
+
+async def _blend_lookup(request: web.Request) -> web.Response:
+    return await _off_loop(request, _MATCH_POOL, request.app[COORDINATOR].lookup)
+
+
+async def _stats(request: web.Request) -> web.Response:
+    return await _off_loop(request, _MATCH_POOL, request.app[COORDINATOR].stats,
+                           with_body=False)
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(body=_HEALTHY, content_type=_JSON)
+
+
+async def _worker_pools(app: web.Application) -> AsyncIterator[None]:
+    """Threads live exactly as long as the running app."""
+    config = app[COORDINATOR].config
+    app[_INGEST_POOL] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ingest")
+    app[_MATCH_POOL] = concurrent.futures.ThreadPoolExecutor(
+        config.match_workers, thread_name_prefix="match")
+    yield
+    for key in (_INGEST_POOL, _MATCH_POOL):
+        app[key].shutdown(wait=True, cancel_futures=True)
+
+
+def create_app(config: CoordinatorConfig | None = None) -> web.Application:
+    """The coordinator as an aiohttp application (not yet started)."""
+    config = config or CoordinatorConfig()
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app[COORDINATOR] = Coordinator(config)
+    app.cleanup_ctx.append(_worker_pools)
+    app.router.add_post(EVENTS_PATH, _events)
+    app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)
+    app.router.add_get(STATS_PATH, _stats)
+    app.router.add_get(HEALTH_PATH, _health)
+    return app

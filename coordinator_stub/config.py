@@ -1,0 +1,116 @@
+"""Configuration of the bundled coordinator: one frozen value, built from flags or in code.
+
+Contract:
+- `CoordinatorConfig` holds every knob the coordinator reads; `parse_args(argv)` builds
+  it from the command line (WIRE.md, "Coordinator command line") and `--help` explains
+  every flag. Tests build it directly and pass it to `create_app`.
+- Limits are checked here once, so the rest of the package can trust them:
+  `chunk_size >= 1`, `blend_probe_stride >= 1`, both caps >= 1, `match_workers >= 1`.
+- `enable_blend_lookup` is the value at start-up only; enabling later is a runtime act on
+  the running coordinator (`KeyDirectory.enable_blend_lookup`), never a config change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9300
+DEFAULT_CHUNK_SIZE = 256
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_QUERY_TOKENS = 1 << 20
+
+
+def _default_match_workers() -> int:
+    # The matching kernels release the GIL, so one worker per core can match in parallel;
+    # two at least, so one long query never queues every other lookup behind it.
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    enable_blend_lookup: bool = False
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    blend_probe_stride: int = 1
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_query_tokens: int = DEFAULT_MAX_QUERY_TOKENS
+    match_workers: int = 0  # 0: one per core (at least 2, at most 8)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "blend_probe_stride", "max_body_bytes", "max_query_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.match_workers < 0:
+            raise ValueError(f"match_workers must be >= 0, got {self.match_workers}")
+        if self.match_workers == 0:
+            object.__setattr__(self, "match_workers", _default_match_workers())
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m coordinator_stub",
+        description=(
+            "Bundled LMCache-compatible coordinator: ingests cache events from serving "
+            "processes (POST /events), keeps a key directory, and answers fleet-wide "
+            "CacheBlend lookups (POST /directory/blend-lookup). Prints one line "
+            "'listening on http://HOST:PORT' once bound; exits 0 on SIGINT/SIGTERM."),
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="TCP port to bind; 0 picks a free port and prints it "
+                             "(default: %(default)s)")
+    parser.add_argument("--enable-blend-lookup", action="store_true",
+                        help="index the content of stored chunks and answer blend lookups. "
+                             "Off by default: no content is hashed and every lookup answers "
+                             "{\"matches\": []}")
+    parser.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
+                        help="tokens per chunk; only stored content of exactly this many "
+                             "tokens is indexed (default: %(default)s)")
+    parser.add_argument("--blend-probe-stride", type=_positive_int, default=1,
+                        help="probe the query every N positions; 1 finds every stored chunk "
+                             "at any offset (full recall), larger values trade recall for "
+                             "speed (default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body accepted; larger ones are answered 413 "
+                             "(default: %(default)s = 64 MiB)")
+    parser.add_argument("--max-query-tokens", type=_positive_int,
+                        default=DEFAULT_MAX_QUERY_TOKENS,
+                        help="longest blend-lookup query in tokens; longer ones are answered "
+                             "413 (default: %(default)s)")
+    parser.add_argument("--match-workers", type=int, default=0,
+                        help="worker threads that run blend matching off the event loop; "
+                             "0 means one per core, at least 2 (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level on stderr (default: %(default)s)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> CoordinatorConfig:
+    args = build_parser().parse_args(argv)
+    try:
+        return CoordinatorConfig(
+            host=args.host, port=args.port, enable_blend_lookup=args.enable_blend_lookup,
+            chunk_size=args.chunk_size, blend_probe_stride=args.blend_probe_stride,
+            max_body_bytes=args.max_body_bytes, max_query_tokens=args.max_query_tokens,
+            match_workers=args.match_workers, log_level=args.log_level)
+    except ValueError as exc:
+        build_parser().error(str(exc))
+        raise  # unreachable: error() exits

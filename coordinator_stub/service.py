@@ -1,0 +1,72 @@
+"""The coordinator's request logic, free of HTTP: body in, reply body out.
+
+Contract:
+- `ingest(body)`: validate the whole `/events` body with `plugin.wire.decode` first; a
+  body that fails raises `WireError` (-> 422) and nothing of it is applied. Then the
+  directory gates and applies the batches in order.
+- `lookup(body)`: validate, refuse queries over `max_query_tokens` with `TooLarge`
+  (-> 413) before decoding them, and match in the caller's namespace. With blend lookup
+  off, or a query shorter than one chunk, the answer is `{"matches": []}`.
+- `stats()`: the directory's stats object, JSON-encoded.
+
+Every method blocks (locks, CPU-bound matching), so the HTTP layer runs them on worker
+threads, never on the event loop. All reply bodies are encoded with `plugin.wire.encode`,
+the one owner of the wire shapes.
+"""
+
+from __future__ import annotations
+
+from coordinator_stub.config import CoordinatorConfig
+from coordinator_stub.directory import KeyDirectory
+from plugin.wire import (
+    BlendLookupReply,
+    BlendLookupRequest,
+    EventsRequest,
+    WireBlendMatch,
+    WireError,
+    decode,
+    decode_tokens,
+    encode,
+)
+
+
+class TooLarge(Exception):
+    """A request beyond a configured limit (-> 413). The message says which limit."""
+
+
+_EMPTY_LOOKUP = encode(BlendLookupReply(matches=[]))
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.directory = KeyDirectory(chunk_size=config.chunk_size,
+                                      probe_stride=config.blend_probe_stride,
+                                      enable_blend_lookup=config.enable_blend_lookup)
+
+    def ingest(self, body: bytes) -> bytes:
+        request = decode(body, EventsRequest)  # whole body, before anything is applied
+        return encode(self.directory.ingest(request.batches))
+
+    def lookup(self, body: bytes) -> bytes:
+        request = decode(body, BlendLookupRequest)
+        # Base64 carries 3 bytes per 4 characters (padding aside): refuse an oversized
+        # query from its text length, before spending time and memory decoding it.
+        cap = self.config.max_query_tokens
+        if (len(request.tokens_b64) // 4 * 3 - 2) // 4 > cap:
+            raise TooLarge(f"query exceeds {cap} tokens (--max-query-tokens)")
+        tokens = decode_tokens(request.tokens_b64)
+        if tokens.size > cap:
+            raise TooLarge(f"query of {tokens.size} tokens exceeds {cap} (--max-query-tokens)")
+        if not self.directory.blend_enabled or tokens.size < self.config.chunk_size:
+            return _EMPTY_LOOKUP
+        matches = self.directory.match(tokens, request.namespace)
+        return encode(BlendLookupReply(matches=[
+            WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
+            for m in matches]))
+
+    def stats(self) -> bytes:
+        return encode(self.directory.stats())
+
+
+__all__ = ["Coordinator", "TooLarge", "WireError"]

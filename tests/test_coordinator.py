@@ -1,0 +1,548 @@
+"""The bundled coordinator over real HTTP (in-process app on a free loopback port).
+
+Chunk size 4 throughout, so a chunk is four token ids. Each test is one behaviour of
+DESIGN.md's "Coordinator" section or WIRE.md's contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from coordinator_stub import COORDINATOR, CoordinatorConfig, create_app
+from plugin.wire import (
+    BLEND_LOOKUP_PATH,
+    EVENTS_PATH,
+    HEALTH_PATH,
+    STATS_PATH,
+    encode,
+    encode_tokens,
+    pack_kv_rank,
+)
+
+C = 4
+A = [11, 12, 13, 14]
+B = [21, 22, 23, 24]
+D = [31, 32, 33, 34]
+FILL = [7, 7, 7]  # never a chunk: pads queries so matches sit at non-zero offsets
+
+
+# --- building requests ---------------------------------------------------------------
+
+
+def key(chunk_hash: str, model: str = "m", salt: str = "", world_size: int = 1,
+        rank: int = 0, group: int = 0) -> dict:
+    return {"chunk_hash_hex": chunk_hash, "model_name": model,
+            "kv_rank": pack_kv_rank(world_size, rank), "object_group_id": group,
+            "cache_salt": salt}
+
+
+def entry(chunk_hash: str, tokens=(), offset: int = -1, **key_fields) -> dict:
+    return {"key": key(chunk_hash, **key_fields), "size_bytes": 64,
+            "token_ids": list(tokens), "token_offset": offset}
+
+
+def batch(*entries: dict, seq: int = 1, instance: str = "i0", incarnation: int = 0,
+          event_type: str = "store", tier: str = "l1", backend: str = "dram") -> dict:
+    return {"instance_id": instance, "incarnation": incarnation, "seq": seq,
+            "event_type": event_type, "tier": tier, "backend": backend,
+            "entries": list(entries)}
+
+
+class Coordinator:
+    """A running in-process coordinator and a client for it."""
+
+    def __init__(self, client: TestClient) -> None:
+        self.client = client
+
+    @property
+    def directory(self):
+        return self.client.server.app[COORDINATOR].directory
+
+    async def post_events(self, *batches: dict, expect: int = 200) -> dict:
+        response = await self.client.post(EVENTS_PATH, data=encode({"batches": list(batches)}))
+        assert response.status == expect, await response.text()
+        return await response.json()
+
+    async def lookup(self, tokens, model: str = "m", salt: str = "", world_size: int = 1
+                     ) -> list[tuple[str, int, int]]:
+        body = {"tokens_b64": encode_tokens(tokens), "model_name": model,
+                "world_size": world_size, "cache_salt": salt}
+        response = await self.client.post(BLEND_LOOKUP_PATH, data=encode(body))
+        assert response.status == 200, await response.text()
+        return [(m["chunk_hash"], m["old_st"], m["cur_st"])
+                for m in (await response.json())["matches"]]
+
+    async def stats(self) -> dict:
+        response = await self.client.get(STATS_PATH)
+        assert response.status == 200
+        return await response.json()
+
+
+@pytest.fixture
+async def start():
+    clients: list[TestClient] = []
+
+    async def start_coordinator(**overrides) -> Coordinator:
+        config = CoordinatorConfig(**{"chunk_size": C, "enable_blend_lookup": True,
+                                      "port": 0, **overrides})
+        client = TestClient(TestServer(create_app(config), host="127.0.0.1", port=0))
+        await client.start_server()
+        clients.append(client)
+        return Coordinator(client)
+
+    yield start_coordinator
+    for client in clients:
+        await client.close()
+
+
+@pytest.fixture
+async def coord(start) -> Coordinator:
+    return await start()
+
+
+# --- storing and matching -------------------------------------------------------------
+
+
+async def test_stored_chunk_matches_at_query_offset_with_stored_offset(coord):
+    reply = await coord.post_events(batch(entry("aa01", A, offset=8)))
+    assert reply == {"applied": 1, "duplicates": 0, "stale": 0}
+    assert await coord.lookup(FILL + A + FILL) == [("aa01", 8, 3)]
+
+
+async def test_matches_ascend_by_query_offset_once_per_chunk_at_first_occurrence(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), entry("bb02", B, offset=4)))
+    query = FILL + B + A + FILL + B + A
+    assert await coord.lookup(query) == [("bb02", 4, 3), ("aa01", 0, 7)]
+
+
+async def test_query_shorter_than_a_chunk_answers_empty(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0)))
+    assert await coord.lookup(A[:3]) == []
+    assert await coord.lookup([]) == []
+
+
+async def test_reply_hex_is_lowercase_hex_of_the_stored_hash(coord):
+    await coord.post_events(batch(entry("ABCDEF", A, offset=0)))
+    assert await coord.lookup(A) == [("abcdef", 0, 0)]
+
+
+async def test_stats_report_keys_placements_and_blend_index(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), entry("bb02", B, offset=4)))
+    stats = await coord.stats()
+    assert stats["num_keys"] == 2 and stats["num_placements"] == 2
+    blend = stats["blend"]
+    assert (blend["num_contents"], blend["num_chunks"], blend["num_claims"],
+            blend["num_namespaces"]) == (2, 2, 2, 1)
+    assert blend["table_size"] > 0
+
+
+# --- deleting ---------------------------------------------------------------------------
+
+
+async def test_deleting_the_last_placement_removes_the_chunk(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0)))
+    await coord.post_events(batch(entry("aa01"), seq=2, event_type="delete"))
+    assert await coord.lookup(A) == []
+    stats = await coord.stats()
+    assert (stats["num_keys"], stats["num_placements"]) == (0, 0)
+    assert stats["blend"]["num_contents"] == 0 and stats["blend"]["num_chunks"] == 0
+
+
+async def test_world_size_2_chunk_matches_until_the_last_rank_key_is_deleted(coord):
+    ranks = [entry("aa01", A, offset=0, world_size=2, rank=r) for r in (0, 1)]
+    await coord.post_events(batch(*ranks))
+    assert (await coord.stats())["num_keys"] == 2
+    await coord.post_events(batch(ranks[0], seq=2, event_type="delete"))
+    assert await coord.lookup(A, world_size=2) == [("aa01", 0, 0)]
+    await coord.post_events(batch(ranks[1], seq=3, event_type="delete"))
+    assert await coord.lookup(A, world_size=2) == []
+    assert (await coord.stats())["blend"]["num_chunks"] == 0
+
+
+async def test_a_key_in_two_tiers_matches_until_both_placements_are_deleted(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), tier="l1"),
+                            batch(entry("aa01", A, offset=0), seq=2, tier="l2", backend="disk"))
+    stats = await coord.stats()
+    assert (stats["num_keys"], stats["num_placements"]) == (1, 2)
+    await coord.post_events(batch(entry("aa01"), seq=3, event_type="delete", tier="l1"))
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+    await coord.post_events(batch(entry("aa01"), seq=4, event_type="delete", tier="l2",
+                                  backend="disk"))
+    assert await coord.lookup(A) == []
+
+
+async def test_delete_from_another_instance_leaves_this_instances_placement(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), instance="i0"))
+    reply = await coord.post_events(batch(entry("aa01"), instance="i1", event_type="delete"))
+    assert reply["applied"] == 1
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+    assert (await coord.stats())["num_placements"] == 1
+
+
+# --- content changes and token-less stores ---------------------------------------------
+
+
+async def test_restoring_a_hash_with_new_content_retires_the_old_content(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0)))
+    await coord.post_events(batch(entry("aa01", B, offset=0), seq=2))
+    assert await coord.lookup(A) == []
+    assert await coord.lookup(B) == [("aa01", 0, 0)]
+    blend = (await coord.stats())["blend"]
+    assert (blend["num_contents"], blend["num_chunks"]) == (1, 1)
+
+
+async def test_new_content_keeps_every_namespace_claim(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0"),
+                                  entry("aa01", offset=0, salt="t1")))
+    await coord.post_events(batch(entry("aa01", B, offset=0, salt="t0"), seq=2))
+    for salt in ("t0", "t1"):
+        assert await coord.lookup(A, salt=salt) == []
+        assert await coord.lookup(B, salt=salt) == [("aa01", 0, 0)]
+
+
+async def test_tokenless_store_indexes_nothing(coord):
+    await coord.post_events(batch(entry("aa01", offset=0)))
+    stats = await coord.stats()
+    assert stats["num_keys"] == 1
+    assert stats["blend"]["num_chunks"] == 0 and stats["blend"]["num_contents"] == 0
+    assert await coord.lookup(A) == []
+
+
+async def test_later_stamped_store_fills_content_for_namespaces_already_on_the_binding(coord):
+    await coord.post_events(batch(entry("aa01", offset=0, salt="t1")))
+    await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0"), seq=2))
+    assert await coord.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    assert await coord.lookup(A, salt="t0") == [("aa01", 0, 0)]
+
+
+async def test_tokenless_store_of_known_content_claims_it_for_the_new_namespace(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0")))
+    assert await coord.lookup(A, salt="t1") == []
+    await coord.post_events(batch(entry("aa01", offset=0, salt="t1"), seq=2))
+    assert await coord.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    blend = (await coord.stats())["blend"]
+    assert (blend["num_contents"], blend["num_claims"]) == (1, 2)
+
+
+async def test_token_list_of_the_wrong_length_is_not_indexed(coord):
+    reply = await coord.post_events(batch(entry("aa01", A + [15], offset=0)))
+    assert reply["applied"] == 1
+    assert await coord.lookup(A + [15]) == []
+    stats = await coord.stats()
+    assert stats["num_keys"] == 1 and stats["blend"]["num_chunks"] == 0
+
+
+# --- unknown offsets -------------------------------------------------------------------
+
+
+async def test_unknown_offset_fills_the_binding_but_is_not_matchable(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=-1)))
+    assert await coord.lookup(A) == []
+    assert (await coord.stats())["blend"]["num_chunks"] == 0
+
+
+@pytest.mark.parametrize("with_tokens", [True, False], ids=["stamped", "tokenless"])
+async def test_a_later_store_with_an_offset_makes_it_matchable(coord, with_tokens):
+    await coord.post_events(batch(entry("aa01", A, offset=-1)))
+    # A token-less store can only make it matchable if the first store filled the binding.
+    later = entry("aa01", A if with_tokens else (), offset=12, salt="")
+    await coord.post_events(batch(later, seq=2, tier="l2", backend="disk"))
+    assert await coord.lookup(FILL + A) == [("aa01", 12, 3)]
+
+
+async def test_an_unreported_offset_does_not_erase_a_known_one(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=12)))
+    await coord.post_events(batch(entry("aa01", A, offset=-1), seq=2, tier="l2"))
+    assert await coord.lookup(A) == [("aa01", 12, 0)]
+
+
+# --- the ingest gate ------------------------------------------------------------------
+
+
+async def test_higher_incarnation_fences_the_instances_earlier_chunks(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), entry("bb02", B, offset=4)))
+    reply = await coord.post_events(batch(entry("dd03", D, offset=0), incarnation=1, seq=1))
+    assert reply["applied"] == 1
+    assert await coord.lookup(A + B) == []
+    assert await coord.lookup(D) == [("dd03", 0, 0)]
+    stats = await coord.stats()
+    assert (stats["num_keys"], stats["blend"]["num_chunks"]) == (1, 1)
+
+
+async def test_fencing_one_instance_keeps_another_instances_placement_of_the_same_key(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), instance="i0"),
+                            batch(entry("aa01", A, offset=0), instance="i1"))
+    await coord.post_events(batch(incarnation=1, instance="i0", event_type="access"))
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+    assert (await coord.stats())["num_placements"] == 1
+
+
+async def test_lower_incarnation_is_counted_stale_and_changes_nothing(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), incarnation=2, seq=5))
+    before = await coord.stats()
+    reply = await coord.post_events(batch(entry("bb02", B, offset=0), incarnation=1, seq=9),
+                                    batch(entry("aa01"), incarnation=1, seq=10,
+                                          event_type="delete"))
+    assert reply == {"applied": 0, "duplicates": 0, "stale": 2}
+    assert await coord.lookup(B) == []
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+    assert _without_counters(await coord.stats()) == _without_counters(before)
+
+
+async def test_replayed_seq_is_counted_duplicate_and_changes_nothing(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), seq=1),
+                            batch(entry("bb02", B, offset=0), seq=2))
+    before = await coord.stats()
+    reply = await coord.post_events(batch(entry("dd03", D, offset=0), seq=2),
+                                    batch(entry("aa01"), seq=1, event_type="delete"))
+    assert reply == {"applied": 0, "duplicates": 2, "stale": 0}
+    assert await coord.lookup(D) == []
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+    assert _without_counters(await coord.stats()) == _without_counters(before)
+
+
+async def test_batches_of_one_body_apply_in_order(coord):
+    reply = await coord.post_events(batch(entry("aa01", A, offset=0), seq=1),
+                                    batch(entry("aa01"), seq=2, event_type="delete"),
+                                    batch(entry("bb02", B, offset=0), seq=3))
+    assert reply["applied"] == 3
+    assert await coord.lookup(A + B) == [("bb02", 0, 4)]
+
+
+async def test_each_instance_has_its_own_cursor(coord):
+    reply = await coord.post_events(batch(entry("aa01", A, offset=0), instance="i0", seq=7),
+                                    batch(entry("bb02", B, offset=0), instance="i1", seq=1))
+    assert reply == {"applied": 2, "duplicates": 0, "stale": 0}
+
+
+def _without_counters(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k != "counters"}
+
+
+# --- blend lookup switch ----------------------------------------------------------------
+
+
+async def test_without_blend_lookup_nothing_is_indexed_or_matched(start):
+    coord = await start(enable_blend_lookup=False)
+    await coord.post_events(batch(entry("aa01", A, offset=0)))
+    assert await coord.lookup(A) == []
+    stats = await coord.stats()
+    assert stats["num_keys"] == 1 and stats["blend_enabled"] is False
+    assert stats["blend"]["num_chunks"] == 0 and stats["blend"]["num_contents"] == 0
+
+
+async def test_chunks_stored_before_enabling_are_not_backfilled(start):
+    coord = await start(enable_blend_lookup=False)
+    await coord.post_events(batch(entry("aa01", A, offset=0)))
+    await asyncio.to_thread(coord.directory.enable_blend_lookup)
+    assert await coord.lookup(A) == []
+    # A token-less store cannot revive it either: its content was never recorded.
+    await coord.post_events(batch(entry("aa01", offset=0, salt="t1"), seq=2))
+    assert await coord.lookup(A, salt="t1") == []
+    # ...while what is stored from now on is indexed.
+    await coord.post_events(batch(entry("bb02", B, offset=4), seq=3))
+    assert await coord.lookup(A + B) == [("bb02", 4, 4)]
+
+
+# --- namespaces -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("requester", [
+    {"model": "other-model"}, {"salt": "t1"}, {"world_size": 2}],
+    ids=["model", "salt", "world_size"])
+async def test_no_match_across_namespaces(coord, requester):
+    await coord.post_events(batch(entry("aa01", A, offset=0, model="m", salt="t0")))
+    assert await coord.lookup(A, **{"model": "m", "salt": "t0", **requester}) == []
+    assert await coord.lookup(A, model="m", salt="t0") == [("aa01", 0, 0)]
+
+
+async def test_object_group_id_is_not_part_of_the_namespace(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0, group=3)))
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+
+
+async def test_a_chunk_two_tenants_stored_serves_both_until_one_tenants_key_goes(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0"),
+                                  entry("aa01", A, offset=0, salt="t1")))
+    for salt in ("t0", "t1"):
+        assert await coord.lookup(A, salt=salt) == [("aa01", 0, 0)]
+    blend = (await coord.stats())["blend"]
+    assert (blend["num_contents"], blend["num_chunks"], blend["num_claims"]) == (1, 1, 2)
+    await coord.post_events(batch(entry("aa01", salt="t0"), seq=2, event_type="delete"))
+    assert await coord.lookup(A, salt="t0") == []
+    assert await coord.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    assert (await coord.stats())["blend"]["num_claims"] == 1
+
+
+async def test_same_content_under_two_tenants_hashes_is_stored_once(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0"),
+                                  entry("ab01", A, offset=8, salt="t1")))
+    assert await coord.lookup(A, salt="t0") == [("aa01", 0, 0)]
+    assert await coord.lookup(A, salt="t1") == [("ab01", 8, 0)]
+    blend = (await coord.stats())["blend"]
+    assert (blend["num_contents"], blend["num_chunks"], blend["num_claims"]) == (1, 2, 2)
+    await coord.post_events(batch(entry("ab01", salt="t1"), seq=2, event_type="delete"))
+    assert await coord.lookup(A, salt="t1") == []
+    assert await coord.lookup(A, salt="t0") == [("aa01", 0, 0)]
+
+
+# --- malformed input: 422 naming the field, nothing applied --------------------------------
+
+GOOD = entry("aa01", A, offset=0)
+
+
+def _with(base: dict, **changes) -> dict:
+    return {**base, **changes}
+
+
+BAD_EVENTS = {
+    "negative offset other than -1": (
+        [batch(entry("bb02", B, offset=-2))], "token_offset"),
+    "bad hex": ([batch(entry("zz01", B, offset=0))], "chunk_hash_hex"),
+    "odd-length hex": ([batch(entry("abc", B, offset=0))], "chunk_hash_hex"),
+    "tier all": ([batch(GOOD, tier="all")], "tier"),
+    "empty instance id": ([batch(GOOD, instance="")], "instance_id"),
+    "seq 0": ([batch(GOOD, seq=0)], "seq"),
+    "negative incarnation": ([batch(GOOD, incarnation=-1)], "incarnation"),
+    "unknown event type": ([batch(GOOD, event_type="evict")], "event_type"),
+    "store without backend": ([batch(GOOD, backend="")], "backend"),
+    "token id beyond uint32": ([batch(entry("bb02", [1, 2, 3, 2**32], offset=0))],
+                               "token_ids"),
+    "token ids of the wrong JSON type": ([batch(_with(GOOD, token_ids="1,2,3,4"))],
+                                         "token_ids"),
+    "only the last entry is bad": (
+        [batch(GOOD, entry("bb02", B, offset=4), entry("dd03", D, offset=-5))],
+        "entries[2]"),
+    "only the last batch is bad": (
+        [batch(GOOD, seq=1), batch(entry("bb02", B, offset=0), seq=2, tier="all")],
+        "batches[1]"),
+}
+
+
+@pytest.mark.parametrize("batches,field", BAD_EVENTS.values(), ids=BAD_EVENTS.keys())
+async def test_malformed_events_are_422_naming_the_field_and_apply_nothing(
+        coord, batches, field):
+    await coord.post_events(batch(entry("ee04", D, offset=0), instance="seed"))
+    before = await coord.stats()
+    response = await coord.client.post(EVENTS_PATH, data=encode({"batches": batches}))
+    assert response.status == 422
+    assert field in (await response.json())["error"]
+    assert await coord.stats() == before
+    assert await coord.lookup(A + B + D) == [("ee04", 0, 8)]
+    # Nothing of the body moved the gate either: its seq 1 is still fresh.
+    assert (await coord.post_events(batch(GOOD)))["applied"] == 1
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"batches": {}}', b"{}"],
+                         ids=["not json", "array", "batches not a list", "no batches"])
+async def test_events_body_of_the_wrong_shape_is_422(coord, raw):
+    response = await coord.client.post(EVENTS_PATH, data=raw)
+    assert response.status == 422
+    assert (await response.json())["error"]
+    assert (await coord.stats())["num_keys"] == 0
+
+
+BAD_LOOKUPS = {
+    "bad base64": ({"tokens_b64": "AQAAAA!!", "model_name": "m"}, "tokens_b64"),
+    "bad padding": ({"tokens_b64": "AQAAAAIAAAA", "model_name": "m"}, "tokens_b64"),
+    "length not a multiple of 4": ({"tokens_b64": "AQAAAAI=", "model_name": "m"},
+                                   "tokens_b64"),
+    "tokens without model name": ({"tokens_b64": encode_tokens(A)}, "model_name"),
+    "world size 0": ({"tokens_b64": encode_tokens(A), "model_name": "m", "world_size": 0},
+                     "world_size"),
+    "world size of the wrong JSON type": (
+        {"tokens_b64": encode_tokens(A), "model_name": "m", "world_size": "1"}, "world_size"),
+    "tokens of the wrong JSON type": ({"tokens_b64": [1, 2], "model_name": "m"},
+                                      "tokens_b64"),
+}
+
+
+@pytest.mark.parametrize("body,field", BAD_LOOKUPS.values(), ids=BAD_LOOKUPS.keys())
+async def test_malformed_lookups_are_422_naming_the_field(coord, body, field):
+    await coord.post_events(batch(GOOD))
+    before = await coord.stats()
+    response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
+    assert response.status == 422
+    assert field in (await response.json())["error"]
+    assert await coord.stats() == before
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+
+
+async def test_lookup_defaults_ask_for_nothing_and_get_nothing(coord):
+    response = await coord.client.post(BLEND_LOOKUP_PATH, data=b"{}")
+    assert response.status == 200
+    assert await response.json() == {"matches": []}
+
+
+# --- limits -------------------------------------------------------------------------------
+
+
+async def test_body_over_the_cap_is_413_and_the_next_request_is_served(start):
+    coord = await start(max_body_bytes=2048)
+    big = batch(*[entry(f"{i:04x}", [i, i, i, i], offset=0) for i in range(40)])
+    response = await coord.client.post(EVENTS_PATH, data=encode({"batches": [big]}))
+    assert response.status == 413
+    assert "max-body-bytes" in (await response.json())["error"]
+    assert (await coord.stats())["num_keys"] == 0
+    assert (await coord.post_events(batch(GOOD)))["applied"] == 1
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+
+
+async def test_chunked_body_over_the_cap_is_413(start):
+    coord = await start(max_body_bytes=2048)
+
+    async def chunks():  # no Content-Length: the cap must hold while reading
+        for _ in range(10):
+            yield b" " * 512
+    response = await coord.client.post(EVENTS_PATH, data=chunks())
+    assert response.status == 413
+    assert (await coord.post_events(batch(GOOD)))["applied"] == 1
+
+
+async def test_query_over_the_token_cap_is_413_and_others_are_served(start):
+    coord = await start(max_query_tokens=16)
+    await coord.post_events(batch(GOOD))
+    for length in (17, 400):
+        body = {"tokens_b64": encode_tokens([1] * (length - C) + A), "model_name": "m"}
+        response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
+        assert response.status == 413, length
+        assert "max-query-tokens" in (await response.json())["error"]
+    assert await coord.lookup([1] * 12 + A) == [("aa01", 0, 12)]
+
+
+# --- the event loop stays free ------------------------------------------------------------
+
+
+async def test_a_stalled_match_blocks_neither_health_nor_ingest(coord, monkeypatch):
+    directory = coord.directory
+    entered, release = threading.Event(), threading.Event()
+    real_match = directory.match
+
+    def slow_match(tokens, namespace):
+        entered.set()
+        release.wait(10)
+        return real_match(tokens, namespace)
+
+    monkeypatch.setattr(directory, "match", slow_match)
+    await coord.post_events(batch(GOOD))
+    pending = asyncio.ensure_future(coord.lookup(A))
+    assert await asyncio.to_thread(entered.wait, 5)
+    try:
+        health = await asyncio.wait_for(coord.client.get(HEALTH_PATH), 2)
+        assert health.status == 200
+        reply = await asyncio.wait_for(
+            coord.post_events(batch(entry("bb02", B, offset=0), seq=2)), 2)
+        assert reply["applied"] == 1
+        assert not pending.done()
+    finally:
+        release.set()
+    assert await pending == [("aa01", 0, 0)]
+
+
+async def test_health(coord):
+    response = await coord.client.get(HEALTH_PATH)
+    assert response.status == 200
