@@ -113,7 +113,9 @@ class BlendCoordinatorClient:
         self._failures = 0
         self._opened_at = 0.0
         self._probe_out = False
-        self._stats = collections.Counter()
+        self._stats = collections.Counter(dict.fromkeys(
+            ("submitted", "sent", "succeeded", "failed", "skipped_breaker", "skipped_deadline",
+             "dropped_entries", "expired", "cancelled", "late_discarded", "breaker_opened"), 0))
         self._in_flight = 0
         self._workers = [threading.Thread(target=self._work, name=f"blend-match-{i}", daemon=True)
                          for i in range(match_concurrency)]
@@ -347,6 +349,11 @@ class BlendCoordinatorClient:
             reply = decode(response.content, BlendLookupReply)
         except WireError as exc:
             raise _QueryFailed(f"reply from {self.base_url} is not a blend-lookup reply: {exc}") from None
+        if not reply.matches and b'"matches"' not in response.content:
+            # The shape defaults `matches` to empty; a reply without it at all is some other
+            # service answering, not "nothing found".
+            raise _QueryFailed(f"reply from {self.base_url} has no `matches`: "
+                               f"{response.text[:200]!r}")
         return self._validate(reply, len(query.tokens))
 
     def _validate(self, reply: BlendLookupReply, num_tokens: int) -> list[BlendMatch]:

@@ -1,0 +1,257 @@
+"""BlendCoordinatorClient against real loopback servers that misbehave on purpose."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+from plugin import PENDING, BlendCoordinatorClient, BlendMatch, BlendNamespace
+from plugin.wire import decode_tokens
+from test_plugin_loopback import HangingServer, LoopbackServer, Reply, closed_port_url, wait_until
+
+C = 16
+NS = BlendNamespace("model", "salt", 2)
+TOKENS = list(range(4 * C))  # a 64-token query: cur_st may go up to 48
+
+
+def make_client(url: str, **kwargs) -> BlendCoordinatorClient:
+    options = dict(chunk_size=C, timeout=0.5, match_concurrency=2, breaker_threshold=3,
+                   breaker_cooldown_s=0.3)
+    options.update(kwargs)
+    return BlendCoordinatorClient(url, **options)
+
+
+def wait_result(client, request_id, timeout=3.0):
+    assert wait_until(lambda: client.poll_match(request_id) is not PENDING, timeout)
+    return client.poll_match(request_id)
+
+
+def matches_reply(*entries) -> Reply:
+    return Reply(200, {"matches": [dict(chunk_hash=h, old_st=o, cur_st=c) for h, o, c in entries]})
+
+
+@pytest.fixture
+def client_factory():
+    made = []
+
+    def factory(url, **kwargs):
+        made.append(make_client(url, **kwargs))
+        return made[-1]
+
+    yield factory
+    for client in made:
+        client.close()
+
+
+def test_submit_poll_take_and_request_body(client_factory):
+    with LoopbackServer(lambda p, b: matches_reply(("ab01", 32, 16))) as server:
+        client = client_factory(server.url)
+        assert client.poll_match("r1") is None  # never submitted
+        assert client.submit_match("r1", TOKENS, NS)
+        assert wait_result(client, "r1") == [BlendMatch(b"\xab\x01", 32, 16)]
+        assert client.take_match("r1") == [BlendMatch(b"\xab\x01", 32, 16)]
+        assert client.poll_match("r1") is None  # take clears
+        (path, body), = server.requests
+        sent = json.loads(body)
+        assert path == "/directory/blend-lookup"
+        assert list(decode_tokens(sent["tokens_b64"])) == TOKENS
+        assert (sent["model_name"], sent["cache_salt"], sent["world_size"]) == ("model", "salt", 2)
+
+
+def test_submit_once_per_request_id(client_factory):
+    with LoopbackServer(lambda p, b: Reply(delay_s=0.1)) as server:
+        client = client_factory(server.url)
+        assert client.submit_match("r1", TOKENS, NS)
+        assert not client.submit_match("r1", TOKENS, NS)
+        assert client.poll_match("r1") is PENDING
+        wait_result(client, "r1")
+        assert len(server.requests) == 1
+
+
+def test_query_shorter_than_a_chunk_is_answered_empty_without_a_round_trip(client_factory):
+    with LoopbackServer() as server:
+        client = client_factory(server.url)
+        assert client.submit_match("r1", TOKENS[:C - 1], NS)
+        assert client.poll_match("r1") == []
+        assert server.requests == []
+
+
+def test_at_most_match_concurrency_round_trips_in_flight(client_factory):
+    with LoopbackServer(lambda p, b: Reply(delay_s=0.15)) as server:
+        client = client_factory(server.url, match_concurrency=2)
+        for i in range(6):
+            assert client.submit_match(f"r{i}", TOKENS, NS, deadline=time.monotonic() + 5)
+        for i in range(6):
+            assert wait_result(client, f"r{i}") == []
+        assert len(server.requests) == 6
+        assert server.peak_active == 2
+
+
+def test_query_whose_deadline_passed_is_not_sent(client_factory):
+    with LoopbackServer(lambda p, b: Reply(delay_s=0.3)) as server:
+        client = client_factory(server.url, match_concurrency=1)
+        client.submit_match("slow", TOKENS, NS, deadline=time.monotonic() + 5)
+        # Queued behind the slow one; its deadline passes before a worker is free.
+        client.submit_match("late", TOKENS, NS, deadline=time.monotonic() + 0.05)
+        assert wait_result(client, "late") == []
+        wait_result(client, "slow")
+        assert len(server.requests) == 1
+        assert client.stats()["skipped_deadline"] == 1
+
+
+def _failure_cases():
+    yield "refused", None
+    yield "5xx", lambda p, b: Reply(503, "overloaded")
+    yield "422", lambda p, b: Reply(422, "tokens_b64 is not valid base64")
+    yield "non-json", lambda p, b: Reply(200, "<html>proxy error</html>")
+    yield "wrong-shape", lambda p, b: Reply(200, {"results": []})
+    yield "wrong-types", lambda p, b: Reply(200, {"matches": [{"chunk_hash": 1, "old_st": "x"}]})
+    yield "timeout", "hang"
+
+
+@pytest.mark.parametrize("case, behave", list(_failure_cases()), ids=[c for c, _ in _failure_cases()])
+def test_failures_give_an_empty_result_and_a_warning(case, behave, client_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="plugin.client")
+    if behave is None:
+        server, url = None, closed_port_url()
+    elif behave == "hang":
+        server = HangingServer()
+        url = server.url
+    else:
+        server = LoopbackServer(behave)
+        url = server.url
+    try:
+        client = client_factory(url, timeout=0.2)
+        started = time.monotonic()
+        assert client.submit_match("r1", TOKENS, NS)
+        assert wait_result(client, "r1") == []
+        assert time.monotonic() - started < 1.5
+        assert client.stats()["failed"] == 1
+        assert any(r.levelno == logging.WARNING and "local-only" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def test_invalid_reply_entries_are_dropped(client_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="plugin.client")
+    reply = matches_reply(
+        ("aa", 0, 0),          # valid
+        ("zz", 0, 16),         # bad hex
+        ("", 0, 16),           # empty hash
+        ("bb", -1, 16),        # negative old_st (unknown offsets are never matchable)
+        ("cc", 0, 49),         # cur_st + C beyond the 64-token query
+        ("dd", 0, -3),         # negative cur_st
+        ("aa", 0, 32),         # the same chunk twice
+        ("ee", 512, 48),       # valid, last possible start
+    )
+    with LoopbackServer(lambda p, b: reply) as server:
+        client = client_factory(server.url)
+        client.submit_match("r1", TOKENS, NS)
+        assert wait_result(client, "r1") == [BlendMatch(b"\xaa", 0, 0), BlendMatch(b"\xee", 512, 48)]
+        assert client.stats()["dropped_entries"] == 6
+        assert client.stats()["failed"] == 0
+        assert any("dropped 6 invalid" in r.getMessage() for r in caplog.records)
+
+
+def test_circuit_breaker_opens_skips_then_probes(client_factory):
+    healthy = threading.Event()
+
+    def behave(path, body):
+        return Reply(200, {"matches": []}) if healthy.is_set() else Reply(500, "down")
+
+    with LoopbackServer(behave) as server:
+        client = client_factory(server.url, breaker_threshold=3, breaker_cooldown_s=0.3)
+        for i in range(3):
+            assert client.submit_match(f"f{i}", TOKENS, NS)
+            wait_result(client, f"f{i}")
+        assert client.breaker_state == "open"
+        # Open: declined at once, nothing sent.
+        started = time.perf_counter()
+        assert not client.submit_match("skipped", TOKENS, NS)
+        assert time.perf_counter() - started < 0.01
+        assert len(server.requests) == 3
+        # After the cool-down exactly one probe goes; it fails, so the breaker re-opens.
+        time.sleep(0.35)
+        assert client.submit_match("probe1", TOKENS, NS)
+        assert not client.submit_match("during-probe", TOKENS, NS)
+        wait_result(client, "probe1")
+        assert client.breaker_state == "open"
+        assert len(server.requests) == 4
+        # The next probe succeeds and closes it.
+        healthy.set()
+        time.sleep(0.35)
+        assert client.submit_match("probe2", TOKENS, NS)
+        wait_result(client, "probe2")
+        assert client.breaker_state == "closed"
+        assert client.submit_match("normal", TOKENS, NS)
+        assert wait_result(client, "normal") == []
+
+
+def test_breaker_counts_only_consecutive_failures(client_factory):
+    outcomes = iter([500, 500, 200, 500, 500])
+
+    with LoopbackServer(lambda p, b: Reply(next(outcomes), {"matches": []})) as server:
+        client = client_factory(server.url, breaker_threshold=3)
+        for i in range(5):
+            client.submit_match(f"r{i}", TOKENS, NS)
+            wait_result(client, f"r{i}")
+        assert client.breaker_state == "closed"
+        assert len(server.requests) == 5
+
+
+def test_results_nobody_takes_expire(client_factory):
+    with LoopbackServer() as server:
+        client = client_factory(server.url, result_ttl_s=0.1)
+        client.submit_match("forgotten", TOKENS, NS)
+        wait_result(client, "forgotten")
+        time.sleep(0.15)
+        client.submit_match("next", TOKENS, NS)  # housekeeping runs on submit
+        assert client.poll_match("forgotten") is None
+        assert client.stats()["expired"] >= 1
+
+
+def test_tracking_map_is_bounded(client_factory):
+    with LoopbackServer() as server:
+        client = client_factory(server.url, max_tracked=3)
+        for i in range(10):
+            assert client.submit_match(f"r{i}", TOKENS, NS)
+            wait_result(client, f"r{i}")
+        # Unclaimed finished results made room for the newest ones.
+        assert client.stats()["tracked"] <= 3
+        assert client.poll_match("r9") == []
+        assert client.poll_match("r0") is None
+    with HangingServer() as hanging:
+        client = client_factory(hanging.url, max_tracked=2, timeout=2.0)
+        assert client.submit_match("a", TOKENS, NS)
+        assert client.submit_match("b", TOKENS, NS)
+        assert not client.submit_match("c", TOKENS, NS)  # all in flight: declined, not queued
+        assert client.stats()["tracked"] == 2
+
+
+def test_reply_after_take_is_discarded(client_factory):
+    with LoopbackServer(lambda p, b: Reply(200, {"matches": [
+            {"chunk_hash": "aa", "old_st": 0, "cur_st": 0}]}, delay_s=0.15)) as server:
+        client = client_factory(server.url)
+        client.submit_match("r1", TOKENS, NS)
+        assert wait_until(lambda: len(server.requests) == 1)  # in flight now
+        assert client.take_match("r1") is None  # still pending: cancelled
+        assert wait_until(lambda: client.stats().get("late_discarded", 0) == 1)
+        assert client.poll_match("r1") is None
+        # The id can be used again afterwards.
+        assert client.submit_match("r1", TOKENS, NS)
+        assert wait_result(client, "r1") == [BlendMatch(b"\xaa", 0, 0)]
+
+
+def test_close_stops_workers_and_declines_afterwards():
+    with LoopbackServer() as server:
+        client = make_client(server.url)
+        client.close()
+        assert not client.submit_match("r1", TOKENS, NS)
+        assert not any(t.name.startswith("blend-match") and t.is_alive()
+                       for t in client._workers)
