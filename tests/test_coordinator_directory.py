@@ -1,0 +1,139 @@
+"""The blend index stays exactly the derived view of the key directory, under any history.
+
+Random store / delete / restart histories (small pools of hashes, contents, namespaces,
+instances and tiers, so every collision the lifecycle table covers happens) are applied
+to a `KeyDirectory` and to a plain reference model; after every batch, what each
+namespace can match, and the counts in stats, must agree.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from coordinator_stub.directory import KeyDirectory
+from plugin.wire import (
+    BlendNamespace,
+    CacheEventBatch,
+    CacheEventEntry,
+    EncodedObjectKey,
+    pack_kv_rank,
+)
+
+C = 4
+HASHES = ["a1", "a2", "a3", "a4", "a5", "a6"]
+CONTENTS = [(1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)]
+SPACES = [("m", "t0", 1, 0), ("m", "t1", 1, 0), ("m", "t0", 2, 0), ("m", "t0", 2, 1)]
+INSTANCES = ["i0", "i1"]
+TIERS = [("l1", "dram"), ("l2", "disk")]
+
+
+class Reference:
+    """The lifecycle table, written the obvious way."""
+
+    def __init__(self, blend_on: bool) -> None:
+        self.blend_on = blend_on
+        self.places: dict[tuple, set] = {}  # (hash, model, salt, ws, rank) -> {(inst, tier)}
+        self.content: dict[str, tuple] = {}
+        self.offset: dict[str, int] = {}
+
+    def store(self, inst, tier, h, space, tokens, offset):
+        self.places.setdefault((h, *space), set()).add((inst, tier))
+        if self.blend_on and len(tokens) == C:
+            self.content[h] = tokens
+        if offset >= 0:
+            self.offset[h] = offset
+
+    def delete(self, inst, tier, h, space):
+        held = self.places.get((h, *space), set())
+        held.discard((inst, tier))
+        self._forget_empty()
+
+    def fence(self, inst):
+        for held in self.places.values():
+            for place in [p for p in held if p[0] == inst]:
+                held.discard(place)
+        self._forget_empty()
+
+    def _forget_empty(self):
+        self.places = {k: v for k, v in self.places.items() if v}
+        live = {k[0] for k in self.places}
+        self.content = {h: c for h, c in self.content.items() if h in live}
+        self.offset = {h: o for h, o in self.offset.items() if h in live}
+
+    def visible(self, namespace: BlendNamespace, tokens: tuple) -> set:
+        return {(bytes.fromhex(k[0]), self.offset[k[0]]) for k in self.places
+                if BlendNamespace(k[1], k[2], k[3]) == namespace
+                and self.content.get(k[0]) == tokens and self.offset.get(k[0], -1) >= 0}
+
+    def indexed(self) -> set:
+        return {h for h in self.content if self.offset.get(h, -1) >= 0}
+
+    def claims(self) -> int:
+        return len({(k[0], k[1], k[2], k[3]) for k in self.places if k[0] in self.indexed()})
+
+
+def _batch(inst, incarnation, seq, kind, tier, entries) -> CacheEventBatch:
+    return CacheEventBatch(instance_id=inst, incarnation=incarnation, seq=seq,
+                           event_type=kind, tier=tier[0], backend=tier[1], entries=entries)
+
+
+def _entry(h, space, tokens=(), offset=-1) -> CacheEventEntry:
+    model, salt, ws, rank = space
+    key = EncodedObjectKey(chunk_hash_hex=h, model_name=model, cache_salt=salt,
+                           kv_rank=pack_kv_rank(ws, rank))
+    return CacheEventEntry(key=key, token_ids=list(tokens), token_offset=offset)
+
+
+@pytest.mark.parametrize("enable_at", [0, 60], ids=["on-from-start", "enabled-mid-life"])
+@pytest.mark.parametrize("seed", range(12))
+def test_index_is_the_derived_view_of_the_directory(seed, enable_at):
+    rng = random.Random(seed)
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=enable_at == 0)
+    reference = Reference(blend_on=enable_at == 0)
+    cursors = {inst: [0, 0] for inst in INSTANCES}  # incarnation, seq
+    for step in range(200):
+        if step == enable_at and step:
+            directory.enable_blend_lookup()
+            reference.blend_on = True
+        inst = rng.choice(INSTANCES)
+        cursor = cursors[inst]
+        roll = rng.random()
+        if roll < 0.05:  # restart: the next batch carries a higher incarnation
+            cursor[0] += 1
+            cursor[1] = 0
+            reference.fence(inst)
+        cursor[1] += 1
+        tier = rng.choice(TIERS)
+        h, space = rng.choice(HASHES), rng.choice(SPACES)
+        if roll < 0.65:
+            tokens = rng.choice([(), (), rng.choice(CONTENTS), rng.choice(CONTENTS)[:3]])
+            offset = rng.choice([-1, 0, 4, 8])
+            entries = [_entry(h, space, tokens, offset)]
+            reference.store(inst, tier[0], h, space, tokens, offset)
+            kind = "store"
+        else:
+            entries = [_entry(h, space)]
+            reference.delete(inst, tier[0], h, space)
+            kind = "delete"
+        reply = directory.ingest([_batch(inst, cursor[0], cursor[1], kind, tier, entries)])
+        assert reply.applied == 1
+        _assert_agree(directory, reference, step)
+
+
+def _assert_agree(directory: KeyDirectory, reference: Reference, step: int) -> None:
+    for model, salt, ws, _ in SPACES:
+        namespace = BlendNamespace(model, salt, ws)
+        for tokens in CONTENTS:
+            found = {(m.chunk_hash, m.old_st)
+                     for m in directory.match(np.array(tokens, dtype=np.uint32), namespace)}
+            assert found == reference.visible(namespace, tokens), (step, namespace, tokens)
+    stats = directory.stats()
+    assert stats["num_keys"] == len(reference.places), step
+    assert stats["num_placements"] == sum(map(len, reference.places.values())), step
+    assert stats["blend"]["num_chunks"] == len(reference.indexed()), step
+    assert stats["blend"]["num_claims"] == reference.claims(), step
+    assert stats["blend"]["num_contents"] == len(
+        {reference.content[h] for h in reference.indexed()}), step
