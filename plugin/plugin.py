@@ -280,8 +280,8 @@ class BlendPlugin:
             self.client.cancel(request_id)
 
     def _sweep_locked(self, now: float) -> None:
-        # Release lookups the scheduler abandoned, at most once a second.
-        if now - self._last_sweep < 1.0:
+        # Release lookups the scheduler abandoned; the scan runs at most once a second.
+        if now - self._last_sweep < min(1.0, self.config.abandoned_lookup_s):
             return
         self._last_sweep = now
         stale = [rid for rid, s in self._lookups.items()

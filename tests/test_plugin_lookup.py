@@ -1,0 +1,424 @@
+"""The unified lookup: state machine, merge order, prefetch, deadline, gating.
+
+The serving side is the real `InMemoryHost` (with artificial delays for the pending paths),
+the local leg the real `LocalMatcher`, and the coordinator a real loopback HTTP server whose
+replies each test chooses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from plugin import (BlendMatch, BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost,
+                    LookupKey, PluginConfig, ServingHost)
+from plugin.lookup import BOTH, FLEET, LOCAL, Candidate, merge_candidates, resolve_overlaps
+from plugin.wire import decode_tokens
+from test_plugin_loopback import LoopbackServer, Reply, closed_port_url, wait_until
+
+C = 16
+MODEL = "m"
+rng = np.random.default_rng(7)
+
+
+def fresh(n: int) -> np.ndarray:
+    return rng.integers(1000, 60000, n, dtype=np.uint32)
+
+
+def make_plugin(host, url=None, **overrides) -> BlendPlugin:
+    options = dict(chunk_size=C, coordinator_url=url, event_reporting=url is not None,
+                   blend_timeout=0.3, event_flush_interval=0.05, breaker_cooldown_s=30.0)
+    options.update(overrides)
+    return BlendPlugin(PluginConfig(**options), host)
+
+
+@pytest.fixture
+def plugins():
+    made = []
+
+    def factory(host, url=None, **overrides):
+        made.append(make_plugin(host, url, **overrides))
+        return made[-1]
+
+    yield factory
+    for plugin in made:
+        plugin.close()
+
+
+def run(plugin, key, tp_size=1, timeout=3.0):
+    """Poll like a scheduler until the lookup completes; returns (result, seconds, calls)."""
+    started, calls = time.monotonic(), 0
+    while time.monotonic() - started < timeout:
+        calls += 1
+        result = plugin.cb_unified_lookup(key, tp_size)
+        if result is not None:
+            return result, time.monotonic() - started, calls
+        time.sleep(0.002)
+    raise AssertionError("lookup did not complete")
+
+
+def store(plugin, host, tokens, request_id="store", start=0, count=None):
+    """What the engine does: save chunks of `tokens` at `start`, then tell the plugin."""
+    key = LookupKey(request_id, tokens, MODEL)
+    count = (len(tokens) - start) // C if count is None else count
+    hashes = [bytes([len(host.store_map) % 256, i % 256]) + tokens[start + i * C:start + i * C + 2].tobytes()
+              for i in range(count)]
+    host.store(key, hashes, start)
+    plugin.on_store(key, hashes, start)
+    return hashes
+
+
+def fleet_reply(*matches, delay_s=0.0):
+    body = {"matches": [{"chunk_hash": h.hex(), "old_st": o, "cur_st": c} for h, o, c in matches]}
+    return lambda path, b: Reply(200, body, delay_s=delay_s)
+
+
+def seg(old_st, cur_st, chunk_hash):
+    return CBMatchResult(old_st, old_st + C, cur_st, cur_st + C, chunk_hash)
+
+
+# --- merge order (pure) -------------------------------------------------------------------------
+
+
+def test_prefix_covered_match_is_dropped_before_overlaps_are_resolved():
+    covered = seg(0, 8, b"p")       # starts inside the 16-token prefix, ends at 24
+    usable = seg(100, 20, b"u")     # overlaps the covered one
+    candidates = merge_candidates([covered, usable], [], prefix_coverage_tokens=16, chunk_size=C)
+    assert [c.segment for c in resolve_overlaps(candidates)] == [usable]
+    # Resolving first would have let the covered match shadow the usable one.
+    assert [c.segment for c in resolve_overlaps([Candidate(covered, LOCAL), Candidate(usable, LOCAL)])] == [covered]
+
+
+def test_overlaps_resolve_leftmost_greedy_and_ascending():
+    a, b, c, d = seg(0, 40, b"a"), seg(0, 0, b"b"), seg(0, 10, b"c"), seg(0, 16, b"d")
+    kept = resolve_overlaps(merge_candidates([a, c], [BlendMatch(b"b", 0, 0), BlendMatch(b"d", 0, 16)],
+                                             0, C))
+    assert [k.segment for k in kept] == [b, d, a]  # 0 wins over 10; 16 starts where 0 ends
+
+
+def test_chunk_from_both_sources_collapses_to_one():
+    local = seg(32, 48, b"x")
+    merged = merge_candidates([local], [BlendMatch(b"x", 32, 48)], 0, C)
+    assert merged == [Candidate(local, BOTH)]
+
+
+def test_fleet_matches_become_cbmatchresults_with_chunk_sized_ranges():
+    merged = merge_candidates([], [BlendMatch(b"f", 512, 40)], 0, C)
+    assert merged == [Candidate(CBMatchResult(512, 512 + C, 40, 40 + C, b"f"), FLEET)]
+
+
+# --- the state machine --------------------------------------------------------------------------
+
+
+def test_first_call_starts_prefix_local_and_coordinator(plugins):
+    with LoopbackServer(fleet_reply(delay_s=0.2)) as server:
+        host = InMemoryHost(C)
+        plugin = plugins(host, server.url)
+        doc = fresh(2 * C)
+        store(plugin, host, doc)
+        query = np.concatenate([fresh(5), doc, fresh(3)])
+        assert plugin.cb_unified_lookup(LookupKey("r1", query, MODEL), 2) is None
+        assert host.prefix_requests == [("r1", 2)]
+        assert wait_until(lambda: len(server.requests) == 1, 1.0)
+        sent = json.loads(server.requests[0][1])
+        assert list(decode_tokens(sent["tokens_b64"])) == query.tolist()
+        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+        trace = plugin.trace("r1")
+        assert trace.local_matches == 2 and trace.fleet_status == "ok"
+        assert [s.cur_st for s in result.non_prefix_segments] == [5, 5 + C]
+
+
+def test_no_coordinator_query_below_one_chunk(plugins):
+    with LoopbackServer(fleet_reply()) as server:
+        host = InMemoryHost(C)
+        plugin = plugins(host, server.url)
+        result, _, calls = run(plugin, LookupKey("short", fresh(C - 1), MODEL))
+        assert result == CBUnifiedLookupResult(0, []) and calls == 1
+        assert plugin.client.stats()["submitted"] == 0
+        assert plugin.trace("short").fleet_status == "short"
+        assert server.requests == []
+
+
+def test_pending_prefix_returns_none_without_blocking(plugins):
+    host = InMemoryHost(C, prefix_delay_s=0.1)
+    plugin = plugins(host)
+    key = LookupKey("r1", fresh(4 * C), MODEL)
+    started = time.perf_counter()
+    assert plugin.cb_unified_lookup(key) is None
+    assert time.perf_counter() - started < 0.02
+    result, elapsed, calls = run(plugin, key)
+    assert elapsed >= 0.08 and calls > 1
+    assert result == CBUnifiedLookupResult(0, [])
+
+
+def test_pending_prefetch_returns_none(plugins):
+    host = InMemoryHost(C, prefetch_delay_s=0.1)
+    plugin = plugins(host)
+    doc = fresh(C)
+    store(plugin, host, doc)
+    key = LookupKey("r1", np.concatenate([fresh(3), doc]), MODEL)
+    assert plugin.cb_unified_lookup(key) is None
+    assert len(host.prefetch_requests) == 1
+    result, _, _ = run(plugin, key)
+    assert [s.cur_st for s in result.non_prefix_segments] == [3]
+    assert len(host.prefetch_requests) == 1  # polled, not re-submitted
+
+
+def test_pending_coordinator_before_the_deadline_returns_none(plugins):
+    l2 = {}
+    fleet_chunk = b"\xf1" * 4
+    l2[fleet_chunk] = np.zeros(C, dtype=np.uint32)
+    with LoopbackServer(fleet_reply((fleet_chunk, 64, 2 * C), delay_s=0.1)) as server:
+        plugin = plugins(InMemoryHost(C, shared_l2=l2), server.url, blend_timeout=2.0)
+        key = LookupKey("r1", fresh(4 * C), MODEL)
+        assert plugin.cb_unified_lookup(key) is None
+        result, elapsed, calls = run(plugin, key)
+        assert elapsed >= 0.08 and calls > 1
+        assert result.non_prefix_segments == [seg(64, 2 * C, fleet_chunk)]
+
+
+def test_union_of_local_and_fleet_rides_one_prefetch(plugins):
+    l2 = {}
+    host = InMemoryHost(C, shared_l2=l2)
+    doc_local = fresh(C)
+    fleet_chunk = b"\xf2" * 4
+    l2[fleet_chunk] = np.zeros(C, dtype=np.uint32)
+    query = np.concatenate([fresh(C), doc_local, fresh(C)])
+    with LoopbackServer(fleet_reply((fleet_chunk, 320, 2 * C))) as server:
+        plugin = plugins(host, server.url)
+        local_hash, = store(plugin, host, doc_local)
+        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+    expected = [seg(0, C, local_hash), seg(320, 2 * C, fleet_chunk)]
+    assert result.non_prefix_segments == expected  # ascending by cur_st
+    assert host.prefetch_requests == [("r1", expected)]
+    assert plugin.trace("r1").sources == [LOCAL, FLEET]
+
+
+def test_prefix_covered_fleet_match_does_not_shadow_a_local_one(plugins):
+    host = InMemoryHost(C)
+    prefix = fresh(C)
+    tail = fresh(C)
+    query = np.concatenate([prefix, fresh(4), tail])
+    # The engine's prefix cache holds the first chunk of the query.
+    key = LookupKey("r1", query, MODEL)
+    host.store(key, host.chunk_hashes(key)[:1], 0)
+    shadow = b"\x5a" * 4
+    host.store_map[shadow] = np.zeros(C, dtype=np.uint32)
+    with LoopbackServer(fleet_reply((shadow, 0, 8))) as server:  # starts inside the prefix
+        plugin = plugins(host, server.url)
+        local_hash, = store(plugin, host, tail)
+        result, _, _ = run(plugin, key)
+    assert result.prefix_coverage_tokens == C
+    assert result.non_prefix_segments == [seg(0, C + 4, local_hash)]
+
+
+def test_chunk_reported_by_both_sources_appears_once(plugins, monkeypatch):
+    host = InMemoryHost(C)
+    doc = fresh(C)
+    query = np.concatenate([fresh(7), doc])
+    server = LoopbackServer()
+    try:
+        plugin = plugins(host, server.url)
+        chunk, = store(plugin, host, doc)
+        server.behave = fleet_reply((chunk, 0, 7))
+        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+    finally:
+        server.close()
+    assert result.non_prefix_segments == [seg(0, 7, chunk)]
+    assert plugin.trace("r1").sources == [BOTH]
+    assert host.prefetch_requests[0][1] == [seg(0, 7, chunk)]
+
+
+def test_overlapping_fleet_matches_resolve_leftmost_greedy(plugins):
+    l2 = {h: np.zeros(C, dtype=np.uint32) for h in (b"a", b"b", b"c")}
+    with LoopbackServer(fleet_reply((b"a", 0, 0), (b"b", 0, 8), (b"c", 0, C))) as server:
+        plugin = plugins(InMemoryHost(C, shared_l2=l2), server.url)
+        result, _, _ = run(plugin, LookupKey("r1", fresh(3 * C), MODEL))
+    assert result.non_prefix_segments == [seg(0, 0, b"a"), seg(0, C, b"c")]
+
+
+def test_no_prefetch_when_nothing_to_fetch(plugins):
+    host = InMemoryHost(C)
+    plugin = plugins(host)
+    result, _, calls = run(plugin, LookupKey("r1", fresh(3 * C), MODEL))
+    assert result == CBUnifiedLookupResult(0, []) and calls == 1
+    assert host.prefetch_requests == []
+
+
+def test_only_chunks_the_prefetch_found_are_returned(plugins):
+    host = InMemoryHost(C)  # its own store: it cannot fetch what another server holds
+    doc = fresh(C)
+    with LoopbackServer(fleet_reply((b"\xee\xee", 0, 2 * C))) as server:
+        plugin = plugins(host, server.url)
+        local_hash, = store(plugin, host, doc)
+        query = np.concatenate([doc, fresh(C), fresh(C)])
+        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+    assert result.non_prefix_segments == [seg(0, 0, local_hash)]
+    trace = plugin.trace("r1")
+    assert trace.prefetched == 2 and trace.fleet_matches == 1
+
+
+def test_past_the_deadline_the_lookup_goes_local_only(plugins):
+    l2 = {b"\x0f": np.zeros(C, dtype=np.uint32)}
+    host = InMemoryHost(C, shared_l2=l2)
+    doc = fresh(C)
+    with LoopbackServer(fleet_reply((b"\x0f", 0, 2 * C), delay_s=0.5)) as server:
+        plugin = plugins(host, server.url, blend_timeout=0.2)
+        local_hash, = store(plugin, host, doc)
+        query = np.concatenate([doc, fresh(2 * C)])
+        result, elapsed, _ = run(plugin, LookupKey("r1", query, MODEL))
+        assert 0.18 <= elapsed < 0.2 + 0.1
+        assert result.non_prefix_segments == [seg(0, 0, local_hash)]
+        assert plugin.trace("r1").fleet_status == "timeout"
+        # The reply that arrives later is discarded, not kept for anyone.
+        assert wait_until(lambda: plugin.client.stats()["late_discarded"]
+                          + plugin.client.stats()["failed"] >= 1, 2.0)
+        assert plugin.client.poll_match("r1") is None
+        assert plugin.client.stats()["tracked"] == 0
+
+
+def test_state_is_released_when_the_lookup_completes(plugins):
+    host = InMemoryHost(C, delay_s=0.02)
+    plugin = plugins(host)
+    key = LookupKey("r1", fresh(2 * C), MODEL)
+    assert plugin.cb_unified_lookup(key) is None
+    assert plugin.active_lookups == 1
+    run(plugin, key)
+    assert plugin.active_lookups == 0
+    run(plugin, key)  # the same id again is a new lookup
+    assert [rid for rid, _ in host.prefix_requests] == ["r1", "r1"]
+
+
+def test_abandoned_lookups_are_released(plugins):
+    host = InMemoryHost(C, prefix_delay_s=60.0)
+    plugin = plugins(host, abandoned_lookup_s=0.05)
+    assert plugin.cb_unified_lookup(LookupKey("abandoned", fresh(C), MODEL)) is None
+    time.sleep(0.1)
+    plugin.cb_unified_lookup(LookupKey("next", fresh(C), MODEL))
+    assert plugin.stats()["abandoned"] == 1 and plugin.active_lookups == 1
+
+
+class BrokenHost(InMemoryHost):
+    def poll_prefix_lookup(self, request_id):
+        raise RuntimeError("engine hiccup")
+
+
+def test_errors_never_reach_the_serving_path(plugins, caplog):
+    plugin = plugins(BrokenHost(C))
+    assert plugin.cb_unified_lookup(LookupKey("r1", fresh(2 * C), MODEL)) == CBUnifiedLookupResult(0, [])
+    assert plugin.active_lookups == 0
+    assert "engine hiccup" in caplog.text
+    plugin.on_store(LookupKey("bad", fresh(C), MODEL), [b"1", b"2"], 0)  # does not fit: logged
+    plugin.on_evict([b"never stored"])
+
+
+def test_resolve_after_prefetch_lets_an_available_chunk_through(plugins):
+    # The leftmost candidate is gone from storage; an overlapping one is available.
+    l2 = {b"there": np.zeros(C, dtype=np.uint32)}
+    reply = fleet_reply((b"gone", 0, 0), (b"there", 0, 8))
+    with LoopbackServer(reply) as server:
+        plain = plugins(InMemoryHost(C, shared_l2=l2), server.url)
+        better = plugins(InMemoryHost(C, shared_l2=l2), server.url, resolve_after_prefetch=True)
+        query = fresh(2 * C)
+        assert run(plain, LookupKey("r1", query, MODEL))[0].non_prefix_segments == []
+        assert run(better, LookupKey("r1", query, MODEL))[0].non_prefix_segments == [seg(0, 8, b"there")]
+        assert len(better.host.prefetch_requests) == 1
+
+
+def test_breaker_open_lookups_complete_in_one_call(plugins):
+    host = InMemoryHost(C)
+    plugin = plugins(host, closed_port_url(), breaker_threshold=1)
+    run(plugin, LookupKey("first", fresh(2 * C), MODEL))  # refused: opens the breaker
+    assert plugin.client.breaker_state == "open"
+    result, elapsed, calls = run(plugin, LookupKey("second", fresh(2 * C), MODEL))
+    assert calls == 1 and plugin.trace("second").fleet_status == "declined"
+
+
+def test_local_matches_stay_in_their_namespace(plugins):
+    host = InMemoryHost(C)
+    plugin = plugins(host)
+    doc = fresh(C)
+    hashes = [b"\x01\x02"]
+    stored = LookupKey("s", doc, MODEL, world_size=1, cache_salt="tenant-a")
+    host.store(stored, hashes, 0)
+    plugin.on_store(stored, hashes, 0)
+    query = np.concatenate([fresh(3), doc])
+    same = run(plugin, LookupKey("a", query, MODEL, 1, "tenant-a"))[0]
+    assert len(same.non_prefix_segments) == 1
+    for other in (LookupKey("b", query, MODEL, 1, "tenant-b"), LookupKey("c", query, "other", 1, "tenant-a"),
+                  LookupKey("d", query, MODEL, 2, "tenant-a")):
+        assert run(plugin, other)[0].non_prefix_segments == []
+
+
+def test_evicted_chunks_are_no_longer_found_locally(plugins):
+    host = InMemoryHost(C)
+    plugin = plugins(host)
+    doc = fresh(2 * C)
+    hashes = store(plugin, host, doc)
+    host.evict(hashes[:1])
+    plugin.on_evict(hashes[:1])
+    result = run(plugin, LookupKey("r1", doc, MODEL))[0]
+    assert result.non_prefix_segments == [seg(C, C, hashes[1])]
+    assert plugin.trace("r1").local_matches == 1
+
+
+def test_store_and_evict_are_reported_with_offsets():
+    with LoopbackServer() as server:
+        host = InMemoryHost(C)
+        plugin = make_plugin(host, server.url)
+        tokens = fresh(3 * C)
+        hashes = store(plugin, host, tokens, start=C)  # chunks at 16 and 32
+        plugin.on_evict(hashes[:1])
+        plugin.close()  # flushes
+        batches = [b for body in server.bodies("/events") for b in body["batches"]]
+        stores = [e for b in batches if b["event_type"] == "store" for e in b["entries"]]
+        deletes = [e for b in batches if b["event_type"] == "delete" for e in b["entries"]]
+        assert [(e["token_offset"], e["token_ids"]) for e in stores] == [
+            (C, tokens[C:2 * C].tolist()), (2 * C, tokens[2 * C:].tolist())]
+        assert [e["key"]["chunk_hash_hex"] for e in deletes] == [hashes[0].hex()]
+
+
+# --- gating --------------------------------------------------------------------------------------
+
+
+def _plugin_threads():
+    return [t for t in threading.enumerate() if t.name.startswith(("blend-match", "blend-events"))]
+
+
+def test_no_url_means_local_only_and_no_threads(plugins):
+    before = len(_plugin_threads())
+    plugin = plugins(InMemoryHost(C))
+    assert plugin.client is None and plugin.reporter is None
+    assert len(_plugin_threads()) == before
+    assert run(plugin, LookupKey("r1", fresh(2 * C), MODEL))[0] == CBUnifiedLookupResult(0, [])
+    assert plugin.trace("r1").fleet_status == "off"
+
+
+def test_url_without_event_reporting_warns_once_and_creates_no_client(plugins, caplog):
+    caplog.set_level(logging.WARNING)
+    before = len(_plugin_threads())
+    plugin = plugins(InMemoryHost(C), closed_port_url(), event_reporting=False)
+    warnings = [r for r in caplog.records if "EVENT_REPORTING" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert plugin.client is None and plugin.reporter is None
+    assert len(_plugin_threads()) == before
+    run(plugin, LookupKey("r1", fresh(2 * C), MODEL))
+    assert len([r for r in caplog.records if "EVENT_REPORTING" in r.getMessage()]) == 1
+
+
+def test_close_stops_plugin_threads():
+    with LoopbackServer() as server:
+        plugin = make_plugin(InMemoryHost(C), server.url)
+        assert plugin.client is not None and plugin.reporter is not None
+        plugin.close()
+        assert not any(t.is_alive() for t in plugin.client._workers)
+        assert not plugin.reporter._thread.is_alive()
+
+
+def test_in_memory_host_is_a_serving_host():
+    assert isinstance(InMemoryHost(C), ServingHost)

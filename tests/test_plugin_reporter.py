@@ -1,0 +1,195 @@
+"""CacheEventReporter against real loopback servers: shapes, numbering, flushing, bounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from plugin import BlendNamespace, CacheEventReporter
+from plugin.wire import CacheEventBatch, EventsRequest, decode, pack_kv_rank
+from test_plugin_loopback import HangingServer, LoopbackServer, Reply, closed_port_url, ok_reply, wait_until
+
+NS = BlendNamespace("llama", "tenant-a", 4)
+EVENTS = "/events"
+
+
+def reporter_for(url, **kwargs) -> CacheEventReporter:
+    options = dict(instance_id="server-1", flush_interval=30.0, timeout=0.5)
+    options.update(kwargs)
+    return CacheEventReporter(url, **options)
+
+
+def sent_batches(server) -> list[dict]:
+    return [batch for body in server.bodies(EVENTS) for batch in body["batches"]]
+
+
+def test_store_batches_carry_tokens_offsets_and_namespaced_keys():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        tokens = np.arange(8, dtype=np.uint32)
+        reporter.report_store(NS, [b"\x01\x02", b"\xff"], [tokens[:4], tokens[4:]], [256, 260],
+                              size_bytes=4096)
+        assert reporter.flush()
+        reporter.close()
+        # What was sent is a valid EventsRequest by the shared wire contract.
+        (path, body), = server.requests
+        decode(body, EventsRequest)
+        batch, = sent_batches(server)
+        assert (batch["event_type"], batch["tier"], batch["backend"]) == ("store", "l1", "dram")
+        first, second = batch["entries"]
+        assert first["key"] == {"chunk_hash_hex": "0102", "model_name": "llama",
+                                "kv_rank": pack_kv_rank(4), "object_group_id": 0,
+                                "cache_salt": "tenant-a"}
+        assert first["key"]["kv_rank"] >> 24 == 4  # the world size rides in the top byte
+        assert (first["token_ids"], first["token_offset"], first["size_bytes"]) == ([0, 1, 2, 3], 256, 4096)
+        assert (second["key"]["chunk_hash_hex"], second["token_ids"], second["token_offset"]) == \
+            ("ff", [4, 5, 6, 7], 260)
+
+
+def test_delete_batches_carry_keys_only():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        reporter.report_delete(NS, [b"\xab"])
+        reporter.close()
+        batch, = sent_batches(server)
+        assert batch["event_type"] == "delete"
+        entry, = batch["entries"]
+        assert entry["key"]["chunk_hash_hex"] == "ab"
+        assert entry["token_ids"] == []
+
+
+def test_seq_counts_from_one_and_event_order_is_kept():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        tok = [np.zeros(4, dtype=np.uint32)]
+        reporter.report_store(NS, [b"\x01"], tok, [0])
+        reporter.report_delete(NS, [b"\x01"])
+        reporter.report_store(NS, [b"\x02"], tok, [0])
+        reporter.flush()
+        reporter.report_store(NS, [b"\x03"], tok, [0])
+        reporter.close()
+        batches = sent_batches(server)
+        assert [(b["seq"], b["event_type"], b["entries"][0]["key"]["chunk_hash_hex"]) for b in batches] == [
+            (1, "store", "01"), (2, "delete", "01"), (3, "store", "02"), (4, "store", "03")]
+        assert {(b["instance_id"], b["incarnation"]) for b in batches} == {
+            ("server-1", reporter.incarnation)}
+
+
+def test_a_new_reporter_for_the_same_instance_has_a_higher_incarnation():
+    url = closed_port_url()
+    first = reporter_for(url, start=False)
+    second = reporter_for(url, start=False)
+    assert second.incarnation > first.incarnation >= time.time_ns() - 60 * 10**9
+
+
+def test_flushes_in_the_background_every_interval():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url, flush_interval=0.05)
+        try:
+            reporter.report_store(NS, [b"\x01"], [[1, 2]], [0])
+            assert wait_until(lambda: len(sent_batches(server)) == 1, timeout=2.0)
+            reporter.report_delete(NS, [b"\x01"])
+            assert wait_until(lambda: len(sent_batches(server)) == 2, timeout=2.0)
+        finally:
+            reporter.close()
+
+
+def test_close_flushes_what_is_queued():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url, flush_interval=30.0)
+        reporter.report_store(NS, [b"\x01"], [[1]], [0])
+        assert server.requests == []
+        reporter.close()
+        assert len(sent_batches(server)) == 1
+        assert not any(t.name == "blend-events" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_store_path_only_enqueues():
+    with HangingServer() as server:
+        reporter = reporter_for(server.url, flush_interval=30.0, timeout=0.2)
+        started = time.perf_counter()
+        for i in range(200):
+            reporter.report_store(NS, [bytes([i])], [np.arange(256, dtype=np.uint32)], [i * 256])
+        assert time.perf_counter() - started < 0.05
+        assert server.accepted == []  # nothing touched the network
+        assert reporter.pending == 200
+        reporter.close(timeout=0.1)
+
+
+def test_bounded_queue_drops_oldest_and_counts_them():
+    down = threading.Event()
+    down.set()
+
+    def behave(path, body):
+        return Reply(503, "down") if down.is_set() else ok_reply(path, body)
+
+    with LoopbackServer(behave) as server:
+        reporter = reporter_for(server.url, max_events=5)
+        for i in range(3):
+            reporter.report_store(NS, [bytes([i])], [[i]], [i])
+        assert not reporter.flush()  # coordinator down: kept, numbered
+        for i in range(3, 8):
+            reporter.report_store(NS, [bytes([i])], [[i]], [i])
+        assert not reporter.flush()
+        assert reporter.pending == 5
+        assert reporter.stats()["dropped_events"] == 3
+        down.clear()
+        assert reporter.flush()
+        reporter.close()
+        delivered = [e["token_offset"] for b in server.bodies(EVENTS)[-1]["batches"] for e in b["entries"]]
+        assert delivered == [3, 4, 5, 6, 7]  # the newest five, in order
+
+
+def test_failed_flush_is_retried_without_reordering():
+    outcomes = iter([503, 503])
+
+    def behave(path, body):
+        status = next(outcomes, 200)
+        return Reply(503, "down") if status != 200 else ok_reply(path, body)
+
+    with LoopbackServer(behave) as server:
+        reporter = reporter_for(server.url)
+        reporter.report_store(NS, [b"\x0a"], [[1]], [0])
+        assert not reporter.flush()
+        reporter.report_delete(NS, [b"\x0a"])
+        assert not reporter.flush()
+        assert reporter.flush()
+        reporter.close()
+        attempts = [[(b["seq"], b["event_type"]) for b in body["batches"]] for body in server.bodies(EVENTS)]
+        # The first batch keeps seq 1 on every retry, and the delete stays behind it.
+        assert attempts == [[(1, "store")], [(1, "store"), (2, "delete")],
+                            [(1, "store"), (2, "delete")]]
+        assert reporter.stats()["failed_flushes"] == 2
+
+
+def test_rejected_batches_are_dropped_not_retried_forever(caplog):
+    with LoopbackServer(lambda p, b: Reply(422, "seq: Expected int >= 1")) as server:
+        reporter = reporter_for(server.url)
+        reporter.report_store(NS, [b"\x01"], [[1]], [0])
+        assert reporter.flush()
+        assert reporter.pending == 0
+        assert reporter.stats()["rejected_batches"] == 1
+        assert "rejected" in caplog.text
+        reporter.close()
+
+
+def test_unreachable_coordinator_never_raises_and_warns_once(caplog):
+    reporter = reporter_for(closed_port_url())
+    reporter.report_store(NS, [b"\x01"], [[1]], [0])
+    assert not reporter.flush()
+    assert not reporter.flush()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "cannot deliver" in r.getMessage()]
+    assert len(warnings) == 1
+    reporter.close(timeout=0.1)
+
+
+def test_sent_batches_validate_against_the_wire_shape():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        reporter.report_store(NS, [b"\x01"], [None], [-1])  # tokens no longer held, offset unknown
+        reporter.close()
+        batch = decode(server.requests[0][1], EventsRequest).batches[0]
+        assert isinstance(batch, CacheEventBatch)
+        assert batch.entries[0].token_ids == [] and batch.entries[0].token_offset == -1
