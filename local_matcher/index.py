@@ -52,11 +52,12 @@ def as_tokens(values) -> np.ndarray:
 class _Chunk:
     __slots__ = ("hash", "cid", "offset", "claims", "next")
 
-    def __init__(self, chunk_hash: Hashable, cid: int, offset: int, following: "_Chunk | None"):
+    def __init__(self, chunk_hash: Hashable, cid: int, offset: int, claims: int,
+                 following: "_Chunk | None"):
         self.hash = chunk_hash
         self.cid = cid
         self.offset = offset
-        self.claims = 0
+        self.claims = claims
         self.next = following
 
 
@@ -116,36 +117,42 @@ class ContentIndex:
             raise ValueError(f"rows must have shape (n, {self.chunk_size}), got {rows.shape}")
         if not (len(rows) == len(chunk_hashes) == len(token_offsets)):
             raise ValueError("rows, chunk_hashes and token_offsets differ in length")
-        offsets = [int(x) for x in token_offsets]
-        keep = [i for i, offset in enumerate(offsets) if offset >= 0]
-        if len(keep) < len(offsets):
-            log.debug("not indexed: %d chunks with unknown offset", len(offsets) - len(keep))
-            if not keep:
-                return
-            rows = rows[keep]
-            chunk_hashes = [chunk_hashes[i] for i in keep]
-            offsets = [offsets[i] for i in keep]
+        offsets = np.asarray(token_offsets, dtype=np.int64)
+        if offsets.size and offsets.min() < 0:
+            keep = np.flatnonzero(offsets >= 0)
+            log.debug("not indexed: %d chunks with unknown offset", offsets.size - keep.size)
+            rows, offsets = rows[keep], offsets[keep]
+            chunk_hashes = [chunk_hashes[i] for i in keep.tolist()]
+        if not len(chunk_hashes):
+            return
         with self._lock:
             ns_id = self._namespace_id(namespace)
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
             if len(self._occupants) < self._store.capacity:
                 self._occupants.extend([None] * (self._store.capacity - len(self._occupants)))
-            vacated: list[int] = []
-            for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets):
-                chunk = self._chunks.get(chunk_hash)
+            chunks, occupants, vacated = self._chunks, self._occupants, []
+            bit, claimed = 1 << ns_id, 0
+            for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
+                chunk = chunks.get(chunk_hash)
                 if chunk is not None and chunk.cid != cid:
+                    # The hash now names other content: retire it from the old one first.
+                    self._count_claims(ns_id, claimed)
                     vacated.append(chunk.cid)
                     self._drop(chunk)
-                    chunk = None
-                    # Dropping may have retired the namespace's id along with its last claim.
-                    ns_id = self._namespace_id(namespace)
+                    chunk, claimed = None, 0
+                    ns_id = self._namespace_id(namespace)  # the drop may have retired it
+                    bit = 1 << ns_id
                 if chunk is None:
-                    chunk = _Chunk(chunk_hash, cid, offset, self._occupants[cid])
-                    self._occupants[cid] = chunk
-                    self._chunks[chunk_hash] = chunk
+                    occupants[cid] = chunks[chunk_hash] = _Chunk(
+                        chunk_hash, cid, offset, bit, occupants[cid])
+                    claimed += 1
                 else:
                     chunk.offset = offset
-                self._claim(chunk, ns_id)
+                    if not chunk.claims & bit:
+                        chunk.claims |= bit
+                        claimed += 1
+            self._count_claims(ns_id, claimed)
+            self._store.ns_mask[cids] |= np.uint64(_mask_bit(ns_id))
             # Released only now: a later row of this batch may have found that content.
             self._release_if_vacant(vacated)
 
@@ -250,12 +257,9 @@ class ContentIndex:
             return chunk
         return chunk if self._store.holds(chunk.cid, as_tokens(tokens)) else None
 
-    def _claim(self, chunk: _Chunk, ns_id: int) -> None:
-        if not (chunk.claims >> ns_id) & 1:
-            chunk.claims |= 1 << ns_id
-            self._ns_claim_counts[ns_id] += 1
-            self._num_claims += 1
-        self._store.ns_mask[chunk.cid] |= np.uint64(_mask_bit(ns_id))
+    def _count_claims(self, ns_id: int, claimed: int) -> None:
+        self._ns_claim_counts[ns_id] += claimed
+        self._num_claims += claimed
 
     def _unclaim(self, chunk: _Chunk, ns_id: int) -> None:
         chunk.claims &= ~(1 << ns_id)
@@ -305,7 +309,7 @@ class ContentIndex:
             self._store.remove(np.array(vacant, dtype=np.int64))
 
 
-_CHUNK_BYTES = sys.getsizeof(_Chunk(b"", 0, 0, None)) + sys.getsizeof(10**6)
+_CHUNK_BYTES = sys.getsizeof(_Chunk(b"", 0, 0, 0, None)) + sys.getsizeof(10**6)
 
 _warmed = False
 
@@ -315,10 +319,10 @@ def warm_up() -> None:
     global _warmed
     if _warmed:
         return
-    store = ContentStore(4, initial_capacity=16)
+    store = ContentStore(4)
     cids, _ = store.insert(np.arange(8, dtype=np.uint32).reshape(2, 4))
     store.ns_mask[cids] = 1
     store.probe(np.arange(12, dtype=np.uint32), 1, 1)
     store.remove(cids)
-    store._reserve(64)  # grows the table: compiles rebuild_table
+    store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
     _warmed = True

@@ -1,8 +1,10 @@
 """Numba kernels of the content store: fingerprints, probing, insertion, removal.
 
 Plain-array signatures only; `local_matcher.store.ContentStore` owns the arrays and
-is the only caller. Every kernel is compiled with ``cache=True`` and ``nogil=True``
-(callers hold the store's lock, not the GIL, while a kernel runs).
+is the only caller. Every kernel is compiled with ``cache=True``. `probe`, the long one,
+also releases the GIL (callers hold the store's lock); the short update kernels keep
+it, since releasing and re-taking the GIL around a few microseconds of work makes the
+threads that share it queue behind each other.
 
 Fingerprint of a window of C tokens (all arithmetic mod 2**64)::
 
@@ -24,7 +26,8 @@ Table layout (the invariants every kernel keeps):
   fingerprint (``filter_bits >= table_bits``). A bit is set iff some live entry maps to
   it. Entries sharing a filter slot share a home slot, so they sit in one probe cluster:
   removal clears a bit after scanning only that cluster.
-- ``tokens[cid]``: the content's tokens; ``free_ids[:free_top[0]]`` the unused ids.
+- ``blocks[cid >> BLOCK_BITS][cid & BLOCK_MASK]``: the content's tokens, in fixed-size
+  blocks so that growing never copies them; ``free_ids[:free_top[0]]`` the unused ids.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ _ONE = np.uint64(1)
 _SIX = np.uint64(6)
 _LOW6 = np.uint64(63)
 
+BLOCK_BITS = 14
+BLOCK_ROWS = 1 << BLOCK_BITS
+_BLOCK_MASK = BLOCK_ROWS - 1
+
 
 @njit(cache=True, inline="always")
 def _mix(x):
@@ -54,17 +61,17 @@ def _scramble(token, salt):
     return _mix(np.uint64(token) + salt)
 
 
-@njit(cache=True, nogil=True)
-def fingerprint_rows(rows, salt, base):
-    """Fingerprint of every row of a (n, C) uint32 array."""
-    n, width = rows.shape
-    out = np.empty(n, dtype=np.uint64)
-    for i in range(n):
-        h = np.uint64(0)
-        for j in range(width):
-            h = h * base + _scramble(rows[i, j], salt)
-        out[i] = _mix(h ^ salt)
-    return out
+@njit(cache=True, inline="always")
+def _row(blocks, cid):
+    return blocks[cid >> BLOCK_BITS][cid & _BLOCK_MASK]
+
+
+@njit(cache=True, inline="always")
+def _fingerprint(row, salt, base):
+    h = np.uint64(0)
+    for j in range(row.shape[0]):
+        h = h * base + _scramble(row[j], salt)
+    return _mix(h ^ salt)
 
 
 @njit(cache=True, inline="always")
@@ -73,17 +80,16 @@ def _filter_test(filter_words, slot):
 
 
 @njit(cache=True, inline="always")
-def _same_tokens(query, start, tokens, cid):
-    width = tokens.shape[1]
-    for j in range(width):
-        if query[start + j] != tokens[cid, j]:
+def _same_tokens(query, start, stored):
+    for j in range(stored.shape[0]):
+        if query[start + j] != stored[j]:
             return False
     return True
 
 
 @njit(cache=True, nogil=True)
 def probe(query, stride, salt, base, base_top, filter_words, filter_shift,
-          table_fp, table_cid, table_shift, tokens, ns_mask, ns_bit, seen, epoch):
+          table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch):
     """First verified occurrence of every stored content in `query`.
 
     Windows start at multiples of `stride`. A candidate must pass the filter, have
@@ -93,7 +99,6 @@ def probe(query, stride, salt, base, base_top, filter_words, filter_shift,
     as found for this call, after verification. Returns (positions, cids), ascending.
     """
     n = query.shape[0]
-    width = tokens.shape[1]
     if n < width:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
     scrambled = np.empty(n, dtype=np.uint64)
@@ -116,7 +121,7 @@ def probe(query, stride, salt, base, base_top, filter_words, filter_shift,
                     cid = table_cid[s]
                     if (table_fp[s] == fp and seen[cid] != epoch
                             and (ns_mask[cid] & ns_bit) != 0
-                            and _same_tokens(query, p, tokens, cid)):
+                            and _same_tokens(query, p, _row(blocks, cid))):
                         seen[cid] = epoch
                         out_pos[found] = p
                         out_cid[found] = cid
@@ -128,21 +133,13 @@ def probe(query, stride, salt, base, base_top, filter_words, filter_shift,
 
 
 @njit(cache=True, inline="always")
-def _find(row_tokens, i, fp, tokens, table_fp, table_cid, table_shift):
-    """Slot-free lookup of row `i`'s content: its id, or -1."""
+def _find(row, fp, blocks, table_fp, table_cid, table_shift):
+    """The id of the stored content equal to `row`, or -1."""
     table_mask = table_cid.shape[0] - 1
-    width = tokens.shape[1]
     s = np.int64(fp >> table_shift)
     while table_cid[s] != -1:
-        if table_fp[s] == fp:
-            cid = table_cid[s]
-            same = True
-            for j in range(width):
-                if row_tokens[i, j] != tokens[cid, j]:
-                    same = False
-                    break
-            if same:
-                return cid
+        if table_fp[s] == fp and _same_tokens(row, 0, _row(blocks, table_cid[s])):
+            return table_cid[s]
         s = (s + 1) & table_mask
     return -1
 
@@ -159,40 +156,38 @@ def _place(fp, cid, table_fp, table_cid, table_shift, filter_words, filter_shift
     filter_words[slot >> _SIX] |= _ONE << (slot & _LOW6)
 
 
-@njit(cache=True, nogil=True)
-def insert_rows(rows, salt, base, tokens, table_fp, table_cid, table_shift,
+@njit(cache=True)
+def insert_rows(rows, salt, base, blocks, table_fp, table_cid, table_shift,
                 filter_words, filter_shift, free_ids, free_top):
     """Find-or-insert every row; returns (content ids, 1 where newly stored).
 
     The caller guarantees room: at least ``len(rows)`` free ids and a table that
     stays at most half full after inserting them all.
     """
-    fps = fingerprint_rows(rows, salt, base)
-    n, width = rows.shape
+    n = rows.shape[0]
     cids = np.empty(n, dtype=np.int64)
     fresh = np.zeros(n, dtype=np.uint8)
     for i in range(n):
-        cid = _find(rows, i, fps[i], tokens, table_fp, table_cid, table_shift)
+        fp = _fingerprint(rows[i], salt, base)
+        cid = _find(rows[i], fp, blocks, table_fp, table_cid, table_shift)
         if cid == -1:
             free_top[0] -= 1
             cid = free_ids[free_top[0]]
-            for j in range(width):
-                tokens[cid, j] = rows[i, j]
-            _place(fps[i], cid, table_fp, table_cid, table_shift, filter_words, filter_shift)
+            _row(blocks, cid)[:] = rows[i]
+            _place(fp, cid, table_fp, table_cid, table_shift, filter_words, filter_shift)
             fresh[i] = 1
         cids[i] = cid
     return cids, fresh
 
 
-@njit(cache=True, nogil=True)
-def remove_contents(cids, salt, base, tokens, table_fp, table_cid, table_shift,
+@njit(cache=True)
+def remove_contents(cids, salt, base, blocks, table_fp, table_cid, table_shift,
                     filter_words, filter_shift, free_ids, free_top):
     """Drop stored contents by id and return their ids to the free list."""
     table_mask = table_cid.shape[0] - 1
-    fps = fingerprint_rows(tokens[cids], salt, base) if cids.shape[0] else np.empty(0, np.uint64)
     for k in range(cids.shape[0]):
         cid = cids[k]
-        fp = fps[k]
+        fp = _fingerprint(_row(blocks, cid), salt, base)
         home = np.int64(fp >> table_shift)
         s = home
         while table_cid[s] != cid:
@@ -234,7 +229,7 @@ def remove_contents(cids, salt, base, tokens, table_fp, table_cid, table_shift,
         free_top[0] += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def rebuild_table(old_fp, old_cid, table_fp, table_cid, table_shift, filter_words, filter_shift):
     """Re-place every live entry of an old table into fresh (empty) arrays."""
     for s in range(old_cid.shape[0]):

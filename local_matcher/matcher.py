@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from threading import Lock
 from typing import Hashable, Iterable, Sequence
@@ -23,6 +24,8 @@ from local_matcher.types import CBMatchResult
 log = logging.getLogger(__name__)
 
 _LOCAL = "local"
+_COALESCE_DELAY_S = 0.002
+_MAX_COALESCED = 256  # registrations per index batch: bounds how long a drain holds the lock
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-matcher")
 
 
@@ -70,10 +73,17 @@ class LocalMatcher:
         with self._drain_lock:
             while self._pending:
                 operation = self._pending.popleft()
-                if isinstance(operation, tuple):
-                    self._index.add_many(*operation, _LOCAL)
-                else:
+                if isinstance(operation, list):
                     self._index.remove_chunks(operation)
+                    continue
+                # Consecutive registrations go to the index as one batch.
+                batch = [operation]
+                while (len(batch) < _MAX_COALESCED and self._pending
+                       and isinstance(self._pending[0], tuple)):
+                    batch.append(self._pending.popleft())
+                rows, hashes, offsets = zip(*batch)
+                self._index.add_many(np.concatenate(rows), [h for hs in hashes for h in hs],
+                                     [o for os_ in offsets for o in os_], _LOCAL)
 
     def stats(self) -> dict[str, int]:
         return {**self._index.stats(), "pending": len(self._pending)}
@@ -89,6 +99,9 @@ class LocalMatcher:
             _background.submit(self._drain_in_background)
 
     def _drain_in_background(self) -> None:
+        # A short wait lets a burst of stores coalesce into one batch: draining each store
+        # alone would hand the GIL back and forth with the store path on every call.
+        time.sleep(_COALESCE_DELAY_S)
         self._scheduled = False  # cleared first: what arrives during the drain reschedules
         try:
             self.flush()

@@ -7,9 +7,9 @@ arrays the kernels in `local_matcher.kernels` work on and is their only caller.
 Not thread-safe: `ContentIndex` serialises every call under its lock.
 
 Sizing invariants:
-- `capacity` content slots; ids of unused slots sit on a free stack and are reused, so
-  any number of insert/remove cycles never exhausts the store. Capacity grows by a
-  quarter (tokens dominate memory, so slack is kept small).
+- Tokens live in blocks of `kernels.BLOCK_ROWS` contents; growing adds a block and
+  never copies stored tokens. Ids of unused slots sit on a free stack and are reused,
+  so any number of insert/remove cycles never exhausts the store.
 - The table has at least `2 * capacity` slots (never more than half full) and the
   filter 16 bits per table slot, so at most 1 probe in 32 passes the filter by chance.
 """
@@ -19,11 +19,14 @@ from __future__ import annotations
 import secrets
 
 import numpy as np
+from numba import types
+from numba.typed import List
 
 from local_matcher import kernels
 
 _FILTER_BITS_PER_SLOT_LOG2 = 4
 _MASK64 = 2**64 - 1
+_BLOCK_TYPE = types.Array(types.uint32, 2, "C")
 
 
 def _as_u64(value: int) -> np.uint64:
@@ -31,8 +34,7 @@ def _as_u64(value: int) -> np.uint64:
 
 
 class ContentStore:
-    def __init__(self, chunk_size: int, fingerprint_key: tuple[int, int] | None = None,
-                 initial_capacity: int = 1024) -> None:
+    def __init__(self, chunk_size: int, fingerprint_key: tuple[int, int] | None = None) -> None:
         if fingerprint_key is None:
             fingerprint_key = (secrets.randbits(64), secrets.randbits(64))
         salt, base = fingerprint_key
@@ -41,19 +43,19 @@ class ContentStore:
         self._base = _as_u64(base | 1)  # odd: multiplication by it is invertible mod 2**64
         self._base_top = _as_u64(pow(int(self._base), chunk_size - 1, 2**64))
         self._epoch = 0
-        capacity = max(16, initial_capacity)
-        self.tokens = np.zeros((capacity, chunk_size), dtype=np.uint32)
-        self.ns_mask = np.zeros(capacity, dtype=np.uint64)
-        self._seen = np.zeros(capacity, dtype=np.int64)
-        self._free_ids = np.arange(capacity - 1, -1, -1, dtype=np.int64)
-        self._free_top = np.array([capacity], dtype=np.int64)
-        self._allocate_table(self._table_bits_for(capacity))
+        self._blocks = List.empty_list(_BLOCK_TYPE)
+        self.ns_mask = np.zeros(0, dtype=np.uint64)
+        self._seen = np.zeros(0, dtype=np.int64)
+        self._free_ids = np.zeros(0, dtype=np.int64)
+        self._free_top = np.zeros(1, dtype=np.int64)
+        self._allocate_table(4)
+        self._reserve(1)
 
     # --- sizing ---------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        return self.tokens.shape[0]
+        return len(self._blocks) * kernels.BLOCK_ROWS
 
     @property
     def num_contents(self) -> int:
@@ -65,40 +67,35 @@ class ContentStore:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.tokens, self.ns_mask, self._seen, self._free_ids, self._table_fp,
+        arrays = (*self._blocks, self.ns_mask, self._seen, self._free_ids, self._table_fp,
                   self._table_cid, self._filter)
         return sum(a.nbytes for a in arrays)
-
-    @staticmethod
-    def _table_bits_for(capacity: int) -> int:
-        return max(4, (2 * capacity - 1).bit_length())
 
     def _allocate_table(self, bits: int) -> None:
         filter_bits = bits + _FILTER_BITS_PER_SLOT_LOG2
         self._table_shift = np.uint64(64 - bits)
         self._filter_shift = np.uint64(64 - filter_bits)
         self._table_fp = np.zeros(1 << bits, dtype=np.uint64)
-        self._table_cid = np.full(1 << bits, -1, dtype=np.int64)
+        self._table_cid = np.full(1 << bits, -1, dtype=np.int32)
         self._filter = np.zeros(max(1, (1 << filter_bits) // 64), dtype=np.uint64)
 
     def _reserve(self, extra: int) -> None:
-        free = int(self._free_top[0])
-        if free >= extra:
-            return
-        old = self.capacity
-        new = max(old + old // 4, self.num_contents + extra)
-        grown = np.zeros((new, self.chunk_size), dtype=np.uint32)
-        grown[:old] = self.tokens
-        self.tokens = grown
-        self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
-        self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
-        free_ids = np.empty(new, dtype=np.int64)
-        free_ids[: new - old] = np.arange(new - 1, old - 1, -1)
-        free_ids[new - old: new - old + free] = self._free_ids[:free]
-        self._free_ids = free_ids
-        self._free_top[0] = free + new - old
-        bits = self._table_bits_for(new)
-        if (1 << bits) != self.table_size:
+        """Make room for `extra` new contents: whole blocks, and a table to match."""
+        while int(self._free_top[0]) < extra:
+            old = self.capacity
+            new = old + kernels.BLOCK_ROWS
+            # Rows are written before any read; fresh pages are mapped lazily on first write.
+            self._blocks.append(np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32))
+            self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
+            self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
+            free = int(self._free_top[0])
+            free_ids = np.empty(new, dtype=np.int64)
+            free_ids[: new - old] = np.arange(new - 1, old - 1, -1)
+            free_ids[new - old: new - old + free] = self._free_ids[:free]
+            self._free_ids = free_ids
+            self._free_top[0] = free + new - old
+        bits = max(4, (2 * self.capacity - 1).bit_length())
+        if (1 << bits) > self.table_size:
             old_fp, old_cid = self._table_fp, self._table_cid
             self._allocate_table(bits)
             kernels.rebuild_table(old_fp, old_cid, self._table_fp, self._table_cid,
@@ -113,18 +110,19 @@ class ContentStore:
         content was stored by this call.
         """
         self._reserve(rows.shape[0])
-        return kernels.insert_rows(rows, self._salt, self._base, self.tokens, self._table_fp,
+        return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table_fp,
                                    self._table_cid, self._table_shift, self._filter,
                                    self._filter_shift, self._free_ids, self._free_top)
 
     def remove(self, cids: np.ndarray) -> None:
         """Forget stored contents by id (each id once); their slots become reusable."""
-        kernels.remove_contents(cids, self._salt, self._base, self.tokens, self._table_fp,
+        kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._table_fp,
                                 self._table_cid, self._table_shift, self._filter,
                                 self._filter_shift, self._free_ids, self._free_top)
 
     def holds(self, cid: int, tokens: np.ndarray) -> bool:
-        return bool(np.array_equal(self.tokens[cid], tokens))
+        block = self._blocks[cid >> kernels.BLOCK_BITS]
+        return bool(np.array_equal(block[cid & (kernels.BLOCK_ROWS - 1)], tokens))
 
     def probe(self, query: np.ndarray, stride: int, ns_bit: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, content ids) of the first verified occurrence of each content
@@ -132,5 +130,5 @@ class ContentStore:
         self._epoch += 1
         return kernels.probe(query, stride, self._salt, self._base, self._base_top, self._filter,
                              self._filter_shift, self._table_fp, self._table_cid,
-                             self._table_shift, self.tokens, self.ns_mask, np.uint64(ns_bit),
-                             self._seen, self._epoch)
+                             self._table_shift, self._blocks, self.chunk_size, self.ns_mask,
+                             np.uint64(ns_bit), self._seen, self._epoch)

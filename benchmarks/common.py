@@ -1,0 +1,50 @@
+"""Helpers every benchmark shares: what machine it ran on, percentiles, process memory."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+
+
+def machine_description() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    memory = ""
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        memory = f", {pages / 2**30:.0f} GiB"
+    except (ValueError, OSError):
+        pass
+    return (f"{os.cpu_count()} cores ({model}){memory}, Python {platform.python_version()}, "
+            f"{platform.system()} {platform.machine()}")
+
+
+def percentile_ms(samples_s: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples_s), q) * 1e3)
+
+
+def release_free_memory() -> None:
+    """Hand memory the allocator keeps cached back to the OS, so RSS shows what is held."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident set size of a process (this one by default), from /proc."""
+    with open(f"/proc/{pid or 'self'}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,92 @@
+"""ContentIndex against a brute-force model: random stores, removals and queries."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from local_matcher import ContentIndex
+
+C = 3
+NAMESPACES = ("a", "b", "c")
+HASHES = [bytes([i]) for i in range(8)]
+
+# A tiny alphabet and a few favourite contents make shared content, repeats and
+# overlapping matches common.
+CONTENTS = [[0, 1, 2], [1, 2, 0], [2, 2, 2], [0, 0, 1]]
+tokens = st.one_of(st.sampled_from(CONTENTS), st.lists(st.integers(0, 2), min_size=C, max_size=C))
+query = st.one_of(st.lists(st.integers(0, 2), max_size=20),
+                  st.lists(st.sampled_from(CONTENTS + [[0], [1, 2]]), max_size=6).map(
+                      lambda parts: [t for part in parts for t in part]))
+operation = st.one_of(
+    st.tuples(st.just("add"), tokens, st.sampled_from(HASHES), st.integers(-1, 50),
+              st.sampled_from(NAMESPACES)),
+    st.tuples(st.just("remove_claim"), st.sampled_from(HASHES), st.sampled_from(NAMESPACES)),
+    st.tuples(st.just("remove_chunk"), st.sampled_from(HASHES)),
+    st.tuples(st.just("match"), query, st.sampled_from(NAMESPACES)),
+)
+
+
+class Model:
+    """What the index must answer, by exhaustive comparison."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[bytes, tuple[tuple[int, ...], int, set[str]]] = {}
+
+    def add(self, content, chunk_hash, offset, namespace) -> None:
+        if offset < 0:
+            return
+        known = self.chunks.get(chunk_hash)
+        claims = {namespace}
+        if known is not None and known[0] == tuple(content):
+            claims |= known[2]
+        self.chunks[chunk_hash] = (tuple(content), offset, claims)
+
+    def remove_claim(self, chunk_hash, namespace) -> None:
+        known = self.chunks.get(chunk_hash)
+        if known is not None:
+            known[2].discard(namespace)
+            if not known[2]:
+                del self.chunks[chunk_hash]
+
+    def match(self, query, namespace, stride):
+        found, seen = [], set()
+        for start in range(0, len(query) - C + 1, stride):
+            window = tuple(query[start:start + C])
+            for chunk_hash, (content, offset, claims) in self.chunks.items():
+                if content == window and namespace in claims and chunk_hash not in seen:
+                    seen.add(chunk_hash)
+                    found.append((start, chunk_hash, offset))
+        return sorted(found)
+
+    def stats(self) -> tuple[int, int, int, int]:
+        return (len({content for content, _, _ in self.chunks.values()}), len(self.chunks),
+                sum(len(claims) for _, _, claims in self.chunks.values()),
+                len(set().union(*(claims for _, _, claims in self.chunks.values()))))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, max_size=40), st.sampled_from([1, 2]))
+def test_index_agrees_with_brute_force(operations, stride):
+    index, model = ContentIndex(chunk_size=C, probe_stride=stride), Model()
+    for op in operations:
+        kind = op[0]
+        if kind == "add":
+            index.add(op[1], op[2], op[3], op[4])
+            model.add(*op[1:])
+        elif kind == "remove_claim":
+            content = model.chunks.get(op[1], ((0,) * C,))[0]
+            index.remove_claim(content, op[1], op[2])
+            model.remove_claim(op[1], op[2])
+        elif kind == "remove_chunk":
+            index.remove_chunk(None, op[1])
+            model.chunks.pop(op[1], None)
+        else:
+            got = index.match(op[1], op[2])
+            assert [m.cur_st for m in got] == sorted(m.cur_st for m in got)
+            assert sorted((m.cur_st, m.chunk_hash, m.old_st) for m in got) == \
+                model.match(op[1], op[2], stride)
+        stats = index.stats()
+        assert (stats["num_contents"], stats["num_chunks"], stats["num_claims"],
+                stats["num_namespaces"]) == model.stats()
+
