@@ -1,0 +1,92 @@
+"""LocalMatcher: the per-process view of the content index a serving process uses."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from local_matcher import CBMatchResult, LocalMatcher
+
+C = 16
+
+
+def tokens(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size=count, dtype=np.uint32)
+
+
+def test_match_returns_segments_with_ends_and_registered_hash():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(3 * C, seed=1)
+    matcher.register(stored, [b"c0", b"c1", b"c2"], position_offset=100)
+    query = np.concatenate([tokens(5, seed=2), stored[2 * C:3 * C], stored[:C]])
+    assert matcher.match(query) == [
+        CBMatchResult(old_st=100 + 2 * C, old_ed=100 + 3 * C, cur_st=5, cur_ed=5 + C, hash=b"c2"),
+        CBMatchResult(old_st=100, old_ed=100 + C, cur_st=5 + C, cur_ed=5 + 2 * C, hash=b"c0"),
+    ]
+
+
+def test_chunk_registered_just_before_a_lookup_is_found():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(C, seed=3)
+    matcher.register(stored, [b"fresh"])  # no flush: match must drain what is pending
+    assert [r.hash for r in matcher.match(stored)] == [b"fresh"]
+
+
+def test_trailing_partial_chunk_and_extra_hashes_are_ignored():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(2 * C + 5, seed=4)
+    matcher.register(stored, [b"a", b"b", b"c"])
+    matcher.flush()
+    assert matcher.stats()["num_chunks"] == 2
+    assert [r.hash for r in matcher.match(stored)] == [b"a", b"b"]
+
+
+def test_registered_tokens_are_copied():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(C, seed=5)
+    original = stored.copy()
+    matcher.register(stored, [b"x"])
+    stored[:] = 0  # the caller reuses its buffer
+    assert [r.hash for r in matcher.match(original)] == [b"x"]
+
+
+def test_evict_removes_and_ignores_unknown_hashes():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(2 * C, seed=6)
+    matcher.register(stored, [b"a", b"b"])
+    matcher.evict([b"a", b"never-registered"])
+    assert [r.hash for r in matcher.match(stored)] == [b"b"]
+    assert matcher.stats()["num_contents"] == 1
+
+
+def test_operations_apply_in_order():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(C, seed=7)
+    matcher.register(stored, [b"x"])
+    matcher.evict([b"x"])
+    matcher.register(stored, [b"x"], position_offset=C)
+    assert matcher.match(stored) == [CBMatchResult(C, 2 * C, 0, C, b"x")]
+
+
+def test_long_lived_matcher_survives_more_than_2_pow_20_cycles():
+    """LMCache 0.5.6 stops indexing after 2**20 registrations; this must not."""
+    chunk = 4
+    matcher = LocalMatcher(chunk_size=chunk)
+    batch, cycles = 4000, 300  # 1.2 million register/evict cycles
+    offsets = np.arange(batch * chunk, dtype=np.uint32)
+    for cycle in range(cycles):
+        # Every cycle stores content never seen before.
+        sequence = offsets + np.uint32(cycle * batch * chunk)
+        hashes = range(cycle * batch, (cycle + 1) * batch)
+        matcher.register(sequence, hashes)
+        if cycle == 0:
+            matcher.flush()
+            first = matcher.stats()
+        if cycle % 50 == 0 or cycle == cycles - 1:
+            found = matcher.match(sequence)
+            assert [r.hash for r in found] == list(hashes), f"cycle {cycle} lost recall"
+        matcher.evict(hashes)
+    matcher.flush()
+    last = matcher.stats()
+    assert last["num_contents"] == last["num_chunks"] == 0
+    assert last["table_size"] == first["table_size"]
+    assert last["bytes"] <= first["bytes"] + 4096, "memory did not return to its level"
