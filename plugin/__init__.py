@@ -11,7 +11,7 @@
 `plugin.wire` owns every wire shape and the token codec; the other modules import it.
 """
 
-from plugin.client import PENDING, BlendCoordinatorClient
+from plugin.client import PENDING, BlendCoordinatorClient, MatchList
 from plugin.config import ConfigError, PluginConfig
 from plugin.host import InMemoryHost, ServingHost, chunk_hashes
 from plugin.plugin import BlendPlugin, LookupTrace
@@ -20,6 +20,7 @@ from plugin.types import BlendMatch, BlendNamespace, CBMatchResult, CBUnifiedLoo
 
 __all__ = [
     "PENDING",
+    "MatchList",
     "BlendCoordinatorClient",
     "BlendMatch",
     "BlendNamespace",

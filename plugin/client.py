@@ -61,6 +61,13 @@ class _Pending:
 PENDING = _Pending()
 
 
+class MatchList(list):
+    """The matches of one query (a plain list to callers); `ok` is False when the round-trip
+    failed, or was skipped, and the empty list stands in for an answer."""
+
+    ok: bool = True
+
+
 class _QueryFailed(Exception):
     """One round-trip did not produce a usable reply; the message says why."""
 
@@ -75,6 +82,7 @@ class _Query:
     done: bool = False
     done_at: float = 0.0
     result: list[BlendMatch] = field(default_factory=list)
+    ok: bool = True
 
 
 class BlendCoordinatorClient:
@@ -178,7 +186,7 @@ class BlendCoordinatorClient:
                     self._stats["expired"] += 1
                     return None
                 return PENDING
-            return list(query.result)
+            return self._result(query)
 
     def take_match(self, request_id: str) -> list[BlendMatch] | None:
         """Hand over a finished result and forget the id. A pending one is cancelled (None)."""
@@ -189,7 +197,13 @@ class BlendCoordinatorClient:
             if not query.done:
                 self._stats["cancelled"] += 1
                 return None
-            return query.result
+            return self._result(query)
+
+    @staticmethod
+    def _result(query: _Query) -> MatchList:
+        result = MatchList(query.result)
+        result.ok = query.ok
+        return result
 
     def cancel(self, request_id: str) -> None:
         """Forget a request id; a reply still to come is discarded."""
@@ -263,8 +277,9 @@ class BlendCoordinatorClient:
 
     # --- bookkeeping, guarded by _lock ----------------------------------------------------------
 
-    def _finish_locked(self, query: _Query, result: list[BlendMatch], now: float) -> None:
-        query.result, query.done, query.done_at = result, True, now
+    def _finish_locked(self, query: _Query, result: list[BlendMatch], now: float,
+                       ok: bool = True) -> None:
+        query.result, query.done, query.done_at, query.ok = result, True, now, ok
 
     def _make_room_locked(self, now: float) -> bool:
         if now - self._last_purge >= self.result_ttl_s / 4 or len(self._tracked) >= self.max_tracked:
@@ -306,7 +321,7 @@ class BlendCoordinatorClient:
                 if query.is_probe:
                     self._probe_out = False  # let the next query probe instead
                 if current:
-                    self._finish_locked(query, [], now)
+                    self._finish_locked(query, [], now, ok=False)
                 return
             remaining = query.deadline - now
             self._in_flight += 1
@@ -324,7 +339,7 @@ class BlendCoordinatorClient:
             self._stats["succeeded" if ok else "failed"] += 1
             self._record_locked(query, ok, reason, now)
             if self._tracked.get(query.request_id) is query:
-                self._finish_locked(query, matches, now)
+                self._finish_locked(query, matches, now, ok)
             else:
                 self._stats["late_discarded"] += 1
 

@@ -50,6 +50,7 @@ FLEET_SHORT = "short"        # query shorter than one chunk: not asked
 FLEET_DECLINED = "declined"  # the client declined (breaker open, or too many queries tracked)
 FLEET_PENDING = "pending"
 FLEET_OK = "ok"
+FLEET_FAILED = "failed"      # the round-trip failed or was skipped: local-only
 FLEET_TIMEOUT = "timeout"    # the deadline passed first; the lookup went local-only
 FLEET_LOST = "lost"          # the client no longer tracked the query (expired)
 
@@ -240,7 +241,8 @@ class BlendPlugin:
                 state.fleet_status = FLEET_LOST
             else:
                 self.client.cancel(request_id)
-                state.fleet, state.fleet_status = reply, FLEET_OK
+                state.fleet = reply
+                state.fleet_status = FLEET_OK if getattr(reply, "ok", True) else FLEET_FAILED
         if state.prefetch is None:
             candidates = merge_candidates(state.local, state.fleet, state.prefix_tokens,
                                           self.chunk_size)

@@ -53,6 +53,7 @@ def test_submit_poll_take_and_request_body(client_factory):
         assert client.poll_match("r1") is None  # never submitted
         assert client.submit_match("r1", TOKENS, NS)
         assert wait_result(client, "r1") == [BlendMatch(b"\xab\x01", 32, 16)]
+        assert client.poll_match("r1").ok
         assert client.take_match("r1") == [BlendMatch(b"\xab\x01", 32, 16)]
         assert client.poll_match("r1") is None  # take clears
         (path, body), = server.requests
@@ -128,7 +129,8 @@ def test_failures_give_an_empty_result_and_a_warning(case, behave, client_factor
         client = client_factory(url, timeout=0.2)
         started = time.monotonic()
         assert client.submit_match("r1", TOKENS, NS)
-        assert wait_result(client, "r1") == []
+        result = wait_result(client, "r1")
+        assert result == [] and result.ok is False
         assert time.monotonic() - started < 1.5
         assert client.stats()["failed"] == 1
         assert any(r.levelno == logging.WARNING and "local-only" in r.getMessage()
