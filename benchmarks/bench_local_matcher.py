@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from benchmarks.common import machine_description, percentile_ms, release_free_memory, rss_bytes
+from benchmarks.common import (machine_description, percentile_ms, prefault_memory,
+                               release_free_memory, rss_bytes)
 from local_matcher import LocalMatcher
 
 CHUNK = 256
@@ -120,6 +121,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"machine: {machine_description()}")
+    prefault_memory(max(args.sizes) * CHUNK * 4 * 3)
     print(f"workload: {args.queries} queries of 32 stored chunks + random filler; "
           f"chunks registered as sequences of {CHUNKS_PER_SEQUENCE}")
     header = (f"{'N':>8} {'recall':>6} {'p50 ms':>7} {'p99 ms':>7} {'scan p50':>9} "

@@ -48,3 +48,15 @@ def rss_bytes(pid: int | None = None) -> int:
     """Resident set size of a process (this one by default), from /proc."""
     with open(f"/proc/{pid or 'self'}/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def prefault_memory(num_bytes: int) -> None:
+    """Touch and free `num_bytes` once before measuring.
+
+    On a freshly booted VM the first write to each page is far slower than any later
+    one (the host backs guest memory lazily); without this, whichever measurement runs
+    first pays that once-per-machine cost.
+    """
+    block = np.ones(num_bytes, dtype=np.uint8)
+    del block
+    release_free_memory()
