@@ -6,7 +6,8 @@ Contract:
   None for an id it does not track; `take_match` hands the result over and forgets the id (a
   reply that arrives after that is discarded).
 - A pool of `match_concurrency` daemon threads performs the round-trips, so at most that many
-  are in flight. A query still queued when its deadline passes is not sent.
+  are in flight. A query still queued when its deadline passes (or is a hair away) is not sent.
+  A round-trip's HTTP timeout is the configured timeout, cut to what is left of the deadline.
 - Every failure (refused, timeout, 5xx, 422, non-JSON, wrong shape) becomes an empty result and
   a log warning; no method raises into the serving path.
 - Replies are validated: an entry with bad hex, a negative `old_st`, a `cur_st` outside the
@@ -39,6 +40,9 @@ from plugin.wire import (BLEND_LOOKUP_PATH, BlendLookupReply, BlendLookupRequest
 logger = logging.getLogger(__name__)
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+# A round-trip with less time than this left cannot come back in time: treat the query as
+# past its deadline instead of sending it (and counting the sure timeout against the breaker).
+_MIN_USEFUL_S = 0.002
 
 
 class _Pending:
@@ -315,7 +319,7 @@ class BlendCoordinatorClient:
         with self._lock:
             current = self._tracked.get(query.request_id) is query
             now = self._clock()
-            if not current or now >= query.deadline:
+            if not current or now >= query.deadline - _MIN_USEFUL_S:
                 # Taken/cancelled, or too late to be of use: do not spend a round-trip.
                 self._stats["skipped_cancelled" if not current else "skipped_deadline"] += 1
                 if query.is_probe:

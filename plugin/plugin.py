@@ -210,10 +210,8 @@ class BlendPlugin:
     def _start(self, state: _Lookup) -> None:
         key = state.key
         self.host.submit_prefix_lookup(key, state.tp_size)
-        with self._lock:
-            matcher = self._matchers.get(key.namespace)
-        if matcher is not None:
-            state.local = list(matcher.match(state.tokens))
+        # The coordinator query goes out before the local match runs, so the round-trip
+        # overlaps the local work instead of following it.
         if self.client is None:
             state.fleet_status = FLEET_OFF
         elif len(state.tokens) < self.chunk_size:
@@ -222,6 +220,10 @@ class BlendPlugin:
             state.fleet_status = FLEET_PENDING
         else:
             state.fleet_status = FLEET_DECLINED
+        with self._lock:
+            matcher = self._matchers.get(key.namespace)
+        if matcher is not None:
+            state.local = list(matcher.match(state.tokens))
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
         request_id = state.key.request_id

@@ -176,7 +176,7 @@ def test_circuit_breaker_opens_skips_then_probes(client_factory):
         # Open: declined at once, nothing sent.
         started = time.perf_counter()
         assert not client.submit_match("skipped", TOKENS, NS)
-        assert time.perf_counter() - started < 0.01
+        assert time.perf_counter() - started < 0.02
         assert len(server.requests) == 3
         # After the cool-down exactly one probe goes; it fails, so the breaker re-opens.
         time.sleep(0.35)

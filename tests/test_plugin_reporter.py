@@ -112,7 +112,7 @@ def test_the_store_path_only_enqueues():
         started = time.perf_counter()
         for i in range(200):
             reporter.report_store(NS, [bytes([i])], [np.arange(256, dtype=np.uint32)], [i * 256])
-        assert time.perf_counter() - started < 0.05
+        assert time.perf_counter() - started < 0.1
         assert server.accepted == []  # nothing touched the network
         assert reporter.pending == 200
         reporter.close(timeout=0.1)
