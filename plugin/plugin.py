@@ -242,7 +242,7 @@ class BlendPlugin:
             elif reply is None:
                 state.fleet_status = FLEET_LOST
             else:
-                self.client.cancel(request_id)
+                self.client.take_match(request_id)  # hand-over done: the client forgets it
                 state.fleet = reply
                 state.fleet_status = FLEET_OK if getattr(reply, "ok", True) else FLEET_FAILED
         if state.prefetch is None:
