@@ -2,18 +2,19 @@
 
 State (all guarded by `self._lock`, the directory lock):
 - placements: per object key, the places `(instance_id, tier, backend)` holding it. A key
-  is identified by `(chunk_hash, namespace, kv_rank, object_group_id)`; its namespace is
+  is `(chunk_hash, namespace, kv_rank, object_group_id)`; its namespace is
   `(model_name, cache_salt, world_size)` (WIRE.md). A key with no placement is forgotten.
 - bindings: one per `chunk_hash` that has at least one key: the chunk's content (exactly
   `chunk_size` tokens, or unknown) and its stored offset (or -1, unknown). A binding with
   no key left is forgotten, content and all.
-- per instance, the keys it placed, so a restart can fence them without a scan.
+- per instance, the chunk hashes it holds a placement of, so a restart is fenced
+  without scanning the directory.
 - the ingest gate's cursors (`IngestGate`): admitting a batch and applying it are one step.
 
-The blend index (`local_matcher.ContentIndex`) is a derived view of the bindings and only
-this module writes it, exactly as DESIGN.md's lifecycle table says. Invariant, after
-every entry applied: a chunk is in the index iff its binding has content and an offset
->= 0, and then the namespaces claiming it are exactly the namespaces of its keys.
+The blend index (`local_matcher.ContentIndex`) is a derived view of the bindings, and
+only this module writes it (through `_IndexWriter`), as DESIGN.md's lifecycle table says.
+Invariant, after every batch applied: a chunk is in the index iff its binding has content
+and an offset >= 0, and then the namespaces claiming it are exactly those of its keys.
 
 Lock order: directory -> index, never the other way (the index never calls out). Lookups
 go to the index directly, without the directory lock, so they never wait for ingest.
@@ -22,16 +23,21 @@ With blend lookup off, no content is recorded or hashed and no index exists. Ena
 it later creates an empty index; content recorded from then on is indexed, nothing from
 before is back-filled.
 
-Memory: the directory keeps its own copy of each indexed chunk's tokens (`bytes`,
-4 * chunk_size) because `ContentIndex` can only re-claim a known chunk for a new namespace
-(a token-less STORE) when given its tokens; everything else is a few small objects.
+Representation (why it looks the way it does): a binding is one tuple
+`(tokens, offset, holds)` of atoms, where `holds` is a flat tuple of small-int pairs
+`(key_no, place_no, key_no, place_no, ...)`, one pair per placement, numbering keys and
+places through interning tables. Atom-only tuples are untracked by Python's cyclic
+garbage collector, so a directory of millions of chunks adds nothing to a GC pass (which
+would otherwise stall every request for a quarter second at 200k chunks), and they are
+several times smaller than per-chunk objects, dicts and sets. The directory keeps its own
+copy of an indexed chunk's tokens (`bytes`, 4 * chunk_size) because `ContentIndex` can
+only claim a known chunk for another namespace (a token-less STORE) given its tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable
 
 import numpy as np
 
@@ -40,7 +46,6 @@ from plugin.wire import (
     UNKNOWN_TOKEN_OFFSET,
     BlendNamespace,
     CacheEventBatch,
-    CacheEventEntry,
     EncodedObjectKey,
     EventsReply,
 )
@@ -52,32 +57,56 @@ Placement = tuple[str, str, str]
 #: `(namespace, kv_rank, object_group_id)`: an object key without its chunk hash.
 KeyId = tuple[BlendNamespace, int, int]
 
-
-class _Binding:
-    """What the directory knows about one chunk hash."""
-
-    __slots__ = ("tokens", "offset", "keys")
-
-    def __init__(self) -> None:
-        self.tokens: bytes | None = None  # native uint32, exactly chunk_size of them
-        self.offset: int = UNKNOWN_TOKEN_OFFSET
-        # Placements per key, as a tuple: most keys have one, and a tuple is far
-        # smaller than a set.
-        self.keys: dict[KeyId, tuple[Placement, ...]] = {}
-
-    @property
-    def indexable(self) -> bool:
-        return self.tokens is not None and self.offset >= 0
-
-    def namespaces(self) -> Iterable[BlendNamespace]:
-        return dict.fromkeys(key_id[0] for key_id in self.keys)
-
-    def claims(self, namespace: BlendNamespace) -> bool:
-        return any(key_id[0] == namespace for key_id in self.keys)
+# A binding: (tokens: bytes | None, offset: int, holds: tuple[int, ...]).
+_TOKENS, _OFFSET, _HOLDS = 0, 1, 2
 
 
-def _as_array(tokens: bytes) -> np.ndarray:
-    return np.frombuffer(tokens, dtype=np.uint32)
+class _IndexWriter:
+    """The directory's only path to the index: adds are buffered and sent per namespace
+    with one `add_many` (one lock acquisition, one kernel call) instead of one per chunk.
+
+    Order is preserved where it matters: a buffered add for a chunk hash is never
+    reordered with another operation on the same hash, because any add that would
+    change a buffered one (other content or offset) and every removal flush first.
+    Adds of distinct hashes commute, so grouping them by namespace changes nothing.
+    Called only under the directory lock, and flushed before the lock is released.
+    """
+
+    def __init__(self, index, chunk_size: int) -> None:
+        self.index = index
+        self.chunk_size = chunk_size
+        self._pending: dict[bytes, tuple[bytes, int]] = {}
+        self._groups: dict[BlendNamespace, tuple[list, list, list]] = {}
+
+    def add(self, tokens: bytes, chunk_hash: bytes, offset: int,
+            namespace: BlendNamespace) -> None:
+        buffered = self._pending.get(chunk_hash)
+        if buffered is not None and (buffered[1] != offset or buffered[0] != tokens):
+            self.flush()
+        self._pending[chunk_hash] = (tokens, offset)
+        group = self._groups.get(namespace)
+        if group is None:
+            group = self._groups[namespace] = ([], [], [])
+        group[0].append(tokens)
+        group[1].append(chunk_hash)
+        group[2].append(offset)
+
+    def remove_claim(self, tokens: bytes, chunk_hash: bytes, namespace: BlendNamespace) -> None:
+        self.flush()
+        self.index.remove_claim(np.frombuffer(tokens, dtype=np.uint32), chunk_hash, namespace)
+
+    def remove_chunk(self, tokens: bytes, chunk_hash: bytes) -> None:
+        self.flush()
+        self.index.remove_chunk(np.frombuffer(tokens, dtype=np.uint32), chunk_hash)
+
+    def flush(self) -> None:
+        if not self._groups:
+            return
+        groups, self._groups, self._pending = self._groups, {}, {}
+        for namespace, (contents, hashes, offsets) in groups.items():
+            rows = np.frombuffer(b"".join(contents), dtype=np.uint32).reshape(
+                len(contents), self.chunk_size)
+            self.index.add_many(rows, hashes, offsets, namespace)
 
 
 class KeyDirectory:
@@ -90,12 +119,16 @@ class KeyDirectory:
         self._lock = threading.Lock()
         self._gate = IngestGate()
         self._index = None  # ContentIndex once blend lookup is on
-        self._bindings: dict[bytes, _Binding] = {}
-        self._placed: dict[str, set[tuple[bytes, KeyId]]] = {}
-        # Interning tables: every key and placement of the same value shares one object,
-        # so a million keys of a few namespaces cost a million references, not tuples.
-        self._key_ids: dict[tuple[str, str, int, int], KeyId] = {}
-        self._placements: dict[Placement, Placement] = {}
+        self._writer: _IndexWriter | None = None  # the one writer of self._index
+        self._bindings: dict[bytes, tuple] = {}
+        self._held_by: dict[str, set[bytes]] = {}
+        # Interning tables: keys and places are numbered once and referred to by number.
+        self._key_nos: dict[tuple[str, str, int, int], int] = {}
+        self._keys: list[KeyId] = []
+        self._key_ns: list[BlendNamespace] = []  # namespace of each key number
+        self._namespaces: dict[BlendNamespace, BlendNamespace] = {}
+        self._place_nos: dict[Placement, int] = {}
+        self._places: list[Placement] = []
         self._capacity: dict[Placement, tuple[int, int]] = {}
         self._num_keys = 0
         self._num_placements = 0
@@ -119,14 +152,15 @@ class KeyDirectory:
 
         with self._lock:
             if self._index is None:
-                self._index = ContentIndex(chunk_size=self.chunk_size,
-                                           probe_stride=self.probe_stride)
+                index = ContentIndex(chunk_size=self.chunk_size, probe_stride=self.probe_stride)
+                self._writer = _IndexWriter(index, self.chunk_size)
+                self._index = index
 
     def match(self, tokens: np.ndarray, namespace: BlendNamespace) -> list:
         """Blend matches of `namespace` in `tokens` (a list of `BlendMatch`).
 
-        Deliberately not under the directory lock: the index is thread-safe and its
-        content is always a consistent view of the bindings as of some applied entry.
+        Deliberately not under the directory lock: the index is thread-safe and always a
+        consistent view of the bindings as of some applied entry.
         """
         index = self._index
         if index is None or tokens.size < self.chunk_size:
@@ -147,9 +181,13 @@ class KeyDirectory:
                 if verdict is Verdict.STALE:
                     stale += 1
                     continue
-                if verdict is Verdict.FENCE:
-                    self._fence(batch.instance_id)
-                self._apply(batch)
+                try:
+                    if verdict is Verdict.FENCE:
+                        self._fence(batch.instance_id)
+                    self._apply(batch)
+                finally:
+                    if self._writer is not None:
+                        self._writer.flush()
                 applied += 1
             self._counters["batches_applied"] += applied
             self._counters["batches_duplicate"] += duplicates
@@ -158,136 +196,159 @@ class KeyDirectory:
 
     def _apply(self, batch: CacheEventBatch) -> None:
         place = (batch.instance_id, batch.tier, batch.backend)
-        place = self._placements.setdefault(place, place)
+        place_no = self._place_nos.get(place)
+        if place_no is None:
+            place_no = self._place_nos[place] = len(self._places)
+            self._places.append(place)
         kind = batch.event_type
         if kind == "store":
-            for entry in batch.entries:
-                self._store(entry, place)
-            self._counters["entries_stored"] += len(batch.entries)
+            self._store(batch, place_no)
         elif kind == "delete":
             for entry in batch.entries:
-                self._delete(entry, place)
+                self._delete(entry.key, place_no)
             self._counters["entries_deleted"] += len(batch.entries)
         elif kind == "config":
             self._capacity[place] = (batch.capacity_bytes, batch.capacity_revision)
         else:  # "access": recency only, which this directory does not rank by
             self._counters["entries_accessed"] += len(batch.entries)
 
-    def _key_id(self, key: EncodedObjectKey) -> KeyId:
+    def _key_no(self, key: EncodedObjectKey) -> int:
         raw = (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id)
-        key_id = self._key_ids.get(raw)
-        if key_id is None:
-            key_id = self._key_ids[raw] = (key.namespace, key.kv_rank, key.object_group_id)
-        return key_id
+        key_no = self._key_nos.get(raw)
+        if key_no is None:
+            namespace = key.namespace
+            namespace = self._namespaces.setdefault(namespace, namespace)
+            key_no = self._key_nos[raw] = len(self._keys)
+            self._keys.append((namespace, key.kv_rank, key.object_group_id))
+            self._key_ns.append(namespace)
+        return key_no
 
-    def _store(self, entry: CacheEventEntry, place: Placement) -> None:
-        key_id = self._key_id(entry.key)
-        chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
-        binding = self._bindings.get(chunk_hash)
-        if binding is None:
-            binding = self._bindings[chunk_hash] = _Binding()
-        namespace = key_id[0]
-        places = binding.keys.get(key_id)
-        if places is None:
-            new_claim = not binding.claims(namespace)
-            binding.keys[key_id] = (place,)
-            self._num_keys += 1
-            self._num_placements += 1
-            self._placed_of(place[0]).add((chunk_hash, key_id))
-        else:
-            new_claim = False
-            if place not in places:
-                if not any(held[0] == place[0] for held in places):
-                    self._placed_of(place[0]).add((chunk_hash, key_id))
-                binding.keys[key_id] = places + (place,)
+    def _store(self, batch: CacheEventBatch, place_no: int) -> None:
+        bindings, key_ns, writer = self._bindings, self._key_ns, self._writer
+        held = self._held_by.get(batch.instance_id)
+        if held is None:
+            held = self._held_by[batch.instance_id] = set()
+        chunk_size = self.chunk_size
+        for entry in batch.entries:
+            key_no = self._key_no(entry.key)
+            namespace = key_ns[key_no]
+            chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
+            binding = bindings.get(chunk_hash)
+            if binding is None:
+                tokens, offset, holds = None, UNKNOWN_TOKEN_OFFSET, (key_no, place_no)
+                new_claim = True
+                self._num_keys += 1
                 self._num_placements += 1
-        if self._index is None:
-            if entry.token_offset >= 0:
-                binding.offset = entry.token_offset
-            return
-        self._bind_content(chunk_hash, binding, entry, namespace, new_claim)
-
-    def _bind_content(self, chunk_hash: bytes, binding: _Binding, entry: CacheEventEntry,
-                      namespace: BlendNamespace, new_claim: bool) -> None:
-        """Record the entry's content and offset, and bring the index in line (the table)."""
-        tokens = None
-        if entry.token_ids:
-            if len(entry.token_ids) == self.chunk_size:
-                tokens = np.array(entry.token_ids, dtype=np.uint32).tobytes()
             else:
-                # Not indexable at this chunk size: handled as a token-less store.
-                self._counters["token_lists_wrong_length"] += 1
-                log.debug("chunk %s: %d tokens, not %d; content ignored",
-                          entry.key.chunk_hash_hex, len(entry.token_ids), self.chunk_size)
-        was_indexed = binding.indexable
-        old_tokens = binding.tokens
-        changed = tokens is not None and old_tokens is not None and tokens != old_tokens
-        if tokens is not None:
-            binding.tokens = tokens
-        moved = False
-        # -1 means "not reported", so it never erases an offset reported before.
-        if entry.token_offset >= 0 and entry.token_offset != binding.offset:
-            binding.offset = entry.token_offset
-            moved = True
-        if not binding.indexable:
-            return  # content unknown (a later stamped store repairs it) or no position
-        index = self._index
-        if changed and was_indexed:
-            index.remove_chunk(_as_array(old_tokens), chunk_hash)
-        if changed or not was_indexed:
-            # New content, or content/position just completed: every namespace holding
-            # a key of this chunk claims it.
-            content = _as_array(binding.tokens)
-            for claimant in binding.namespaces():
-                index.add(content, chunk_hash, binding.offset, claimant)
-        elif new_claim or moved:
-            # Content known already (a token-less store lands here too): claim it for
-            # this namespace at once; a moved offset is updated by the same call.
-            index.add(_as_array(binding.tokens), chunk_hash, binding.offset, namespace)
+                tokens, offset, holds = binding
+                new_claim = True
+                new_key = True
+                for i in range(0, len(holds), 2):
+                    if holds[i] == key_no:
+                        new_key = new_claim = False
+                        if holds[i + 1] == place_no:
+                            break
+                    elif key_ns[holds[i]] == namespace:
+                        new_claim = False
+                else:  # this key is not held here yet
+                    holds += (key_no, place_no)
+                    self._num_placements += 1
+                    self._num_keys += new_key
+            held.add(chunk_hash)
+            if writer is None:
+                # Blend lookup off: no content is recorded (or hashed).
+                if entry.token_offset >= 0:
+                    offset = entry.token_offset
+                bindings[chunk_hash] = (tokens, offset, holds)
+                continue
+            # --- content and offset, and the index actions of the lifecycle table ---
+            stamped = None
+            if entry.token_ids:
+                if len(entry.token_ids) == chunk_size:
+                    stamped = np.array(entry.token_ids, dtype=np.uint32).tobytes()
+                else:  # not indexable at this chunk size: handled as a token-less store
+                    self._counters["token_lists_wrong_length"] += 1
+            was_indexed = tokens is not None and offset >= 0
+            changed = stamped is not None and tokens is not None and stamped != tokens
+            old_tokens = tokens
+            if stamped is not None:
+                tokens = stamped
+            moved = False
+            # -1 means "not reported", so it never erases an offset reported before.
+            if entry.token_offset >= 0 and entry.token_offset != offset:
+                offset = entry.token_offset
+                moved = True
+            bindings[chunk_hash] = (tokens, offset, holds)
+            if tokens is None or offset < 0:
+                continue  # content unknown (a later stamped store repairs it), or no position
+            if changed and was_indexed:
+                writer.remove_chunk(old_tokens, chunk_hash)
+            if changed or not was_indexed:
+                # New content, or content/position just completed: every namespace holding
+                # a key of this chunk claims it.
+                for claimant in self._namespaces_of(holds):
+                    writer.add(tokens, chunk_hash, offset, claimant)
+            elif new_claim or moved:
+                # Content known already (a token-less store lands here too): claim it for
+                # this namespace at once; a moved offset is updated by the same call.
+                writer.add(tokens, chunk_hash, offset, namespace)
+        self._counters["entries_stored"] += len(batch.entries)
 
-    def _delete(self, entry: CacheEventEntry, place: Placement) -> None:
-        key_id = self._key_id(entry.key)
-        chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
+    def _namespaces_of(self, holds: tuple[int, ...]) -> list[BlendNamespace]:
+        found: list[BlendNamespace] = []
+        for i in range(0, len(holds), 2):
+            namespace = self._key_ns[holds[i]]
+            if namespace not in found:
+                found.append(namespace)
+        return found
+
+    def _delete(self, key: EncodedObjectKey, place_no: int) -> None:
+        key_no = self._key_no(key)
+        chunk_hash = bytes.fromhex(key.chunk_hash_hex)
         binding = self._bindings.get(chunk_hash)
-        places = None if binding is None else binding.keys.get(key_id)
-        if places is None or place not in places:
+        holds = () if binding is None else binding[_HOLDS]
+        for i in range(0, len(holds), 2):
+            if holds[i] == key_no and holds[i + 1] == place_no:
+                break
+        else:
             self._counters["deletes_unknown"] += 1
             return
-        keep = tuple(held for held in places if held != place)
-        if not any(held[0] == place[0] for held in keep):
-            self._placed[place[0]].discard((chunk_hash, key_id))
-        self._drop_placements(chunk_hash, binding, key_id, places, keep)
+        remaining = holds[:i] + holds[i + 2:]
+        instance = self._places[place_no][0]
+        if not any(self._places[remaining[j + 1]][0] == instance
+                   for j in range(0, len(remaining), 2)):
+            self._held_by[instance].discard(chunk_hash)
+        self._replace_holds(chunk_hash, binding, remaining)
 
     def _fence(self, instance_id: str) -> None:
         """Drop every placement `instance_id` reported (it restarted and lost them)."""
         self._counters["instances_fenced"] += 1
-        for chunk_hash, key_id in self._placed.pop(instance_id, ()):
+        places = self._places
+        for chunk_hash in self._held_by.pop(instance_id, ()):
             binding = self._bindings[chunk_hash]
-            places = binding.keys[key_id]
-            keep = tuple(held for held in places if held[0] != instance_id)
-            self._drop_placements(chunk_hash, binding, key_id, places, keep)
+            holds = binding[_HOLDS]
+            remaining = tuple(value for i in range(0, len(holds), 2)
+                              if places[holds[i + 1]][0] != instance_id
+                              for value in holds[i:i + 2])
+            self._replace_holds(chunk_hash, binding, remaining)
 
-    def _drop_placements(self, chunk_hash: bytes, binding: _Binding, key_id: KeyId,
-                         places: tuple[Placement, ...], keep: tuple[Placement, ...]) -> None:
-        self._num_placements -= len(places) - len(keep)
-        if keep:
-            binding.keys[key_id] = keep
-            return
-        del binding.keys[key_id]
-        self._num_keys -= 1
-        namespace = key_id[0]
-        if self._index is not None and binding.indexable and not binding.claims(namespace):
-            # The namespace's last key of this chunk is gone; if it was the chunk's last
-            # claim, the index drops the occupant (and the content if unshared) too.
-            self._index.remove_claim(_as_array(binding.tokens), chunk_hash, namespace)
-        if not binding.keys:
+    def _replace_holds(self, chunk_hash: bytes, binding: tuple, remaining: tuple) -> None:
+        """Shrink a binding's placements; release index claims of namespaces left keyless."""
+        tokens, offset, holds = binding
+        keys_before, keys_after = set(holds[0::2]), set(remaining[0::2])
+        self._num_placements -= (len(holds) - len(remaining)) // 2
+        self._num_keys -= len(keys_before) - len(keys_after)
+        if self._writer is not None and tokens is not None and offset >= 0:
+            lost = ({self._key_ns[k] for k in keys_before}
+                    - {self._key_ns[k] for k in keys_after})
+            # If the last claim goes, the index drops the occupant (and its content when
+            # no other chunk shares it).
+            for namespace in lost:
+                self._writer.remove_claim(tokens, chunk_hash, namespace)
+        if remaining:
+            self._bindings[chunk_hash] = (tokens, offset, remaining)
+        else:
             del self._bindings[chunk_hash]
-
-    def _placed_of(self, instance_id: str) -> set[tuple[bytes, KeyId]]:
-        placed = self._placed.get(instance_id)
-        if placed is None:
-            placed = self._placed[instance_id] = set()
-        return placed
 
     # --- inspection ---------------------------------------------------------------------
 
@@ -320,6 +381,10 @@ class KeyDirectory:
         """Where an object key is held (empty if nowhere)."""
         with self._lock:
             binding = self._bindings.get(key.chunk_hash)
-            if binding is None:
+            key_no = self._key_nos.get(
+                (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id))
+            if binding is None or key_no is None:
                 return []
-            return list(binding.keys.get(self._key_id(key), ()))
+            holds = binding[_HOLDS]
+            return [self._places[holds[i + 1]] for i in range(0, len(holds), 2)
+                    if holds[i] == key_no]

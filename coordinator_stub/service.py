@@ -16,11 +16,14 @@ the one owner of the wire shapes.
 
 from __future__ import annotations
 
+import numpy as np
+
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.directory import KeyDirectory
 from plugin.wire import (
     BlendLookupReply,
     BlendLookupRequest,
+    BlendNamespace,
     EventsRequest,
     WireBlendMatch,
     WireError,
@@ -49,6 +52,10 @@ class Coordinator:
         return encode(self.directory.ingest(request.batches))
 
     def lookup(self, body: bytes) -> bytes:
+        return self.answer(*self.parse_lookup(body))
+
+    def parse_lookup(self, body: bytes) -> tuple[np.ndarray, BlendNamespace]:
+        """Validate a blend-lookup body: (query tokens, requester's namespace)."""
         request = decode(body, BlendLookupRequest)
         # Base64 carries 3 bytes per 4 characters (padding aside): refuse an oversized
         # query from its text length, before spending time and memory decoding it.
@@ -58,9 +65,13 @@ class Coordinator:
         tokens = decode_tokens(request.tokens_b64)
         if tokens.size > cap:
             raise TooLarge(f"query of {tokens.size} tokens exceeds {cap} (--max-query-tokens)")
+        return tokens, request.namespace
+
+    def answer(self, tokens: np.ndarray, namespace: BlendNamespace) -> bytes:
+        """The encoded reply to a validated lookup (the matching itself)."""
         if not self.directory.blend_enabled or tokens.size < self.config.chunk_size:
             return _EMPTY_LOOKUP
-        matches = self.directory.match(tokens, request.namespace)
+        matches = self.directory.match(tokens, namespace)
         return encode(BlendLookupReply(matches=[
             WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
             for m in matches]))

@@ -546,3 +546,13 @@ async def test_a_stalled_match_blocks_neither_health_nor_ingest(coord, monkeypat
 async def test_health(coord):
     response = await coord.client.get(HEALTH_PATH)
     assert response.status == 200
+
+
+async def test_a_large_query_is_parsed_off_the_loop_and_matched(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0)))
+    filler = [7] * 100_000  # ~530 KB of base64: parsed on the matcher thread
+    assert await coord.lookup(filler + A) == [("aa01", 0, 100_000)]
+    body = {"tokens_b64": encode_tokens(filler)[:-1], "model_name": "m"}
+    response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
+    assert response.status == 422
+    assert "tokens_b64" in (await response.json())["error"]
