@@ -24,14 +24,19 @@ it later creates an empty index; content recorded from then on is indexed, nothi
 before is back-filled.
 
 Representation (why it looks the way it does): a binding is one tuple
-`(tokens, offset, holds)` of atoms, where `holds` is a flat tuple of small-int pairs
+`(content, offset, holds)` of atoms, where `holds` is a flat tuple of small-int pairs
 `(key_no, place_no, key_no, place_no, ...)`, one pair per placement, numbering keys and
 places through interning tables. Atom-only tuples are untracked by Python's cyclic
 garbage collector, so a directory of millions of chunks adds nothing to a GC pass (which
 would otherwise stall every request for a quarter second at 200k chunks), and they are
-several times smaller than per-chunk objects, dicts and sets. The directory keeps its own
-copy of an indexed chunk's tokens (`bytes`, 4 * chunk_size) because `ContentIndex` can
-only claim a known chunk for another namespace (a token-less STORE) given its tokens.
+several times smaller than per-chunk objects, dicts and sets.
+
+`content` is None (unknown), the tokens as `bytes` (native uint32), or, for an indexed
+chunk when the index can hand its tokens back (`ContentIndex.tokens_of`), only an
+`int` digest of them: the tokens are then kept once, in the index, and fetched back for
+the rare operations that need them (a token-less STORE claiming the chunk for another
+namespace, or moving its offset). With an index without `tokens_of`, the directory keeps
+its own copy of every chunk's tokens (4 * chunk_size bytes each).
 """
 
 from __future__ import annotations
@@ -57,8 +62,13 @@ Placement = tuple[str, str, str]
 #: `(namespace, kv_rank, object_group_id)`: an object key without its chunk hash.
 KeyId = tuple[BlendNamespace, int, int]
 
-# A binding: (tokens: bytes | None, offset: int, holds: tuple[int, ...]).
-_TOKENS, _OFFSET, _HOLDS = 0, 1, 2
+# A binding: (content: bytes | int | None, offset: int, holds: tuple[int, ...]).
+_CONTENT, _OFFSET, _HOLDS = 0, 1, 2
+
+
+def _digest(tokens: bytes) -> int:
+    # Only ever compared within this process: the per-process randomised hash is right.
+    return hash(tokens)
 
 
 class _IndexWriter:
@@ -91,13 +101,22 @@ class _IndexWriter:
         group[1].append(chunk_hash)
         group[2].append(offset)
 
-    def remove_claim(self, tokens: bytes, chunk_hash: bytes, namespace: BlendNamespace) -> None:
+    def remove_claim(self, content: bytes | int, chunk_hash: bytes,
+                     namespace: BlendNamespace) -> None:
         self.flush()
-        self.index.remove_claim(np.frombuffer(tokens, dtype=np.uint32), chunk_hash, namespace)
+        self.index.remove_claim(_tokens_or_none(content), chunk_hash, namespace)
 
-    def remove_chunk(self, tokens: bytes, chunk_hash: bytes) -> None:
+    def remove_chunk(self, content: bytes | int, chunk_hash: bytes) -> None:
         self.flush()
-        self.index.remove_chunk(np.frombuffer(tokens, dtype=np.uint32), chunk_hash)
+        self.index.remove_chunk(_tokens_or_none(content), chunk_hash)
+
+    def tokens_of(self, chunk_hash: bytes) -> bytes | None:
+        """The indexed content of a chunk (needs `ContentIndex.tokens_of`)."""
+        buffered = self._pending.get(chunk_hash)
+        if buffered is not None:
+            return buffered[0]
+        tokens = self.index.tokens_of(chunk_hash)
+        return None if tokens is None else np.asarray(tokens, dtype=np.uint32).tobytes()
 
     def flush(self) -> None:
         if not self._groups:
@@ -109,17 +128,26 @@ class _IndexWriter:
             self.index.add_many(rows, hashes, offsets, namespace)
 
 
+def _tokens_or_none(content: bytes | int) -> np.ndarray | None:
+    # None tells the index "whatever content the chunk has": all a digest can say.
+    return np.frombuffer(content, dtype=np.uint32) if type(content) is bytes else None
+
+
 class KeyDirectory:
     """Placements, token bindings and the blend index derived from them. Thread-safe."""
 
     def __init__(self, chunk_size: int = 256, probe_stride: int = 1,
-                 enable_blend_lookup: bool = False) -> None:
+                 enable_blend_lookup: bool = False, index_factory=None) -> None:
+        """`index_factory(chunk_size=, probe_stride=)` builds the index (default:
+        `local_matcher.ContentIndex`); tests pass a variant."""
         self.chunk_size = chunk_size
         self.probe_stride = probe_stride
+        self._index_factory = index_factory
         self._lock = threading.Lock()
         self._gate = IngestGate()
         self._index = None  # ContentIndex once blend lookup is on
         self._writer: _IndexWriter | None = None  # the one writer of self._index
+        self._digest_indexed = False
         self._bindings: dict[bytes, tuple] = {}
         self._held_by: dict[str, set[bytes]] = {}
         # Interning tables: keys and places are numbered once and referred to by number.
@@ -147,13 +175,17 @@ class KeyDirectory:
 
     def enable_blend_lookup(self) -> None:
         """Start indexing content from now on. One-way; earlier chunks are not back-filled."""
-        # Imported here: a coordinator without blend lookup never loads numba.
-        from local_matcher import ContentIndex
+        factory = self._index_factory
+        if factory is None:
+            # Imported here: a coordinator without blend lookup never loads numba.
+            from local_matcher import ContentIndex as factory
 
         with self._lock:
             if self._index is None:
-                index = ContentIndex(chunk_size=self.chunk_size, probe_stride=self.probe_stride)
+                index = factory(chunk_size=self.chunk_size, probe_stride=self.probe_stride)
                 self._writer = _IndexWriter(index, self.chunk_size)
+                # Keep only a digest of indexed tokens when the index can give them back.
+                self._digest_indexed = callable(getattr(index, "tokens_of", None))
                 self._index = index
 
     def match(self, tokens: np.ndarray, namespace: BlendNamespace) -> list:
@@ -235,12 +267,12 @@ class KeyDirectory:
             chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
             binding = bindings.get(chunk_hash)
             if binding is None:
-                tokens, offset, holds = None, UNKNOWN_TOKEN_OFFSET, (key_no, place_no)
+                content, offset, holds = None, UNKNOWN_TOKEN_OFFSET, (key_no, place_no)
                 new_claim = True
                 self._num_keys += 1
                 self._num_placements += 1
             else:
-                tokens, offset, holds = binding
+                content, offset, holds = binding
                 new_claim = True
                 new_key = True
                 for i in range(0, len(holds), 2):
@@ -259,7 +291,7 @@ class KeyDirectory:
                 # Blend lookup off: no content is recorded (or hashed).
                 if entry.token_offset >= 0:
                     offset = entry.token_offset
-                bindings[chunk_hash] = (tokens, offset, holds)
+                bindings[chunk_hash] = (content, offset, holds)
                 continue
             # --- content and offset, and the index actions of the lifecycle table ---
             stamped = None
@@ -268,21 +300,22 @@ class KeyDirectory:
                     stamped = np.array(entry.token_ids, dtype=np.uint32).tobytes()
                 else:  # not indexable at this chunk size: handled as a token-less store
                     self._counters["token_lists_wrong_length"] += 1
-            was_indexed = tokens is not None and offset >= 0
-            changed = stamped is not None and tokens is not None and stamped != tokens
-            old_tokens = tokens
-            if stamped is not None:
-                tokens = stamped
+            was_indexed = content is not None and offset >= 0
+            changed = stamped is not None and content is not None and (
+                stamped != content if type(content) is bytes else _digest(stamped) != content)
+            old_content = content
+            tokens = stamped if stamped is not None else content
             moved = False
             # -1 means "not reported", so it never erases an offset reported before.
             if entry.token_offset >= 0 and entry.token_offset != offset:
                 offset = entry.token_offset
                 moved = True
-            bindings[chunk_hash] = (tokens, offset, holds)
             if tokens is None or offset < 0:
-                continue  # content unknown (a later stamped store repairs it), or no position
+                # Content unknown (a later stamped store repairs it), or no position.
+                bindings[chunk_hash] = (tokens, offset, holds)
+                continue
             if changed and was_indexed:
-                writer.remove_chunk(old_tokens, chunk_hash)
+                writer.remove_chunk(old_content, chunk_hash)
             if changed or not was_indexed:
                 # New content, or content/position just completed: every namespace holding
                 # a key of this chunk claims it.
@@ -291,7 +324,17 @@ class KeyDirectory:
             elif new_claim or moved:
                 # Content known already (a token-less store lands here too): claim it for
                 # this namespace at once; a moved offset is updated by the same call.
-                writer.add(tokens, chunk_hash, offset, namespace)
+                if type(tokens) is not bytes:
+                    tokens = writer.tokens_of(chunk_hash)
+                if tokens is None:  # cannot happen while the invariant holds
+                    log.error("chunk %s is indexed but the index has no content for it",
+                              chunk_hash.hex())
+                    tokens = content
+                else:
+                    writer.add(tokens, chunk_hash, offset, namespace)
+            if self._digest_indexed and type(tokens) is bytes:
+                tokens = _digest(tokens)
+            bindings[chunk_hash] = (tokens, offset, holds)
         self._counters["entries_stored"] += len(batch.entries)
 
     def _namespaces_of(self, holds: tuple[int, ...]) -> list[BlendNamespace]:
@@ -334,19 +377,19 @@ class KeyDirectory:
 
     def _replace_holds(self, chunk_hash: bytes, binding: tuple, remaining: tuple) -> None:
         """Shrink a binding's placements; release index claims of namespaces left keyless."""
-        tokens, offset, holds = binding
+        content, offset, holds = binding
         keys_before, keys_after = set(holds[0::2]), set(remaining[0::2])
         self._num_placements -= (len(holds) - len(remaining)) // 2
         self._num_keys -= len(keys_before) - len(keys_after)
-        if self._writer is not None and tokens is not None and offset >= 0:
+        if self._writer is not None and content is not None and offset >= 0:
             lost = ({self._key_ns[k] for k in keys_before}
                     - {self._key_ns[k] for k in keys_after})
             # If the last claim goes, the index drops the occupant (and its content when
             # no other chunk shares it).
             for namespace in lost:
-                self._writer.remove_claim(tokens, chunk_hash, namespace)
+                self._writer.remove_claim(content, chunk_hash, namespace)
         if remaining:
-            self._bindings[chunk_hash] = (tokens, offset, remaining)
+            self._bindings[chunk_hash] = (content, offset, remaining)
         else:
             del self._bindings[chunk_hash]
 
