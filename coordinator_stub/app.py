@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -34,7 +33,6 @@ from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.service import Coordinator, TooLarge
 from plugin.wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, WireError, encode
 
-log = logging.getLogger(__name__)
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 _INGEST_POOL = web.AppKey("ingest_pool", concurrent.futures.ThreadPoolExecutor)
@@ -63,47 +61,49 @@ async def _read_body(request: web.Request) -> bytes:
         raise TooLarge(f"body exceeds {limit} bytes (--max-body-bytes)") from None
 
 
-async def _off_loop(request: web.Request, pool: web.AppKey | None,
-                    work: Callable[..., bytes], with_body: bool = True) -> web.Response:
-    loop = asyncio.get_running_loop()
-    try:
-        args = (await _read_body(request),) if with_body else ()
-        executor = request.app[pool] if pool is not None else None
-        reply = await loop.run_in_executor(executor, work, *args)
-    except WireError as exc:
-        return _error(422, str(exc))
-    except TooLarge as exc:
-        return _error(413, str(exc))
-    return web.Response(body=reply, content_type=_JSON)
+def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
+                    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """Turn a handler's reply body, or its refusal, into the HTTP response."""
+    async def respond(request: web.Request) -> web.Response:
+        try:
+            reply = await handler(request)
+        except WireError as exc:
+            return _error(422, str(exc))
+        except TooLarge as exc:
+            return _error(413, str(exc))
+        return web.Response(body=reply, content_type=_JSON)
+    return respond
 
 
-async def _events(request: web.Request) -> web.Response:
-    return await _off_loop(request, _INGEST_POOL, request.app[COORDINATOR].ingest)
+def _run(request: web.Request, pool: web.AppKey | None, work: Callable[..., bytes],
+         *args) -> Awaitable[bytes]:
+    executor = request.app[pool] if pool is not None else None  # None: asyncio's default
+    return asyncio.get_running_loop().run_in_executor(executor, work, *args)
 
 
-async def _blend_lookup(request: web.Request) -> web.Response:
+@_answers_errors
+async def _events(request: web.Request) -> bytes:
+    body = await _read_body(request)
+    return await _run(request, _INGEST_POOL, request.app[COORDINATOR].ingest, body)
+
+
+@_answers_errors
+async def _blend_lookup(request: web.Request) -> bytes:
     coordinator = request.app[COORDINATOR]
-    try:
-        body = await _read_body(request)
-        if len(body) > _INLINE_PARSE_BYTES:
-            work, args = coordinator.lookup, (body,)
-        else:
-            # A small body is validated right here (well under a millisecond), so the
-            # worker thread only matches: the loop is mostly idle under lookup load,
-            # while the worker's time is what bounds throughput.
-            work, args = coordinator.answer, coordinator.parse_lookup(body)
-        reply = await asyncio.get_running_loop().run_in_executor(
-            request.app[_MATCH_POOL], work, *args)
-    except WireError as exc:
-        return _error(422, str(exc))
-    except TooLarge as exc:
-        return _error(413, str(exc))
-    return web.Response(body=reply, content_type=_JSON)
+    body = await _read_body(request)
+    if len(body) > _INLINE_PARSE_BYTES:
+        return await _run(request, _MATCH_POOL, coordinator.lookup, body)
+    # A small body is validated right here (well under a millisecond), so the matcher
+    # thread only matches: under lookup load the loop is mostly idle, while the
+    # matcher's time is what bounds throughput.
+    return await _run(request, _MATCH_POOL, coordinator.answer,
+                      *coordinator.parse_lookup(body))
 
 
-async def _stats(request: web.Request) -> web.Response:
-    # The default pool: stats wait for the directory lock, never for a match.
-    return await _off_loop(request, None, request.app[COORDINATOR].stats, with_body=False)
+@_answers_errors
+async def _stats(request: web.Request) -> bytes:
+    # asyncio's default pool: stats wait for the directory lock, never for a match.
+    return await _run(request, None, request.app[COORDINATOR].stats)
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -9,8 +9,9 @@ Contract:
   off, or a query shorter than one chunk, the answer is `{"matches": []}`.
 - `stats()`: the directory's stats object, JSON-encoded.
 
-Every method blocks (locks, CPU-bound matching), so the HTTP layer runs them on worker
-threads, never on the event loop. All reply bodies are encoded with `plugin.wire.encode`,
+`lookup` is `answer(*parse_lookup(body))`, split so the HTTP layer can validate a small
+body on the event loop and hand only the matching to a worker thread. Everything else
+blocks (locks, CPU-bound work) and runs on worker threads, never on the loop. All reply bodies are encoded with `plugin.wire.encode`,
 the one owner of the wire shapes.
 """
 
@@ -26,7 +27,6 @@ from plugin.wire import (
     BlendNamespace,
     EventsRequest,
     WireBlendMatch,
-    WireError,
     decode,
     decode_tokens,
     encode,
@@ -80,4 +80,4 @@ class Coordinator:
         return encode(self.directory.stats())
 
 
-__all__ = ["Coordinator", "TooLarge", "WireError"]
+__all__ = ["Coordinator", "TooLarge"]
