@@ -556,3 +556,35 @@ async def test_a_large_query_is_parsed_off_the_loop_and_matched(coord):
     response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
     assert response.status == 422
     assert "tokens_b64" in (await response.json())["error"]
+
+
+async def test_config_batches_record_capacity_and_access_batches_change_nothing(coord):
+    await coord.post_events(batch(GOOD))
+    before = await coord.stats()
+    config = {**batch(seq=2, event_type="config", tier="l2", backend="disk"),
+              "capacity_bytes": 1 << 30, "capacity_revision": 3}
+    reply = await coord.post_events(config, batch(GOOD, seq=3, event_type="access"))
+    assert reply["applied"] == 2
+    stats = await coord.stats()
+    assert stats["capacity"] == [{"instance_id": "i0", "tier": "l2", "backend": "disk",
+                                  "capacity_bytes": 1 << 30, "capacity_revision": 3}]
+    assert (stats["num_keys"], stats["num_placements"], stats["blend"]) == (
+        before["num_keys"], before["num_placements"], before["blend"])
+
+
+async def test_a_config_batch_with_entries_is_422(coord):
+    response = await coord.client.post(EVENTS_PATH, data=encode(
+        {"batches": [batch(GOOD, event_type="config")]}))
+    assert response.status == 422
+    assert "config" in (await response.json())["error"]
+    assert (await coord.stats())["num_keys"] == 0
+
+
+async def test_deleting_an_unknown_key_is_applied_and_changes_nothing(coord):
+    await coord.post_events(batch(GOOD))
+    before = await coord.stats()
+    reply = await coord.post_events(batch(entry("ff09"), entry("aa01", salt="t9"), seq=2,
+                                          event_type="delete"))
+    assert reply["applied"] == 1
+    assert _without_counters(await coord.stats()) == _without_counters(before)
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
