@@ -350,10 +350,12 @@ class KeyDirectory:
         return found
 
     def _delete(self, key: EncodedObjectKey, place_no: int) -> None:
-        key_no = self._key_no(key)
+        # Looked up, not interned: deleting what was never stored must not grow the table.
+        key_no = self._key_nos.get(
+            (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id))
         chunk_hash = bytes.fromhex(key.chunk_hash_hex)
         binding = self._bindings.get(chunk_hash)
-        holds = () if binding is None else binding[_HOLDS]
+        holds = () if binding is None or key_no is None else binding[_HOLDS]
         for i in range(0, len(holds), 2):
             if holds[i] == key_no and holds[i + 1] == place_no:
                 break
