@@ -222,6 +222,15 @@ class ContentIndex:
                     chunk = chunk.next
             return matches
 
+    def tokens_of(self, chunk_hash: Hashable) -> np.ndarray | None:
+        """A copy of an indexed chunk's content, or None if the chunk is not indexed.
+
+        Lets a caller that needs a chunk's tokens only now and then (the coordinator's
+        directory) fetch them here instead of keeping a second copy."""
+        with self._lock:
+            chunk = self._chunks.get(chunk_hash)
+            return None if chunk is None else self._store.row(chunk.cid).copy()
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             num_chunks = len(self._chunks)

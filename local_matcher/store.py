@@ -120,9 +120,12 @@ class ContentStore:
                                 self._table_cid, self._table_shift, self._filter,
                                 self._filter_shift, self._free_ids, self._free_top)
 
+    def row(self, cid: int) -> np.ndarray:
+        """The stored tokens of content `cid` (a view)."""
+        return self._blocks[cid >> kernels.BLOCK_BITS][cid & (kernels.BLOCK_ROWS - 1)]
+
     def holds(self, cid: int, tokens: np.ndarray) -> bool:
-        block = self._blocks[cid >> kernels.BLOCK_BITS]
-        return bool(np.array_equal(block[cid & (kernels.BLOCK_ROWS - 1)], tokens))
+        return bool(np.array_equal(self.row(cid), tokens))
 
     def probe(self, query: np.ndarray, stride: int, ns_bit: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, content ids) of the first verified occurrence of each content

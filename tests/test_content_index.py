@@ -156,6 +156,15 @@ def test_identical_content_under_two_hashes_survives_removal_of_one(index):
     assert index.match(X, A) == [BlendMatch(b"second", 40, 0)]
 
 
+def test_tokens_of_returns_a_copy_of_the_indexed_content(index):
+    index.add(X, b"x", 0, A)
+    tokens = index.tokens_of(b"x")
+    assert tokens.tolist() == X
+    tokens[:] = 0
+    assert index.match(X, A) == [BlendMatch(b"x", 0, 0)]
+    assert index.tokens_of(b"unknown") is None
+
+
 def test_other_namespace_chunk_is_not_offered(index):
     index.add(X, b"x", 0, A)
     assert index.match(X, B) == []
