@@ -31,12 +31,11 @@ garbage collector, so a directory of millions of chunks adds nothing to a GC pas
 would otherwise stall every request for a quarter second at 200k chunks), and they are
 several times smaller than per-chunk objects, dicts and sets.
 
-`content` is None (unknown), the tokens as `bytes` (native uint32), or, for an indexed
-chunk when the index can hand its tokens back (`ContentIndex.tokens_of`), only an
-`int` digest of them: the tokens are then kept once, in the index, and fetched back for
-the rare operations that need them (a token-less STORE claiming the chunk for another
-namespace, or moving its offset). With an index without `tokens_of`, the directory keeps
-its own copy of every chunk's tokens (4 * chunk_size bytes each).
+`content` is None (unknown), the tokens as `bytes` (native uint32) while the chunk is
+not indexed (no offset yet), or, for an indexed chunk, only an `int` digest of them: the
+tokens are kept once, in the index, and fetched back (`ContentIndex.tokens_of`) for the
+rare operations that need them (a token-less STORE claiming the chunk for another
+namespace, or moving its offset).
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ class _IndexWriter:
         self.index.remove_chunk(_tokens_or_none(content), chunk_hash)
 
     def tokens_of(self, chunk_hash: bytes) -> bytes | None:
-        """The indexed content of a chunk (needs `ContentIndex.tokens_of`)."""
+        """The indexed content of a chunk, including one still buffered here."""
         buffered = self._pending.get(chunk_hash)
         if buffered is not None:
             return buffered[0]
@@ -138,12 +137,9 @@ class KeyDirectory:
     """Placements, token bindings and the blend index derived from them. Thread-safe."""
 
     def __init__(self, chunk_size: int = 256, probe_stride: int = 1,
-                 enable_blend_lookup: bool = False, index_factory=None) -> None:
-        """`index_factory(chunk_size=, probe_stride=)` builds the index (default:
-        `local_matcher.ContentIndex`); tests pass a variant."""
+                 enable_blend_lookup: bool = False) -> None:
         self.chunk_size = chunk_size
         self.probe_stride = probe_stride
-        self._index_factory = index_factory
         # Token ids (already checked to fit uint32 by the wire decoder) to native uint32
         # bytes, the same layout as numpy's: 3x faster than going through np.array.
         self._pack_tokens = struct.Struct(f"={chunk_size}I").pack
@@ -151,7 +147,6 @@ class KeyDirectory:
         self._gate = IngestGate()
         self._index = None  # ContentIndex once blend lookup is on
         self._writer: _IndexWriter | None = None  # the one writer of self._index
-        self._digest_indexed = False
         self._bindings: dict[bytes, tuple] = {}
         self._held_by: dict[str, set[bytes]] = {}
         # Interning tables: keys and places are numbered once and referred to by number.
@@ -179,17 +174,13 @@ class KeyDirectory:
 
     def enable_blend_lookup(self) -> None:
         """Start indexing content from now on. One-way; earlier chunks are not back-filled."""
-        factory = self._index_factory
-        if factory is None:
-            # Imported here: a coordinator without blend lookup never loads numba.
-            from local_matcher import ContentIndex as factory
+        # Imported here: a coordinator without blend lookup never loads numba.
+        from local_matcher import ContentIndex
 
         with self._lock:
             if self._index is None:
-                index = factory(chunk_size=self.chunk_size, probe_stride=self.probe_stride)
+                index = ContentIndex(chunk_size=self.chunk_size, probe_stride=self.probe_stride)
                 self._writer = _IndexWriter(index, self.chunk_size)
-                # Keep only a digest of indexed tokens when the index can give them back.
-                self._digest_indexed = callable(getattr(index, "tokens_of", None))
                 self._index = index
 
     def match(self, tokens: np.ndarray, namespace: BlendNamespace) -> list:
@@ -336,7 +327,7 @@ class KeyDirectory:
                     tokens = content
                 else:
                     writer.add(tokens, chunk_hash, offset, namespace)
-            if self._digest_indexed and type(tokens) is bytes:
+            if type(tokens) is bytes:  # indexed now: the index holds the tokens
                 tokens = _digest(tokens)
             bindings[chunk_hash] = (tokens, offset, holds)
         self._counters["entries_stored"] += len(batch.entries)

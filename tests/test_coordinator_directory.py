@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from coordinator_stub.directory import KeyDirectory
-from local_matcher import ContentIndex
 from plugin.wire import (
     BlendNamespace,
     CacheEventBatch,
@@ -76,29 +75,6 @@ class Reference:
         return len({(k[0], k[1], k[2], k[3]) for k in self.places if k[0] in self.indexed()})
 
 
-class IndexWithTokensOf(ContentIndex):
-    """The real index plus `tokens_of`, which lets the directory keep only a digest of
-    indexed tokens. The rows are remembered beside the index (a test double)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.rows: dict[bytes, np.ndarray] = {}
-        self.fetched = 0
-
-    def add_many(self, rows, chunk_hashes, token_offsets, namespace) -> None:
-        super().add_many(rows, chunk_hashes, token_offsets, namespace)
-        for row, chunk_hash in zip(np.asarray(rows), chunk_hashes):
-            self.rows[chunk_hash] = row.copy()
-
-    def remove_chunk(self, tokens, chunk_hash) -> None:
-        super().remove_chunk(tokens, chunk_hash)
-        self.rows.pop(chunk_hash, None)
-
-    def tokens_of(self, chunk_hash):
-        self.fetched += 1
-        return self.rows.get(chunk_hash)
-
-
 def _batch(inst, incarnation, seq, kind, tier, entries) -> CacheEventBatch:
     return CacheEventBatch(instance_id=inst, incarnation=incarnation, seq=seq,
                            event_type=kind, tier=tier[0], backend=tier[1], entries=entries)
@@ -111,14 +87,11 @@ def _entry(h, space, tokens=(), offset=-1) -> CacheEventEntry:
     return CacheEventEntry(key=key, token_ids=list(tokens), token_offset=offset)
 
 
-@pytest.mark.parametrize("index_kind", ["token-copies", "digests"])
 @pytest.mark.parametrize("enable_at", [0, 60], ids=["on-from-start", "enabled-mid-life"])
 @pytest.mark.parametrize("seed", range(8))
-def test_index_is_the_derived_view_of_the_directory(seed, enable_at, index_kind):
+def test_index_is_the_derived_view_of_the_directory(seed, enable_at):
     rng = random.Random(seed)
-    factory = IndexWithTokensOf if index_kind == "digests" else None
-    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=enable_at == 0,
-                             index_factory=factory)
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=enable_at == 0)
     reference = Reference(blend_on=enable_at == 0)
     cursors = {inst: [0, 0] for inst in INSTANCES}  # incarnation, seq
     for step in range(200):
@@ -166,13 +139,12 @@ def _assert_agree(directory: KeyDirectory, reference: Reference, step: int) -> N
         {reference.content[h] for h in reference.indexed()}), step
 
 
-def test_with_tokens_of_the_directory_keeps_digests_and_fetches_tokens_when_claiming():
-    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True,
-                             index_factory=IndexWithTokensOf)
+def test_indexed_tokens_are_kept_once_and_fetched_back_when_claiming():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
     t0, t1 = SPACES[0], SPACES[1]
     directory.ingest([_batch("i0", 0, 1, "store", TIERS[0], [_entry("a1", t0, CONTENTS[0], 0)])])
+    # The directory keeps a digest, not a second copy of the tokens the index holds.
     assert all(type(b[0]) is int for b in directory._bindings.values())
     directory.ingest([_batch("i0", 0, 2, "store", TIERS[0], [_entry("a1", t1, (), 0)])])
-    assert directory._index.fetched == 1
     found = directory.match(np.array(CONTENTS[0], dtype=np.uint32), BlendNamespace("m", "t1", 1))
     assert [(m.chunk_hash, m.old_st) for m in found] == [(bytes.fromhex("a1"), 0)]
