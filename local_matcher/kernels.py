@@ -104,31 +104,42 @@ def probe(query, stride, salt, base, base_top, filter_words, filter_shift,
     scrambled = np.empty(n, dtype=np.uint64)
     for i in range(n):
         scrambled[i] = _scramble(query[i], salt)
+    # Pass 1: the fingerprint of every probed window (pure arithmetic).
+    last = n - width
+    num_probes = last // stride + 1
+    fps = np.empty(num_probes, dtype=np.uint64)
     h = np.uint64(0)
     for j in range(width):
         h = h * base + scrambled[j]
-    table_mask = table_cid.shape[0] - 1
-    last = n - width
-    out_pos = np.empty(last // stride + 1, dtype=np.int64)
-    out_cid = np.empty(last // stride + 1, dtype=np.int64)
-    found = 0
+    next_probe, k = 0, 0  # a counter, not p % stride: division would dominate the loop
     for p in range(last + 1):
-        if p % stride == 0:
-            fp = _mix(h ^ salt)
-            if _filter_test(filter_words, fp >> filter_shift):
-                s = np.int64(fp >> table_shift)
-                while table_cid[s] != -1:
-                    cid = table_cid[s]
-                    if (table_fp[s] == fp and seen[cid] != epoch
-                            and (ns_mask[cid] & ns_bit) != 0
-                            and _same_tokens(query, p, _row(blocks, cid))):
-                        seen[cid] = epoch
-                        out_pos[found] = p
-                        out_cid[found] = cid
-                        found += 1
-                    s = (s + 1) & table_mask
+        if p == next_probe:
+            fps[k] = _mix(h ^ salt)
+            k += 1
+            next_probe += stride
         if p < last:
             h = (h - scrambled[p] * base_top) * base + scrambled[p + width]
+    # Pass 2: filter, table, namespace pre-test, tokens. The filter loads are independent
+    # of each other here, so the CPU overlaps their cache misses.
+    table_mask = table_cid.shape[0] - 1
+    out_pos = np.empty(num_probes, dtype=np.int64)
+    out_cid = np.empty(num_probes, dtype=np.int64)
+    found = 0
+    for k in range(num_probes):
+        fp = fps[k]
+        if _filter_test(filter_words, fp >> filter_shift):
+            p = k * stride
+            s = np.int64(fp >> table_shift)
+            while table_cid[s] != -1:
+                cid = table_cid[s]
+                if (table_fp[s] == fp and seen[cid] != epoch
+                        and (ns_mask[cid] & ns_bit) != 0
+                        and _same_tokens(query, p, _row(blocks, cid))):
+                    seen[cid] = epoch
+                    out_pos[found] = p
+                    out_cid[found] = cid
+                    found += 1
+                s = (s + 1) & table_mask
     return out_pos[:found], out_cid[:found]
 
 
