@@ -11,10 +11,9 @@ Contract:
   * lookups on `match_workers` threads (one by default: the index serialises matches
     under its own lock, so a second matcher only adds lock and GIL hand-offs), so a long
     query stalls neither ingest nor `/healthz` (which never leaves the loop). A lookup
-    body of at most 256 KiB (~48k tokens) is validated on the loop first, in well under
-    a millisecond; the matcher thread then only matches, which is what bounds
-    throughput (the loop is mostly idle under lookup load). Larger bodies are validated
-    on the matcher thread too;
+    body of at most 256 KiB (~48k tokens) has its JSON shape validated on the loop first;
+    the matcher thread decodes its tokens (a GIL-free kernel) and matches. Larger bodies
+    are validated on the matcher thread too;
   * stats on asyncio's default pool: they wait for the directory lock, never a match.
 - Errors: a body breaking the wire contract -> 422 `{"error": "<what and where>"}`; a body
   over `max_body_bytes` or a query over `max_query_tokens` -> 413. Neither affects other
@@ -93,11 +92,10 @@ async def _blend_lookup(request: web.Request) -> bytes:
     body = await _read_body(request)
     if len(body) > _INLINE_PARSE_BYTES:
         return await _run(request, _MATCH_POOL, coordinator.lookup, body)
-    # A small body is validated right here (well under a millisecond), so the matcher
-    # thread only matches: under lookup load the loop is mostly idle, while the
-    # matcher's time is what bounds throughput.
+    # A small body's shape is validated right here (microseconds); the matcher thread
+    # decodes its tokens without the GIL and matches, so the loop keeps serving.
     return await _run(request, _MATCH_POOL, coordinator.answer,
-                      *coordinator.parse_lookup(body))
+                      coordinator.parse_lookup(body))
 
 
 @_answers_errors

@@ -9,22 +9,20 @@ Contract:
   off, or a query shorter than one chunk, the answer is `{"matches": []}`.
 - `stats()`: the directory's stats object, JSON-encoded.
 
-`lookup` is `answer(*parse_lookup(body))`, split so the HTTP layer can validate a small
-body on the event loop and hand only the matching to a worker thread. Everything else
-blocks (locks, CPU-bound work) and runs on worker threads, never on the loop. All reply bodies are encoded with `plugin.wire.encode`,
-the one owner of the wire shapes.
+`lookup` is `answer(parse_lookup(body))`, split so the HTTP layer can validate a small
+body's shape on the event loop and hand the token decoding (a GIL-free kernel) and the
+matching to a worker thread. Everything else
+blocks (locks, CPU-bound work) and runs on worker threads, never on the loop. All reply
+bodies are encoded with `plugin.wire.encode`, the one owner of the wire shapes.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.directory import KeyDirectory
 from plugin.wire import (
     BlendLookupReply,
     BlendLookupRequest,
-    BlendNamespace,
     EventsRequest,
     WireBlendMatch,
     decode,
@@ -52,26 +50,27 @@ class Coordinator:
         return encode(self.directory.ingest(request.batches))
 
     def lookup(self, body: bytes) -> bytes:
-        return self.answer(*self.parse_lookup(body))
+        return self.answer(self.parse_lookup(body))
 
-    def parse_lookup(self, body: bytes) -> tuple[np.ndarray, BlendNamespace]:
-        """Validate a blend-lookup body: (query tokens, requester's namespace)."""
+    def parse_lookup(self, body: bytes) -> BlendLookupRequest:
+        """Validate a blend-lookup body's shape, and its size from the text alone."""
         request = decode(body, BlendLookupRequest)
         # Base64 carries 3 bytes per 4 characters (padding aside): refuse an oversized
         # query from its text length, before spending time and memory decoding it.
         cap = self.config.max_query_tokens
         if (len(request.tokens_b64) // 4 * 3 - 2) // 4 > cap:
             raise TooLarge(f"query exceeds {cap} tokens (--max-query-tokens)")
-        tokens = decode_tokens(request.tokens_b64)
-        if tokens.size > cap:
-            raise TooLarge(f"query of {tokens.size} tokens exceeds {cap} (--max-query-tokens)")
-        return tokens, request.namespace
+        return request
 
-    def answer(self, tokens: np.ndarray, namespace: BlendNamespace) -> bytes:
-        """The encoded reply to a validated lookup (the matching itself)."""
+    def answer(self, request: BlendLookupRequest) -> bytes:
+        """Decode the query's tokens (WireError if they are not valid) and match them."""
+        tokens = decode_tokens(request.tokens_b64)
+        if tokens.size > self.config.max_query_tokens:
+            raise TooLarge(f"query of {tokens.size} tokens exceeds "
+                           f"{self.config.max_query_tokens} (--max-query-tokens)")
         if not self.directory.blend_enabled or tokens.size < self.config.chunk_size:
             return _EMPTY_LOOKUP
-        matches = self.directory.match(tokens, namespace)
+        matches = self.directory.match(tokens, request.namespace)
         return encode(BlendLookupReply(matches=[
             WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
             for m in matches]))
