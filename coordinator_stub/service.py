@@ -44,6 +44,7 @@ class Coordinator:
         self.directory = KeyDirectory(chunk_size=config.chunk_size,
                                       probe_stride=config.blend_probe_stride,
                                       enable_blend_lookup=config.enable_blend_lookup)
+        decode_tokens("AAAAAA==")  # compile (or load) the codec kernel before any request
 
     def ingest(self, body: bytes) -> bytes:
         request = decode(body, EventsRequest)  # whole body, before anything is applied

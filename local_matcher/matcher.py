@@ -54,9 +54,12 @@ class LocalMatcher:
                         "the extra hashes are ignored", len(chunk_hashes), count)
         if count == 0:
             return
-        rows = tokens[: count * self.chunk_size].reshape(count, self.chunk_size).copy()
-        offsets = position_offset + self.chunk_size * np.arange(count)
-        self._enqueue((rows, chunk_hashes[:count], offsets.tolist()))
+        # A bytes copy: numpy would drop the GIL for a copy this size, and getting it back
+        # from the background indexer costs the store path far more than the copy.
+        rows = tokens[: count * self.chunk_size].tobytes()
+        offsets = range(position_offset, position_offset + count * self.chunk_size,
+                        self.chunk_size)
+        self._enqueue((rows, chunk_hashes[:count], offsets))
 
     def evict(self, chunk_hashes: Iterable[Hashable]) -> None:
         """Queue chunks for removal; unknown hashes are ignored."""
@@ -82,8 +85,9 @@ class LocalMatcher:
                        and isinstance(self._pending[0], tuple)):
                     batch.append(self._pending.popleft())
                 rows, hashes, offsets = zip(*batch)
-                self._index.add_many(np.concatenate(rows), [h for hs in hashes for h in hs],
-                                     [o for os_ in offsets for o in os_], _LOCAL)
+                self._index.add_many(
+                    np.frombuffer(b"".join(rows), dtype=np.uint32).reshape(-1, self.chunk_size),
+                    [h for hs in hashes for h in hs], [o for os_ in offsets for o in os_], _LOCAL)
 
     def stats(self) -> dict[str, int]:
         return {**self._index.stats(), "pending": len(self._pending)}
