@@ -8,8 +8,9 @@ reject almost every window, skips contents no occupant of which the requester's
 namespace may claim, and only then compares tokens.
 
 Invariants (all under `self._lock`, which is never held while calling out):
-- `_chunks[h].cid` is the content of chunk `h`; `_occupants[cid]` is the head of the
-  singly linked list (`_Chunk.next`) of the chunks of that content.
+- `_chunks[h] == (cid, offset, claims)` for chunk `h` of content `cid`; `_occupants[cid]`
+  is the tuple of the hashes of that content's chunks. Records are tuples of atoms, so
+  Python's cyclic GC untracks them: an index of a million chunks adds no GC pause.
 - A chunk exists iff at least one namespace claims it (`claims != 0`); a content is
   stored iff it has at least one occupant. Removing the last one frees the slot.
 - `claims` is a bit set of namespace ids (Python int); a namespace's id is recycled
@@ -49,18 +50,6 @@ def as_tokens(values) -> np.ndarray:
     return array.astype(np.uint32)
 
 
-class _Chunk:
-    __slots__ = ("hash", "cid", "offset", "claims", "next")
-
-    def __init__(self, chunk_hash: Hashable, cid: int, offset: int, claims: int,
-                 following: "_Chunk | None"):
-        self.hash = chunk_hash
-        self.cid = cid
-        self.offset = offset
-        self.claims = claims
-        self.next = following
-
-
 def _mask_bit(ns_id: int) -> int:
     return 1 << (ns_id & 63)
 
@@ -83,8 +72,8 @@ class ContentIndex:
         self.probe_stride = probe_stride
         self._lock = threading.Lock()
         self._store = ContentStore(chunk_size, fingerprint_key)
-        self._chunks: dict[Hashable, _Chunk] = {}
-        self._occupants: list[_Chunk | None] = []
+        self._chunks: dict[Hashable, tuple[int, int, int]] = {}
+        self._occupants: list[tuple] = []
         self._ns_ids: dict[Hashable, int] = {}
         self._ns_names: list[Hashable] = []
         self._ns_claim_counts: list[int] = []
@@ -129,28 +118,29 @@ class ContentIndex:
             ns_id = self._namespace_id(namespace)
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
             if len(self._occupants) < self._store.capacity:
-                self._occupants.extend([None] * (self._store.capacity - len(self._occupants)))
+                self._occupants.extend([()] * (self._store.capacity - len(self._occupants)))
             chunks, occupants, vacated = self._chunks, self._occupants, []
             bit, claimed = 1 << ns_id, 0
             for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
-                chunk = chunks.get(chunk_hash)
-                if chunk is not None and chunk.cid != cid:
+                record = chunks.get(chunk_hash)
+                if record is not None and record[0] != cid:
                     # The hash now names other content: retire it from the old one first.
                     self._count_claims(ns_id, claimed)
-                    vacated.append(chunk.cid)
-                    self._drop(chunk)
-                    chunk, claimed = None, 0
+                    vacated.append(record[0])
+                    self._drop(chunk_hash, record)
+                    record, claimed = None, 0
                     ns_id = self._namespace_id(namespace)  # the drop may have retired it
                     bit = 1 << ns_id
-                if chunk is None:
-                    occupants[cid] = chunks[chunk_hash] = _Chunk(
-                        chunk_hash, cid, offset, bit, occupants[cid])
+                if record is None:
+                    chunks[chunk_hash] = (cid, offset, bit)
+                    occupants[cid] += (chunk_hash,)
                     claimed += 1
                 else:
-                    chunk.offset = offset
-                    if not chunk.claims & bit:
-                        chunk.claims |= bit
+                    claims = record[2]
+                    if not claims & bit:
+                        claims |= bit
                         claimed += 1
+                    chunks[chunk_hash] = (cid, offset, claims)
             self._count_claims(ns_id, claimed)
             self._store.ns_mask[cids] |= np.uint64(_mask_bit(ns_id))
             # Released only now: a later row of this batch may have found that content.
@@ -165,34 +155,38 @@ class ContentIndex:
         if they differ from the indexed content, or anything is unknown, nothing changes.
         """
         with self._lock:
-            chunk = self._known_chunk(tokens, chunk_hash)
+            record = self._known_record(tokens, chunk_hash)
             ns_id = self._ns_ids.get(namespace)
-            if chunk is None or ns_id is None or not (chunk.claims >> ns_id) & 1:
+            if record is None or ns_id is None or not (record[2] >> ns_id) & 1:
                 return
-            self._unclaim(chunk, ns_id)
-            if chunk.claims == 0:
-                self._unlink(chunk)
-            self._release_if_vacant([chunk.cid])
+            cid, offset, claims = record
+            self._unclaim(ns_id)
+            claims &= ~(1 << ns_id)
+            if claims:
+                self._chunks[chunk_hash] = (cid, offset, claims)
+            else:
+                self._unlink(chunk_hash, cid)
+            self._release_if_vacant([cid])
 
     def remove_chunk(self, tokens, chunk_hash: Hashable) -> None:
         """Drop a chunk and every claim on it, in one lock acquisition.
 
         `tokens` as for `remove_claim`."""
         with self._lock:
-            chunk = self._known_chunk(tokens, chunk_hash)
-            if chunk is not None:
-                self._drop(chunk)
-                self._release_if_vacant([chunk.cid])
+            record = self._known_record(tokens, chunk_hash)
+            if record is not None:
+                self._drop(chunk_hash, record)
+                self._release_if_vacant([record[0]])
 
     def remove_chunks(self, chunk_hashes: Iterable[Hashable]) -> None:
         """Drop chunks by hash with all their claims; unknown hashes are skipped."""
         with self._lock:
             vacated = []
             for chunk_hash in chunk_hashes:
-                chunk = self._chunks.get(chunk_hash)
-                if chunk is not None:
-                    self._drop(chunk)
-                    vacated.append(chunk.cid)
+                record = self._chunks.get(chunk_hash)
+                if record is not None:
+                    self._drop(chunk_hash, record)
+                    vacated.append(record[0])
             self._release_if_vacant(vacated)
 
     # --- matching -------------------------------------------------------------------------
@@ -213,13 +207,12 @@ class ContentIndex:
             if ns_id is None:
                 return []
             positions, cids = self._store.probe(tokens, self.probe_stride, _mask_bit(ns_id))
-            matches = []
+            chunks, occupants, matches = self._chunks, self._occupants, []
             for cur_st, cid in zip(positions.tolist(), cids.tolist()):
-                chunk = self._occupants[cid]
-                while chunk is not None:
-                    if (chunk.claims >> ns_id) & 1:
-                        matches.append(BlendMatch(chunk.hash, chunk.offset, cur_st))
-                    chunk = chunk.next
+                for chunk_hash in occupants[cid]:
+                    _, offset, claims = chunks[chunk_hash]
+                    if (claims >> ns_id) & 1:
+                        matches.append(BlendMatch(chunk_hash, offset, cur_st))
             return matches
 
     def tokens_of(self, chunk_hash: Hashable) -> np.ndarray | None:
@@ -228,8 +221,8 @@ class ContentIndex:
         Lets a caller that needs a chunk's tokens only now and then (the coordinator's
         directory) fetch them here instead of keeping a second copy."""
         with self._lock:
-            chunk = self._chunks.get(chunk_hash)
-            return None if chunk is None else self._store.row(chunk.cid).copy()
+            record = self._chunks.get(chunk_hash)
+            return None if record is None else self._store.row(record[0]).copy()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -260,18 +253,18 @@ class ContentIndex:
             self._ns_ids[namespace] = ns_id
         return ns_id
 
-    def _known_chunk(self, tokens, chunk_hash: Hashable) -> _Chunk | None:
-        chunk = self._chunks.get(chunk_hash)
-        if chunk is None or tokens is None:
-            return chunk
-        return chunk if self._store.holds(chunk.cid, as_tokens(tokens)) else None
+    def _known_record(self, tokens, chunk_hash: Hashable) -> tuple[int, int, int] | None:
+        record = self._chunks.get(chunk_hash)
+        if record is None or tokens is None:
+            return record
+        return record if self._store.holds(record[0], as_tokens(tokens)) else None
 
     def _count_claims(self, ns_id: int, claimed: int) -> None:
         self._ns_claim_counts[ns_id] += claimed
         self._num_claims += claimed
 
-    def _unclaim(self, chunk: _Chunk, ns_id: int) -> None:
-        chunk.claims &= ~(1 << ns_id)
+    def _unclaim(self, ns_id: int) -> None:
+        """Count one claim of `ns_id` gone; retire the namespace's id with its last."""
         self._num_claims -= 1
         self._ns_claim_counts[ns_id] -= 1
         if self._ns_claim_counts[ns_id] == 0:
@@ -279,46 +272,39 @@ class ContentIndex:
             self._ns_names[ns_id] = None
             self._free_ns_ids.append(ns_id)
 
-    def _drop(self, chunk: _Chunk) -> None:
-        claims, ns_id = chunk.claims, 0
+    def _drop(self, chunk_hash: Hashable, record: tuple[int, int, int]) -> None:
+        claims, ns_id = record[2], 0
         while claims:
             if claims & 1:
-                self._unclaim(chunk, ns_id)
+                self._unclaim(ns_id)
             claims >>= 1
             ns_id += 1
-        self._unlink(chunk)
+        self._unlink(chunk_hash, record[0])
 
-    def _unlink(self, chunk: _Chunk) -> None:
-        del self._chunks[chunk.hash]
-        cursor = self._occupants[chunk.cid]
-        if cursor is chunk:
-            self._occupants[chunk.cid] = chunk.next
-        else:
-            while cursor.next is not chunk:
-                cursor = cursor.next
-            cursor.next = chunk.next
+    def _unlink(self, chunk_hash: Hashable, cid: int) -> None:
+        del self._chunks[chunk_hash]
+        self._occupants[cid] = tuple(h for h in self._occupants[cid] if h != chunk_hash)
 
     def _release_if_vacant(self, cids: Iterable[int]) -> None:
         """Free each content that lost its last occupant; refresh the others' masks."""
         vacant = []
         for cid in set(cids):
-            mask = 0
-            chunk = self._occupants[cid]
-            if chunk is None:
+            if not self._occupants[cid]:
                 vacant.append(cid)
                 continue
-            while chunk is not None:
-                claims = chunk.claims
+            mask = 0
+            for chunk_hash in self._occupants[cid]:
+                claims = self._chunks[chunk_hash][2]
                 while claims:
                     mask |= claims & 0xFFFFFFFFFFFFFFFF
                     claims >>= 64
-                chunk = chunk.next
             self._store.ns_mask[cid] = np.uint64(mask)
         if vacant:
             self._store.remove(np.array(vacant, dtype=np.int64))
 
 
-_CHUNK_BYTES = sys.getsizeof(_Chunk(b"", 0, 0, 0, None)) + sys.getsizeof(10**6)
+# Python memory of one chunk: its record, its place among its content's occupants, its offset.
+_CHUNK_BYTES = sys.getsizeof((0, 10**6, 1)) + sys.getsizeof((b"",)) + sys.getsizeof(10**6)
 
 _warmed = False
 
