@@ -25,12 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import os
-import platform
-import re
 import resource
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +34,8 @@ import msgspec
 import numpy as np
 import psutil
 
+from benchmarks.common import machine_description
+from coordinator_stub.process import start_coordinator
 from plugin.wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,
@@ -64,32 +61,6 @@ VOCAB = 128_256  # Llama-3 vocabulary size: realistic token-id range (17 bits)
 
 
 # --- the machine and the process under test -------------------------------------------------
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next((line.split(":", 1)[1].strip() for line in cpuinfo
-                          if line.startswith("model name")), model)
-    except OSError:
-        pass
-    memory = psutil.virtual_memory().total / 2**30
-    return (f"{os.cpu_count()} cores ({model}), {memory:.0f} GiB, "
-            f"Python {platform.python_version()}, {platform.system()} {platform.machine()}")
-
-
-def start_coordinator(chunk_size: int) -> tuple[subprocess.Popen, str, int]:
-    command = [sys.executable, "-m", "coordinator_stub", "--host", "127.0.0.1", "--port", "0",
-               "--enable-blend-lookup", "--chunk-size", str(chunk_size), "--log-level",
-               "WARNING"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    line = process.stdout.readline()
-    found = re.search(r"listening on http://([^:\s]+):(\d+)", line)
-    if not found:
-        process.kill()
-        raise RuntimeError(f"coordinator did not start: {line!r}")
-    return process, found.group(1), int(found.group(2))
 
 
 def cpu_seconds_self() -> float:
@@ -321,7 +292,7 @@ def ratio_line(name: str, ours: float, reference: float, unit: str, better: str,
 def main(argv=None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine_description()}")
     print(f"workload: {args.chunks:,} chunks of {args.chunk_size} tokens in sequences of "
           f"{args.chunks_per_sequence}, {args.batch_entries} entries/batch, "
           f"{args.tenants} tenants, {args.instances} instances; lookups of "
@@ -331,8 +302,10 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     corpus = build_corpus(args.chunks, args.chunk_size, args.chunks_per_sequence, args.tenants,
                           args.instances, rng)
-    process, host, port = start_coordinator(args.chunk_size)
-    coordinator = psutil.Process(process.pid)
+    running = start_coordinator("--enable-blend-lookup", "--chunk-size", str(args.chunk_size),
+                                "--log-level", "WARNING")
+    host, port = running.host, running.port
+    coordinator = psutil.Process(running.process.pid)
     try:
         per_instance = ingest_requests(corpus, args.batch_entries, args.instances, host, port)
         queries = build_queries(corpus, args.queries, args.query_tokens, args.planted,
@@ -375,12 +348,7 @@ def main(argv=None) -> int:
         recall, extra = recall_of(samples, queries)
         lookup_rate = len(samples) / lookup_s
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            exit_code = process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            exit_code = process.wait()
+        exit_code = running.stop(timeout=30)
 
     print()
     print(f"ingest:  {args.chunks:,} chunks in {ingest_s:.2f} s = {ingest_rate:,.0f} chunks/s "

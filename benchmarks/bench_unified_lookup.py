@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -30,34 +27,12 @@ import time
 import numpy as np
 
 from benchmarks.common import machine_description, percentile_ms
+from coordinator_stub.process import start_coordinator
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig
 
 C = 256
 MODEL = "bench-model"
 MAX_BREAKER_RATIO = 1.2
-
-
-def start_coordinator(port: int = 0) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "coordinator_stub", "--host", "127.0.0.1", "--port", str(port),
-         "--enable-blend-lookup", "--chunk-size", str(C)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in process.stdout:
-        found = re.search(r"listening on (http://\S+)", line)
-        if found:
-            return process, found.group(1)
-    raise SystemExit(f"coordinator exited early with code {process.wait()}")
-
-
-def stop_coordinator(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def timed_lookup(plugin: BlendPlugin, key: LookupKey) -> tuple[float, int]:
@@ -113,7 +88,9 @@ def main(argv=None) -> int:
     print(f"setup: chunk size {C}, {args.docs} documents on each of servers A and B, "
           f"queries of {args.query_chunks * C} tokens, {args.iterations} lookups per leg\n")
 
-    coordinator, url = start_coordinator()
+    coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", str(C),
+                                    stderr=subprocess.DEVNULL)
+    url = coordinator.url
     l2: dict = {}
     fleet_config = dict(coordinator_url=url, event_reporting=True, chunk_size=C,
                         blend_timeout=1.0, event_flush_interval=0.2)
@@ -147,7 +124,7 @@ def main(argv=None) -> int:
         interleaved(local_b, fleet_b, queries, 100, "warm")
         local_h, healthy, cov_local, cov_healthy = interleaved(local_b, fleet_b, queries,
                                                                args.iterations, "healthy")
-        stop_coordinator(coordinator)
+        coordinator.stop()
         # Open the breaker: a few lookups fail fast (connection refused).
         for i in range(20):
             timed_lookup(fleet_b, LookupKey(f"open-{i}", queries[0], MODEL))
@@ -159,7 +136,7 @@ def main(argv=None) -> int:
     finally:
         for plugin in (server_a, fleet_b, local_b):
             plugin.close()
-        stop_coordinator(coordinator)
+        coordinator.stop()
 
     def row(name, samples, reference):
         p50, p99 = percentile_ms(samples, 50), percentile_ms(samples, 99)

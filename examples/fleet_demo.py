@@ -16,9 +16,6 @@ Run: `make demo` (or `python examples/fleet_demo.py`). Exits 0 when the demo ran
 from __future__ import annotations
 
 import logging
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
+from coordinator_stub.process import start_coordinator  # noqa: E402
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig  # noqa: E402
 
 C = 256
@@ -35,35 +33,6 @@ MODEL = "demo-llama-8b"
 NUM_SERVERS = 3
 NUM_DOCS = 9
 NUM_REQUESTS = 9
-
-
-def start_coordinator() -> tuple[subprocess.Popen, str]:
-    """`python -m coordinator_stub --port 0 --enable-blend-lookup`; returns (process, url)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "coordinator_stub", "--host", "127.0.0.1", "--port", "0",
-         "--enable-blend-lookup", "--chunk-size", str(C)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            raise SystemExit(f"coordinator exited early with code {process.wait()}")
-        found = re.search(r"listening on (http://\S+)", line)
-        if found:
-            return process, found.group(1)
-    process.kill()
-    raise SystemExit("coordinator did not report its address within 30 s")
-
-
-def stop_coordinator(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 class Server:
@@ -101,7 +70,9 @@ def lookup(plugin: BlendPlugin, key: LookupKey):
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     rng = np.random.default_rng(2024)
-    coordinator, url = start_coordinator()
+    coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", str(C),
+                                    stderr=subprocess.DEVNULL)
+    url = coordinator.url
     print(f"coordinator: {url} (blend lookup on, chunk size {C})")
     l2: dict = {}
     servers = [Server(i, url, l2) for i in range(NUM_SERVERS)]
@@ -178,7 +149,7 @@ def main() -> int:
     finally:
         for server in servers:
             server.close()
-        stop_coordinator(coordinator)
+        coordinator.stop()
         print("coordinator stopped")
 
 

@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import launch_coordinator
+from coordinator_stub.process import launch_coordinator
 from plugin.wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,

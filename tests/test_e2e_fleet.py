@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import launch_coordinator
+from coordinator_stub.process import launch_coordinator
 from plugin import BlendPlugin, CBMatchResult, InMemoryHost, LookupKey, PluginConfig
 from test_plugin_loopback import HangingServer, wait_until
 

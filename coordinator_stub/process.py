@@ -1,0 +1,92 @@
+"""Run the bundled coordinator as a child process (tests, the demo, benchmarks).
+
+Builds on the start-up contract of `python -m coordinator_stub` (see `__main__`): once
+bound it prints one line ``listening on http://HOST:PORT`` on stdout, and it exits 0 on
+SIGTERM. `start_coordinator` waits for that line (or fails with what went wrong);
+`CoordinatorProcess.stop` sends SIGTERM, then SIGKILL if the process lingers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Iterator
+from urllib.parse import urlsplit
+
+_LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+@dataclass
+class CoordinatorProcess:
+    url: str
+    process: subprocess.Popen
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, wait (SIGKILL after `timeout`); returns the exit code. Idempotent."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout:
+            self.process.stdout.close()
+        return self.process.returncode
+
+
+def start_coordinator(*flags: str, host: str = "127.0.0.1", port: int = 0,
+                      stderr: int | IO | None = None, startup_timeout: float = 30.0
+                      ) -> CoordinatorProcess:
+    """Start `python -m coordinator_stub --host HOST --port PORT *flags`; wait until bound.
+
+    `stderr` is passed to `subprocess.Popen` (None: inherit this process's).
+    """
+    command = [sys.executable, "-m", "coordinator_stub", "--host", host, "--port", str(port),
+               *flags]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + startup_timeout
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([process.stdout], [], [], remaining)[0]:
+                raise RuntimeError(f"coordinator did not report its address within "
+                                   f"{startup_timeout:.0f} s: {' '.join(command)}")
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"coordinator exited with code {process.wait()} before "
+                                   f"binding: {' '.join(command)}")
+            found = _LISTENING.search(line)
+            if found:
+                return CoordinatorProcess(found.group(1), process)
+    except BaseException:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        raise
+
+
+@contextlib.contextmanager
+def launch_coordinator(*flags: str, **options) -> Iterator[CoordinatorProcess]:
+    """`start_coordinator` for the length of a `with` block, stopped on the way out."""
+    coordinator = start_coordinator(*flags, **options)
+    try:
+        yield coordinator
+    finally:
+        coordinator.stop()
