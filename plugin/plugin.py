@@ -120,7 +120,9 @@ class BlendPlugin:
                 tier=config.event_tier, backend=config.event_backend)
         self._lock = threading.Lock()
         self._matchers: dict[BlendNamespace, LocalMatcher] = {}
-        self._owners: dict[Hashable, set[BlendNamespace]] = {}  # chunk -> namespaces storing it
+        # chunk -> the namespace storing it; a frozenset in the rare case of several. No set
+        # per chunk: this map holds every chunk the process stores.
+        self._owners: dict[Hashable, BlendNamespace | frozenset[BlendNamespace]] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._last_sweep = time.monotonic()
         self._closed = False
@@ -145,8 +147,12 @@ class BlendPlugin:
                 matcher = self._matchers.get(namespace)
                 if matcher is None:
                     matcher = self._matchers[namespace] = LocalMatcher(chunk_size=size)
+                owners = self._owners
                 for chunk_hash in hashes:
-                    self._owners.setdefault(chunk_hash, set()).add(namespace)
+                    known = owners.setdefault(chunk_hash, namespace)
+                    if known != namespace and not (type(known) is frozenset and namespace in known):
+                        owners[chunk_hash] = (known if type(known) is frozenset
+                                              else frozenset((known,))) | {namespace}
             matcher.register(tokens[start:start + len(hashes) * size], hashes, position_offset=start)
             if self.reporter is not None:
                 offsets = [start + i * size for i in range(len(hashes))]
@@ -162,7 +168,9 @@ class BlendPlugin:
             by_namespace: dict[BlendNamespace, list[Hashable]] = collections.defaultdict(list)
             with self._lock:
                 for chunk_hash in chunk_hashes:
-                    for namespace in self._owners.pop(chunk_hash, ()):
+                    owner = self._owners.pop(chunk_hash, None)
+                    for namespace in (owner if type(owner) is frozenset else
+                                      () if owner is None else (owner,)):
                         by_namespace[namespace].append(chunk_hash)
                 matchers = {ns: self._matchers.get(ns) for ns in by_namespace}
             for namespace, hashes in by_namespace.items():

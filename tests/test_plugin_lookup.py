@@ -18,7 +18,7 @@ import pytest
 from plugin import (BlendMatch, BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost,
                     LookupKey, PluginConfig, ServingHost)
 from plugin.lookup import BOTH, FLEET, LOCAL, Candidate, merge_candidates, resolve_overlaps
-from plugin.wire import decode_tokens
+from plugin.wire import BLEND_LOOKUP_PATH, decode_tokens
 from test_plugin_loopback import LoopbackServer, Reply, closed_port_url, wait_until
 
 C = 16
@@ -124,8 +124,9 @@ def test_first_call_starts_prefix_local_and_coordinator(plugins):
         query = np.concatenate([fresh(5), doc, fresh(3)])
         assert plugin.cb_unified_lookup(LookupKey("r1", query, MODEL), 2) is None
         assert host.prefix_requests == [("r1", 2)]
-        assert wait_until(lambda: len(server.requests) == 1, 1.0)
-        sent = json.loads(server.requests[0][1])
+        # The plugin's event reporter posts to the same server; count lookups only.
+        assert wait_until(lambda: len(server.bodies(BLEND_LOOKUP_PATH)) == 1, 1.0)
+        sent = server.bodies(BLEND_LOOKUP_PATH)[0]
         assert list(decode_tokens(sent["tokens_b64"])) == query.tolist()
         result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
         trace = plugin.trace("r1")
@@ -382,6 +383,27 @@ def test_evicted_chunks_are_no_longer_found_locally(plugins):
     result = run(plugin, LookupKey("r1", doc, MODEL))[0]
     assert result.non_prefix_segments == [seg(C, C, hashes[1])]
     assert plugin.trace("r1").local_matches == 1
+
+
+def test_evicting_a_hash_two_namespaces_stored_removes_it_from_both():
+    with LoopbackServer() as server:
+        host = InMemoryHost(C)
+        plugin = make_plugin(host, server.url)
+        doc = fresh(C)
+        hashes = [b"\x09\x09"]
+        tenants = [LookupKey(f"s-{salt}", doc, MODEL, 1, salt) for salt in ("a", "b")]
+        for key in tenants:
+            host.store(key, hashes, 0)
+            plugin.on_store(key, hashes, 0)
+        plugin.on_evict(hashes)
+        for key in tenants:
+            assert run(plugin, LookupKey(f"q-{key.cache_salt}", doc, MODEL, 1,
+                                         key.cache_salt))[0].non_prefix_segments == []
+        plugin.close()  # flushes
+        deleted = sorted(e["key"]["cache_salt"] for body in server.bodies("/events")
+                         for b in body["batches"] if b["event_type"] == "delete"
+                         for e in b["entries"])
+        assert deleted == ["a", "b"]
 
 
 def test_store_and_evict_are_reported_with_offsets():
