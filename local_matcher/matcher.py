@@ -1,6 +1,8 @@
 """The local matcher: the chunks one serving process stored, found in its requests.
 
-`LocalMatcher` is a `ContentIndex` with one implicit namespace, fed by the store path.
+`LocalMatcher` is a `ContentIndex` fed by the store path. One serving process needs one:
+chunks are registered and matched under a namespace (one implicit namespace unless the
+caller names them, e.g. per tenant), and an evicted hash leaves every namespace.
 Registration must never slow that path, so `register` and `evict` only enqueue; one
 background worker shared by every matcher in the process applies the queue, and
 `match` drains whatever is still pending first, so a chunk stored just before a lookup
@@ -44,8 +46,9 @@ class LocalMatcher:
         self._drain_lock = Lock()
         self._scheduled = False
 
-    def register(self, token_ids, chunk_hashes: Sequence[Hashable], position_offset: int = 0) -> None:
-        """Queue chunks of a stored range for indexing (returns at once)."""
+    def register(self, token_ids, chunk_hashes: Sequence[Hashable], position_offset: int = 0,
+                 *, namespace: Hashable = _LOCAL) -> None:
+        """Queue chunks of a stored range for indexing under `namespace` (returns at once)."""
         chunk_hashes = list(chunk_hashes)
         tokens = as_tokens(token_ids).ravel()
         count = min(len(chunk_hashes), tokens.size // self.chunk_size)
@@ -59,17 +62,18 @@ class LocalMatcher:
         rows = tokens[: count * self.chunk_size].tobytes()
         offsets = range(position_offset, position_offset + count * self.chunk_size,
                         self.chunk_size)
-        self._enqueue((rows, chunk_hashes[:count], offsets))
+        self._enqueue((rows, chunk_hashes[:count], offsets, namespace))
 
     def evict(self, chunk_hashes: Iterable[Hashable]) -> None:
-        """Queue chunks for removal; unknown hashes are ignored."""
+        """Queue chunks for removal from every namespace; unknown hashes are ignored."""
         self._enqueue(list(chunk_hashes))
 
-    def match(self, token_ids) -> list[CBMatchResult]:
-        """Registered chunks found in `token_ids`, ascending by `cur_st`."""
+    def match(self, token_ids, *, namespace: Hashable = _LOCAL) -> list[CBMatchResult]:
+        """Chunks registered under `namespace` found in `token_ids`, ascending by `cur_st`."""
         self.flush()
         size = self.chunk_size
-        return [CBMatchResult.from_match(m, size) for m in self._index.match(token_ids, _LOCAL)]
+        return [CBMatchResult.from_match(m, size)
+                for m in self._index.match(token_ids, namespace)]
 
     def flush(self) -> None:
         """Apply every queued registration and eviction now."""
@@ -79,15 +83,18 @@ class LocalMatcher:
                 if isinstance(operation, list):
                     self._index.remove_chunks(operation)
                     continue
-                # Consecutive registrations go to the index as one batch.
+                # Consecutive registrations of one namespace go to the index as one batch.
+                namespace = operation[3]
                 batch = [operation]
                 while (len(batch) < _MAX_COALESCED and self._pending
-                       and isinstance(self._pending[0], tuple)):
+                       and isinstance(self._pending[0], tuple)
+                       and self._pending[0][3] == namespace):
                     batch.append(self._pending.popleft())
-                rows, hashes, offsets = zip(*batch)
+                rows, hashes, offsets, _ = zip(*batch)
                 self._index.add_many(
                     np.frombuffer(b"".join(rows), dtype=np.uint32).reshape(-1, self.chunk_size),
-                    [h for hs in hashes for h in hs], [o for os_ in offsets for o in os_], _LOCAL)
+                    [h for hs in hashes for h in hs], [o for os_ in offsets for o in os_],
+                    namespace)
 
     def stats(self) -> dict[str, int]:
         return {**self._index.stats(), "pending": len(self._pending)}
@@ -109,5 +116,5 @@ class LocalMatcher:
         self._scheduled = False  # cleared first: what arrives during the drain reschedules
         try:
             self.flush()
-        except Exception:  # the worker must survive; the next match() drains and raises
+        except Exception:  # the worker must survive; the failed operation is dropped
             log.exception("local matcher: background indexing failed")

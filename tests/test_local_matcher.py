@@ -67,6 +67,20 @@ def test_operations_apply_in_order():
     assert matcher.match(stored) == [CBMatchResult(C, 2 * C, 0, C, b"x")]
 
 
+def test_namespaces_are_kept_apart_and_eviction_leaves_all_of_them():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(2 * C, seed=8)
+    matcher.register(stored[:C], [b"a"], namespace="tenant-1")
+    matcher.register(stored[C:], [b"b"], namespace="tenant-2")
+    matcher.register(stored[C:], [b"b"], position_offset=C, namespace="tenant-1")
+    assert [r.hash for r in matcher.match(stored, namespace="tenant-1")] == [b"a", b"b"]
+    assert [r.hash for r in matcher.match(stored, namespace="tenant-2")] == [b"b"]
+    assert matcher.match(stored) == []  # the implicit namespace holds nothing
+    matcher.evict([b"b"])
+    assert [r.hash for r in matcher.match(stored, namespace="tenant-1")] == [b"a"]
+    assert matcher.match(stored, namespace="tenant-2") == []
+
+
 def test_long_lived_matcher_survives_more_than_2_pow_20_cycles():
     """LMCache 0.5.6 stops indexing after 2**20 registrations; this must not."""
     chunk = 4
