@@ -59,8 +59,6 @@ log = logging.getLogger(__name__)
 
 #: `(instance_id, tier, backend)`: one place an object is held.
 Placement = tuple[str, str, str]
-#: `(namespace, kv_rank, object_group_id)`: an object key without its chunk hash.
-KeyId = tuple[BlendNamespace, int, int]
 
 # A binding: (content: bytes | int | None, offset: int, holds: tuple[int, ...]).
 _CONTENT, _OFFSET, _HOLDS = 0, 1, 2
@@ -151,7 +149,6 @@ class KeyDirectory:
         self._held_by: dict[str, set[bytes]] = {}
         # Interning tables: keys and places are numbered once and referred to by number.
         self._key_nos: dict[tuple[str, str, int, int], int] = {}
-        self._keys: list[KeyId] = []
         self._key_ns: list[BlendNamespace] = []  # namespace of each key number
         self._namespaces: dict[BlendNamespace, BlendNamespace] = {}
         self._place_nos: dict[Placement, int] = {}
@@ -245,8 +242,7 @@ class KeyDirectory:
         if key_no is None:
             namespace = key.namespace
             namespace = self._namespaces.setdefault(namespace, namespace)
-            key_no = self._key_nos[raw] = len(self._keys)
-            self._keys.append((namespace, key.kv_rank, key.object_group_id))
+            key_no = self._key_nos[raw] = len(self._key_ns)
             self._key_ns.append(namespace)
         return key_no
 
@@ -298,19 +294,21 @@ class KeyDirectory:
             was_indexed = content is not None and offset >= 0
             changed = stamped is not None and content is not None and (
                 stamped != content if type(content) is bytes else _digest(stamped) != content)
-            old_content = content
             tokens = stamped if stamped is not None else content
             moved = False
-            # -1 means "not reported", so it never erases an offset reported before.
-            if entry.token_offset >= 0 and entry.token_offset != offset:
+            if changed:
+                # New text under a known hash: the old position belonged to the old text.
+                if was_indexed:
+                    writer.remove_chunk(content, chunk_hash)
+                offset = entry.token_offset
+            elif entry.token_offset >= 0 and entry.token_offset != offset:
+                # -1 means "not reported", so it never erases an offset reported before.
                 offset = entry.token_offset
                 moved = True
             if tokens is None or offset < 0:
                 # Content unknown (a later stamped store repairs it), or no position.
                 bindings[chunk_hash] = (tokens, offset, holds)
                 continue
-            if changed and was_indexed:
-                writer.remove_chunk(old_content, chunk_hash)
             if changed or not was_indexed:
                 # New content, or content/position just completed: every namespace holding
                 # a key of this chunk claims it.
@@ -412,19 +410,3 @@ class KeyDirectory:
                      "capacity_bytes": value[0], "capacity_revision": value[1]}
                     for place, value in self._capacity.items()],
             }
-
-    def cursor(self, instance_id: str) -> tuple[int, int] | None:
-        with self._lock:
-            return self._gate.cursor(instance_id)
-
-    def placements(self, key: EncodedObjectKey) -> list[Placement]:
-        """Where an object key is held (empty if nowhere)."""
-        with self._lock:
-            binding = self._bindings.get(key.chunk_hash)
-            key_no = self._key_nos.get(
-                (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id))
-            if binding is None or key_no is None:
-                return []
-            holds = binding[_HOLDS]
-            return [self._places[holds[i + 1]] for i in range(0, len(holds), 2)
-                    if holds[i] == key_no]

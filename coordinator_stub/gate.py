@@ -56,10 +56,5 @@ class IngestGate:
         cursor.last_seq = seq
         return Verdict.APPLY
 
-    def cursor(self, instance_id: str) -> tuple[int, int] | None:
-        """`(incarnation, last_seq)` of an instance, or None if it never reported."""
-        cursor = self._cursors.get(instance_id)
-        return None if cursor is None else (cursor.incarnation, cursor.last_seq)
-
     def __len__(self) -> int:
         return len(self._cursors)

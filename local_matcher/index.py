@@ -29,11 +29,10 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from local_matcher.store import ContentStore
-from local_matcher.types import BlendMatch
+from local_matcher.types import MAX_TOKEN_ID, BlendMatch
 
 log = logging.getLogger(__name__)
 
-_MAX_TOKEN = 2**32 - 1
 
 
 def as_tokens(values) -> np.ndarray:
@@ -45,7 +44,7 @@ def as_tokens(values) -> np.ndarray:
         return np.zeros(array.shape, dtype=np.uint32)
     if array.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, not {array.dtype}")
-    if array.min() < 0 or array.max() > _MAX_TOKEN:
+    if array.min() < 0 or array.max() > MAX_TOKEN_ID:
         raise ValueError("token ids must fit in uint32 (0 .. 2**32-1)")
     return array.astype(np.uint32)
 

@@ -13,6 +13,9 @@ from typing import Hashable, NamedTuple
 #: `old_st` of a chunk whose stored position was never reported; never read as 0.
 UNKNOWN_TOKEN_OFFSET = -1
 
+#: Token ids are uint32 everywhere: in the index, on the wire.
+MAX_TOKEN_ID = 2**32 - 1
+
 
 class BlendMatch(NamedTuple):
     """A stored chunk found in a query: its hash, stored start and query start."""

@@ -19,17 +19,17 @@ import msgspec
 import numpy as np
 from numba import njit
 
+from local_matcher.index import as_tokens
+from local_matcher.types import MAX_TOKEN_ID, UNKNOWN_TOKEN_OFFSET
+
 BLEND_LOOKUP_PATH = "/directory/blend-lookup"
 EVENTS_PATH = "/events"
 STATS_PATH = "/directory/stats"
 HEALTH_PATH = "/healthz"
 
-#: `token_offset` of a chunk whose stored position the emitter did not report.
-UNKNOWN_TOKEN_OFFSET = -1
 
-_MAX_TOKEN = 2**32 - 1
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
 
 class WireError(ValueError):
@@ -49,9 +49,10 @@ class BlendNamespace(NamedTuple):
 
 def encode_tokens(tokens) -> str:
     """Pack token ids as little-endian uint32, then standard base64 with padding."""
-    array = np.asarray(tokens)
-    if array.size and (array.min() < 0 or array.max() > _MAX_TOKEN):
-        raise WireError("token ids must fit in uint32")
+    try:
+        array = as_tokens(tokens)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
     return base64.b64encode(array.astype("<u4", copy=False).tobytes()).decode("ascii")
 
 

@@ -21,8 +21,11 @@ query = st.one_of(st.lists(st.integers(0, 2), max_size=20),
 operation = st.one_of(
     st.tuples(st.just("add"), tokens, st.sampled_from(HASHES), st.integers(-1, 50),
               st.sampled_from(NAMESPACES)),
-    st.tuples(st.just("remove_claim"), st.sampled_from(HASHES), st.sampled_from(NAMESPACES)),
-    st.tuples(st.just("remove_chunk"), st.sampled_from(HASHES)),
+    # Removals name the content as the stored one, no content (None), or possibly other content.
+    st.tuples(st.just("remove_claim"), st.sampled_from(HASHES), st.sampled_from(NAMESPACES),
+              st.one_of(st.just("stored"), st.none(), tokens)),
+    st.tuples(st.just("remove_chunk"), st.sampled_from(HASHES),
+              st.one_of(st.just("stored"), st.none(), tokens)),
     st.tuples(st.just("match"), query, st.sampled_from(NAMESPACES)),
 )
 
@@ -42,12 +45,21 @@ class Model:
             claims |= known[2]
         self.chunks[chunk_hash] = (tuple(content), offset, claims)
 
-    def remove_claim(self, chunk_hash, namespace) -> None:
+    def names(self, chunk_hash, content) -> bool:
+        """Whether a removal naming `content` (None: any) applies to the chunk."""
         known = self.chunks.get(chunk_hash)
-        if known is not None:
-            known[2].discard(namespace)
-            if not known[2]:
+        return known is not None and (content is None or tuple(content) == known[0])
+
+    def remove_claim(self, chunk_hash, namespace, content) -> None:
+        if self.names(chunk_hash, content):
+            claims = self.chunks[chunk_hash][2]
+            claims.discard(namespace)
+            if not claims:
                 del self.chunks[chunk_hash]
+
+    def remove_chunk(self, chunk_hash, content) -> None:
+        if self.names(chunk_hash, content):
+            del self.chunks[chunk_hash]
 
     def match(self, query, namespace, stride):
         found, seen = [], set()
@@ -75,12 +87,13 @@ def test_index_agrees_with_brute_force(operations, stride):
             index.add(op[1], op[2], op[3], op[4])
             model.add(*op[1:])
         elif kind == "remove_claim":
-            content = model.chunks.get(op[1], ((0,) * C,))[0]
+            content = model.chunks.get(op[1], ((0,) * C,))[0] if op[3] == "stored" else op[3]
             index.remove_claim(content, op[1], op[2])
-            model.remove_claim(op[1], op[2])
+            model.remove_claim(op[1], op[2], content)
         elif kind == "remove_chunk":
-            index.remove_chunk(None, op[1])
-            model.chunks.pop(op[1], None)
+            content = model.chunks.get(op[1], ((0,) * C,))[0] if op[2] == "stored" else op[2]
+            index.remove_chunk(content, op[1])
+            model.remove_chunk(op[1], content)
         else:
             got = index.match(op[1], op[2])
             assert [m.cur_st for m in got] == sorted(m.cur_st for m in got)

@@ -42,6 +42,9 @@ class Reference:
     def store(self, inst, tier, h, space, tokens, offset):
         self.places.setdefault((h, *space), set()).add((inst, tier))
         if self.blend_on and len(tokens) == C:
+            if self.content.get(h, tokens) != tokens:
+                # New text under a known hash: the old position belonged to the old text.
+                self.offset.pop(h, None)
             self.content[h] = tokens
         if offset >= 0:
             self.offset[h] = offset
