@@ -7,12 +7,17 @@ Contract:
   reply that arrives after that is discarded).
 - A pool of `match_concurrency` daemon threads performs the round-trips, so at most that many
   are in flight. A query still queued when its deadline passes (or is a hair away) is not sent.
-  A round-trip's HTTP timeout is the configured timeout, cut to what is left of the deadline.
+  A round-trip's budget is the configured timeout, cut to what is left of the deadline, and it
+  bounds the whole round-trip (connect, send, every read): httpx's own timeouts apply per
+  phase and per read, so a coordinator trickling bytes could otherwise hold a worker forever.
 - Every failure (refused, timeout, 5xx, 422, non-JSON, wrong shape) becomes an empty result and
   a log warning; no method raises into the serving path.
 - Replies are validated: an entry with bad hex, a negative `old_st`, a `cur_st` outside the
   query (`cur_st + C` beyond it) or a repeated chunk is dropped and counted.
-- Circuit breaker: `breaker_threshold` consecutive failed round-trips open it; while open,
+- Circuit breaker: `breaker_threshold` consecutive failed round-trips open it (only failures
+  that say the coordinator is unwell count: connection errors, timeouts, 5xx; a 4xx or a bad
+  reply shape is one caller's or one reply's problem and must not turn the leg off for the
+  whole process); while open,
   `submit_match` declines at once (the lookup goes local-only with no added latency); after
   `breaker_cooldown_s` one probe query is let through, and its outcome closes or re-opens it.
 - Memory is bounded: finished results nobody takes expire after `result_ttl_s`, and at most
@@ -30,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import httpcore
 import httpx
 import numpy as np
 
@@ -73,7 +79,79 @@ class MatchList(list):
 
 
 class _QueryFailed(Exception):
-    """One round-trip did not produce a usable reply; the message says why."""
+    """One round-trip did not produce a usable reply; the message says why.
+
+    `unhealthy`: the failure says the coordinator is down or struggling (connection error,
+    timeout, 5xx) and counts toward the circuit breaker.
+    """
+
+    def __init__(self, reason: str, *, unhealthy: bool) -> None:
+        super().__init__(reason)
+        self.unhealthy = unhealthy
+
+
+# --- a total deadline per round-trip ---------------------------------------------------------
+# httpx applies its timeouts to each connect, write and read separately, and a read that
+# returns one byte restarts the clock. The worker thread sets its round-trip's absolute
+# deadline here, and the network backend below cuts every socket operation's timeout to it.
+_this_thread = threading.local()
+
+
+def _cut_to_deadline(timeout: float | None, error: type[Exception]) -> float | None:
+    deadline = getattr(_this_thread, "deadline", None)
+    if deadline is None:
+        return timeout
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise error("the round-trip's total deadline has passed")
+    return remaining if timeout is None else min(timeout, remaining)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _cut_to_deadline(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _cut_to_deadline(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+        return _DeadlineStream(self._stream.start_tls(
+            ssl_context, server_hostname, _cut_to_deadline(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str):
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self, backend: httpcore.NetworkBackend) -> None:
+        self._backend = backend
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return _DeadlineStream(self._backend.connect_tcp(
+            host, port, _cut_to_deadline(timeout, httpcore.ConnectTimeout), local_address,
+            socket_options))
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        return _DeadlineStream(self._backend.connect_unix_socket(
+            path, _cut_to_deadline(timeout, httpcore.ConnectTimeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+def _deadline_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
+    transport = httpx.HTTPTransport(limits=limits)
+    # httpx offers no public hook for the network layer; its httpcore pool takes a network
+    # backend, so wrap the one it made (every other pool setting stays as httpx chose it).
+    pool = transport._pool
+    pool._network_backend = _DeadlineBackend(pool._network_backend)
+    return transport
 
 
 @dataclass(eq=False)
@@ -113,6 +191,8 @@ class BlendCoordinatorClient:
         # worker so a round-trip never waits for a connection.
         limits = httpx.Limits(max_connections=match_concurrency,
                               max_keepalive_connections=match_concurrency)
+        if transport is None:  # a caller's own transport (tests) gets httpx's timeouts only
+            transport = _deadline_transport(limits)
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, limits=limits,
                                   transport=transport, trust_env=False)
         self._lock = threading.Lock()
@@ -257,11 +337,20 @@ class BlendCoordinatorClient:
         self._probe_out = True
         return True, True
 
-    def _record_locked(self, query: _Query, ok: bool, reason: str, now: float) -> None:
+    def _record_locked(self, query: _Query, ok: bool, unhealthy: bool, reason: str,
+                       now: float) -> None:
         if ok:
             if self._breaker != CLOSED:
                 logger.info("coordinator at %s answers again; fleet lookups resume", self.base_url)
             self._breaker, self._failures, self._probe_out = CLOSED, 0, False
+            return
+        if not unhealthy:
+            # A 4xx or a malformed reply: this lookup goes local-only, the breaker is left as
+            # it was (a failed probe just lets the next query probe instead).
+            if query.is_probe:
+                self._probe_out = False
+            logger.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
+                           reason)
             return
         self._failures += 1
         if self._breaker == HALF_OPEN and query.is_probe:
@@ -330,18 +419,18 @@ class BlendCoordinatorClient:
             remaining = query.deadline - now
             self._in_flight += 1
             self._stats["sent"] += 1
-        ok, reason, matches = True, "", []
+        ok, unhealthy, reason, matches = True, False, "", []
         try:
             matches = self._round_trip(query, min(self.timeout, remaining))
         except _QueryFailed as exc:
-            ok, reason = False, str(exc)
+            ok, unhealthy, reason = False, exc.unhealthy, str(exc)
         except Exception as exc:  # anything else is a failure too, never an exception upward
             ok, reason = False, f"unexpected {type(exc).__name__}: {exc}"
         with self._lock:
             self._in_flight -= 1
             now = self._clock()
             self._stats["succeeded" if ok else "failed"] += 1
-            self._record_locked(query, ok, reason, now)
+            self._record_locked(query, ok, unhealthy, reason, now)
             if self._tracked.get(query.request_id) is query:
                 self._finish_locked(query, matches, now, ok)
             else:
@@ -353,26 +442,32 @@ class BlendCoordinatorClient:
                                          model_name=namespace.model_name,
                                          world_size=namespace.world_size,
                                          cache_salt=namespace.cache_salt))
+        _this_thread.deadline = time.monotonic() + timeout  # the whole round-trip's budget
         try:
             response = self._http.post(BLEND_LOOKUP_PATH, content=body, timeout=timeout,
                                        headers={"content-type": "application/json"})
         except httpx.TimeoutException as exc:
             raise _QueryFailed(f"no reply from {self.base_url} within {timeout:.3f} s "
-                               f"({type(exc).__name__})") from None
+                               f"({type(exc).__name__})", unhealthy=True) from None
         except httpx.HTTPError as exc:
-            raise _QueryFailed(f"{type(exc).__name__} talking to {self.base_url}: {exc}") from None
+            raise _QueryFailed(f"{type(exc).__name__} talking to {self.base_url}: {exc}",
+                               unhealthy=True) from None
+        finally:
+            _this_thread.deadline = None
         if response.status_code != 200:
             raise _QueryFailed(f"HTTP {response.status_code} from {self.base_url}"
-                               f"{BLEND_LOOKUP_PATH}: {response.text[:200]!r}")
+                               f"{BLEND_LOOKUP_PATH}: {response.text[:200]!r}",
+                               unhealthy=response.status_code >= 500)
         try:
             reply = decode(response.content, BlendLookupReply)
         except WireError as exc:
-            raise _QueryFailed(f"reply from {self.base_url} is not a blend-lookup reply: {exc}") from None
+            raise _QueryFailed(f"reply from {self.base_url} is not a blend-lookup reply: {exc}",
+                               unhealthy=False) from None
         if not reply.matches and b'"matches"' not in response.content:
             # The shape defaults `matches` to empty; a reply without it at all is some other
             # service answering, not "nothing found".
             raise _QueryFailed(f"reply from {self.base_url} has no `matches`: "
-                               f"{response.text[:200]!r}")
+                               f"{response.text[:200]!r}", unhealthy=False)
         return self._validate(reply, len(query.tokens))
 
     def _validate(self, reply: BlendLookupReply, num_tokens: int) -> list[BlendMatch]:

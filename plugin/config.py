@@ -6,6 +6,10 @@ Contract:
   then applies keyword overrides, which win over the environment.
 - A bad value is a `ConfigError` at start-up whose message names the environment variable
   (or the field, for an override) and says what is accepted. Nothing is clamped silently.
+  The exception is `LMCACHE_COORDINATOR_EVENT_REPORTING`: `1`, `true` or `yes` (any case)
+  turn it on and every other value means off (WIRE.md; LMCache reads it so).
+- `instance_id` defaults to `hostname:pid`, which changes on restart; the plugin warns about
+  it when the fleet leg is on (`instance_id_is_default`).
 - The fleet leg is on only with a URL *and* event reporting (`fleet_enabled`); deciding what
   to do about a URL without reporting (warn, no client) belongs to the plugin.
 - `blend_timeout` is both the per-request HTTP timeout and the per-lookup match budget
@@ -29,17 +33,17 @@ ENV_MATCH_CONCURRENCY = "LMCACHE_COORDINATOR_BLEND_MATCH_CONCURRENCY"
 ENV_CHUNK_SIZE = "LMCACHE_CHUNK_SIZE"
 ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
 
+# WIRE.md: these turn event reporting on; any other value means off, as in LMCache, so a
+# deployment that works there starts here too.
 _TRUE = frozenset({"1", "true", "yes"})
-# Values that plainly mean "off". Anything else is rejected rather than read as off: a
-# typo such as "on" would otherwise disable the fleet leg without a word.
-_FALSE = frozenset({"", "0", "false", "no"})
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used. The message names the variable."""
 
 
-def _default_instance_id() -> str:
+def default_instance_id() -> str:
+    """`hostname:pid`: unique, but not stable across restarts (see `instance_id_is_default`)."""
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -53,7 +57,7 @@ class PluginConfig:
     blend_timeout: float = 1.0
     match_concurrency: int = 8
     chunk_size: int = 256
-    instance_id: str = field(default_factory=_default_instance_id)
+    instance_id: str = field(default_factory=default_instance_id)
     # Incarnation of this emitter; None derives one from the start time (time.time_ns()), so
     # a restarted process always outranks its predecessor and the coordinator fences it.
     incarnation: int | None = None
@@ -111,6 +115,12 @@ class PluginConfig:
         """The coordinator leg runs only with a URL and event reporting on (WIRE.md)."""
         return self.coordinator_url is not None and self.event_reporting
 
+    @property
+    def instance_id_is_default(self) -> bool:
+        """True when `instance_id` is this process's `hostname:pid`, which a restart changes,
+        so the coordinator would never fence the previous process's placements."""
+        return self.instance_id == default_instance_id()
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "PluginConfig":
         """Read the environment (`os.environ` unless `environ` is given), then apply overrides.
@@ -128,7 +138,7 @@ class PluginConfig:
         if ENV_COORDINATOR_URL in env:
             values["coordinator_url"] = env[ENV_COORDINATOR_URL]
         if ENV_EVENT_REPORTING in env:
-            values["event_reporting"] = _parse_bool(ENV_EVENT_REPORTING, env[ENV_EVENT_REPORTING])
+            values["event_reporting"] = env[ENV_EVENT_REPORTING].strip().lower() in _TRUE
         if ENV_EVENT_FLUSH_INTERVAL in env:
             values["event_flush_interval"] = _parse_seconds(
                 ENV_EVENT_FLUSH_INTERVAL, env[ENV_EVENT_FLUSH_INTERVAL])
@@ -143,16 +153,6 @@ class PluginConfig:
             values["instance_id"] = env[ENV_INSTANCE_ID]
         values.update(overrides)
         return cls(**values)
-
-
-def _parse_bool(name: str, raw: str) -> bool:
-    text = raw.strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{name}={raw!r} is not understood: use 1, true or yes to turn it on, "
-                      "or 0, false, no or leave it unset to keep it off")
 
 
 def _parse_seconds(name: str, raw: str) -> float:

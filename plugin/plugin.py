@@ -1,25 +1,30 @@
 """`BlendPlugin`: what a serving process loads for fleet-wide CacheBlend reuse.
 
 Contract:
-- `on_store(key, chunk_hashes, start)` registers a stored range in the local matcher of the
+- `on_store(key, chunk_hashes, start)` registers a stored range in the local matcher under the
   key's namespace and queues STORE events (tokens + offsets); `on_evict(chunk_hashes)` removes
-  the chunks locally and queues DELETE events. Both only enqueue work.
+  the chunks locally and queues DELETE events. Both only enqueue work. Chunk hashes must be
+  `bytes` (DESIGN.md: opaque bytes, hex on the wire); a call with any other hash is logged as
+  an error naming the type and skipped whole.
 - `cb_unified_lookup(key, tp_size)` is non-blocking, submit-once / poll-on-recall, keyed by
   `key.request_id`. The first call starts the host's prefix lookup, runs the local matcher,
-  submits the coordinator query (only for at least one chunk of tokens, and only when the fleet
-  leg is on) and arms the deadline `now + match_budget_s`. Every call advances what it can and
-  returns None while the prefix, the coordinator (before the deadline) or the sparse prefetch
-  is pending. Past the deadline the lookup continues local-only; the late reply is discarded.
-  Then both legs are merged (`plugin.lookup`), one sparse prefetch is submitted (none when
-  there is nothing to fetch), and only the chunks it found are returned. A request id's state
-  is released when its lookup completes.
+  submits the coordinator query (only for at least one chunk of tokens, only when the fleet
+  leg is on, and never for a namespace the coordinator must reject: an empty model name or a
+  world size below 1) and arms the deadline `now + match_budget_s`. Every call advances what
+  it can and returns None while the prefix, the coordinator (before the deadline) or the
+  sparse prefetch is pending. Past the deadline the lookup continues local-only; the late
+  reply is discarded. Then both legs are merged (`plugin.lookup`), one sparse prefetch is
+  submitted (none when there is nothing to fetch), and only the chunks it found are returned.
+  A request id's state is released when its lookup completes.
 - Nothing raises into the serving path: an internal error is logged and the lookup answers
   "no reuse" (`CBUnifiedLookupResult(0, [])`), which is always safe (the engine recomputes).
 - Gating: the fleet leg (client + reporter) exists only with a coordinator URL *and* event
   reporting; with a URL alone the plugin warns once and runs local-only. Without a URL no
-  plugin thread is started.
-- Local matchers are per namespace, so one tenant's chunks are never offered to another even
-  on the same server.
+  plugin thread is started. With the fleet leg on and the default (`hostname:pid`) instance
+  id, it warns once that restarts will not be fenced.
+- One local matcher serves every namespace (chunks are registered and matched under
+  `key.namespace`), so one tenant's chunks are never offered to another even on the same
+  server, and a tenant costs no matcher of its own.
 """
 
 from __future__ import annotations
@@ -29,13 +34,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from local_matcher import LocalMatcher
 from plugin.client import PENDING, BlendCoordinatorClient
-from plugin.config import ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, PluginConfig
+from plugin.config import ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_INSTANCE_ID, PluginConfig
 from plugin.host import ServingHost
 from plugin.lookup import FLEET, Candidate, merge_candidates, resolve_overlaps
 from plugin.reporter import CacheEventReporter
@@ -47,6 +52,8 @@ logger = logging.getLogger(__name__)
 # Fleet-leg outcomes of one lookup, as recorded in its trace.
 FLEET_OFF = "off"            # no client (no URL, or no event reporting)
 FLEET_SHORT = "short"        # query shorter than one chunk: not asked
+FLEET_NOT_ASKED = "not_asked"  # empty model name or world size < 1: the coordinator would
+                               # answer 422, so it is not asked
 FLEET_DECLINED = "declined"  # the client declined (breaker open, or too many queries tracked)
 FLEET_PENDING = "pending"
 FLEET_OK = "ok"
@@ -106,6 +113,11 @@ class BlendPlugin:
             logger.warning("%s is set but %s is off: the coordinator would hold no cache state "
                            "to match, so the fleet leg stays off. Set %s=1 to enable it.",
                            ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_EVENT_REPORTING)
+        if config.fleet_enabled and config.instance_id_is_default:
+            logger.warning("instance id defaulted to %r (hostname:pid), which changes when this "
+                           "process restarts, so the coordinator cannot fence what the previous "
+                           "process reported. Set %s to a stable per-server name.",
+                           config.instance_id, ENV_INSTANCE_ID)
         if config.fleet_enabled:
             self.client = BlendCoordinatorClient(
                 config.coordinator_url, chunk_size=config.chunk_size, timeout=config.blend_timeout,
@@ -119,10 +131,12 @@ class BlendPlugin:
                 timeout=config.blend_timeout, max_events=config.event_queue_limit,
                 tier=config.event_tier, backend=config.event_backend)
         self._lock = threading.Lock()
-        self._matchers: dict[BlendNamespace, LocalMatcher] = {}
+        # One matcher for every namespace: it registers and matches under `key.namespace`.
+        self._matcher = LocalMatcher(chunk_size=config.chunk_size)
+        self._warned_not_asked = False
         # chunk -> the namespace storing it; a frozenset in the rare case of several. No set
         # per chunk: this map holds every chunk the process stores.
-        self._owners: dict[Hashable, BlendNamespace | frozenset[BlendNamespace]] = {}
+        self._owners: dict[bytes, BlendNamespace | frozenset[BlendNamespace]] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._last_sweep = time.monotonic()
         self._closed = False
@@ -131,12 +145,18 @@ class BlendPlugin:
 
     # --- the store path ------------------------------------------------------------------------
 
-    def on_store(self, key: LookupKey, chunk_hashes: Sequence[Hashable], start: int = 0) -> None:
-        """A stored range: chunk i is tokens `[start + i*C, start + (i+1)*C)` of `key`."""
+    def on_store(self, key: LookupKey, chunk_hashes: Sequence[bytes], start: int = 0) -> None:
+        """A stored range: chunk i is tokens `[start + i*C, start + (i+1)*C)` of `key`.
+
+        Every chunk hash must be `bytes`; otherwise an error naming the type is logged and the
+        whole range is skipped (not indexed, not reported). Never raises.
+        """
         try:
             size = self.chunk_size
             tokens = np.asarray(key.token_ids, dtype=np.uint32)
             hashes = list(chunk_hashes)
+            if not self._all_bytes(hashes, "on_store"):
+                return
             if start < 0 or start + len(hashes) * size > len(tokens):
                 raise ValueError(f"{len(hashes)} chunks at {start} do not fit in "
                                  f"{len(tokens)} tokens (chunk_size={size})")
@@ -144,17 +164,16 @@ class BlendPlugin:
             with self._lock:
                 if self._closed:
                     return
-                matcher = self._matchers.get(namespace)
-                if matcher is None:
-                    matcher = self._matchers[namespace] = LocalMatcher(chunk_size=size)
                 owners = self._owners
                 for chunk_hash in hashes:
                     known = owners.setdefault(chunk_hash, namespace)
                     if known != namespace and not (type(known) is frozenset and namespace in known):
                         owners[chunk_hash] = (known if type(known) is frozenset
                                               else frozenset((known,))) | {namespace}
-            matcher.register(tokens[start:start + len(hashes) * size], hashes, position_offset=start)
+            self._matcher.register(tokens[start:start + len(hashes) * size], hashes,
+                                   position_offset=start, namespace=namespace)
             if self.reporter is not None:
+                # Slices of the caller's buffer: the reporter copies them when it queues them.
                 offsets = [start + i * size for i in range(len(hashes))]
                 self.reporter.report_store(namespace, hashes,
                                            [tokens[o:o + size] for o in offsets], offsets)
@@ -162,30 +181,45 @@ class BlendPlugin:
             logger.exception("on_store failed for request %s; the range is not indexed",
                              getattr(key, "request_id", "?"))
 
-    def on_evict(self, chunk_hashes: Sequence[Hashable]) -> None:
-        """Evicted chunks: removed from the local matchers, DELETE events queued."""
+    def on_evict(self, chunk_hashes: Sequence[bytes]) -> None:
+        """Evicted chunks: removed from the local matcher (every namespace), DELETE events
+        queued. Every chunk hash must be `bytes`; otherwise an error naming the type is logged
+        and the whole call is skipped. Never raises."""
         try:
-            by_namespace: dict[BlendNamespace, list[Hashable]] = collections.defaultdict(list)
+            hashes = list(chunk_hashes)
+            if not self._all_bytes(hashes, "on_evict"):
+                return
+            by_namespace: dict[BlendNamespace, list[bytes]] = collections.defaultdict(list)
             with self._lock:
-                for chunk_hash in chunk_hashes:
+                for chunk_hash in hashes:
                     owner = self._owners.pop(chunk_hash, None)
                     for namespace in (owner if type(owner) is frozenset else
                                       () if owner is None else (owner,)):
                         by_namespace[namespace].append(chunk_hash)
-                matchers = {ns: self._matchers.get(ns) for ns in by_namespace}
-            for namespace, hashes in by_namespace.items():
-                if matchers[namespace] is not None:
-                    matchers[namespace].evict(hashes)
-                if self.reporter is not None:
-                    self.reporter.report_delete(namespace, hashes)
+            self._matcher.evict(hashes)
+            if self.reporter is not None:
+                for namespace, owned in by_namespace.items():
+                    self.reporter.report_delete(namespace, owned)
         except Exception:
             logger.exception("on_evict failed; some chunks may stay indexed")
+
+    @staticmethod
+    def _all_bytes(hashes: list, caller: str) -> bool:
+        # A chunk hash is opaque bytes, hex on the wire (DESIGN.md). Anything else could not
+        # be reported faithfully, so the call is refused whole rather than half-applied.
+        bad = [h for h in hashes if not isinstance(h, bytes)]
+        if not bad:
+            return True
+        logger.error("%s: chunk hashes must be bytes, got %s; the whole call (%d chunk(s)) is "
+                     "skipped", caller, type(bad[0]).__name__, len(hashes))
+        return False
 
     # --- the lookup path -----------------------------------------------------------------------
 
     def cb_unified_lookup(self, key: LookupKey, tp_size: int = 1) -> CBUnifiedLookupResult | None:
         """None while pending; then the prefix coverage and the segments to blend in."""
         request_id = key.request_id
+        state = None
         try:
             now = time.monotonic()
             with self._lock:
@@ -209,8 +243,8 @@ class BlendPlugin:
         except Exception:
             logger.exception("unified lookup failed for request %s; answering no reuse", request_id)
             self._stats["errors"] += 1
-            with self._lock:
-                state = self._lookups.get(request_id)
+            # Only the state this call worked on: the map may by now hold a new lookup that
+            # another thread started under the same id.
             if state is not None:
                 self._release(request_id, state)
             return CBUnifiedLookupResult(0, [])
@@ -224,14 +258,19 @@ class BlendPlugin:
             state.fleet_status = FLEET_OFF
         elif len(state.tokens) < self.chunk_size:
             state.fleet_status = FLEET_SHORT
+        elif not key.model_name or key.world_size < 1:
+            # The coordinator rejects such a query (422); asking would only cost a round-trip.
+            state.fleet_status = FLEET_NOT_ASKED
+            if not self._warned_not_asked:
+                self._warned_not_asked = True
+                logger.warning("lookup %s has model_name=%r, world_size=%r: the coordinator "
+                               "cannot answer that, so such lookups go local-only",
+                               key.request_id, key.model_name, key.world_size)
         elif self.client.submit_match(key.request_id, state.tokens, key.namespace, state.deadline):
             state.fleet_status = FLEET_PENDING
         else:
             state.fleet_status = FLEET_DECLINED
-        with self._lock:
-            matcher = self._matchers.get(key.namespace)
-        if matcher is not None:
-            state.local = list(matcher.match(state.tokens))
+        state.local = self._matcher.match(state.tokens, namespace=key.namespace)
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
         request_id = state.key.request_id
@@ -342,10 +381,9 @@ class BlendPlugin:
             if self._closed:
                 return
             self._closed = True
-            matchers = list(self._matchers.values())
             self._lookups.clear()
         for closer in ([self.client.close] if self.client else []) + \
-                      ([self.reporter.close] if self.reporter else []) + [m.close for m in matchers]:
+                      ([self.reporter.close] if self.reporter else []) + [self._matcher.close]:
             try:
                 closer()
             except Exception:

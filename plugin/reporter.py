@@ -2,8 +2,12 @@
 
 Contract:
 - `report_store` / `report_delete` only append to an in-memory queue (the store path never
-  waits on the network); a daemon thread flushes every `flush_interval`, and `close()` flushes
-  once more.
+  waits on the network, nor on batch building: batches are built outside the queue's lock); a
+  daemon thread flushes every `flush_interval`, and `close()` flushes once more.
+- Chunk hashes are `bytes` (DESIGN.md: opaque bytes, hex on the wire). Each event's wire key is
+  built when it is queued, so a bad hash or namespace raises `TypeError`/`WireError` to that
+  caller and never reaches batch building, where it would take the whole queue down with it.
+  Token chunks are copied when queued: the caller may reuse its buffer at once.
 - STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
   Keys come from the namespace: `kv_rank` packs the world size in its top byte.
 - Batches are numbered `seq = 1, 2, ...` per `(instance_id, incarnation)`. The incarnation
@@ -25,7 +29,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Hashable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import httpx
 import numpy as np
@@ -50,17 +54,22 @@ def next_incarnation() -> int:
 
 class _Event(NamedTuple):
     event_type: str  # "store" | "delete"
-    namespace: BlendNamespace
-    chunk_hash: Hashable
-    tokens: np.ndarray | None
+    key: EncodedObjectKey
+    tokens: np.ndarray | None  # a private copy, never the caller's buffer
     offset: int
     size_bytes: int
 
 
-def encode_key(namespace: BlendNamespace, chunk_hash: Hashable) -> EncodedObjectKey:
-    """The wire key of a chunk stored in `namespace` (world size in kv_rank's top byte)."""
-    hex_hash = chunk_hash.hex() if isinstance(chunk_hash, (bytes, bytearray)) else str(chunk_hash)
-    return EncodedObjectKey(chunk_hash_hex=hex_hash, model_name=namespace.model_name,
+def encode_key(namespace: BlendNamespace, chunk_hash: bytes) -> EncodedObjectKey:
+    """The wire key of a chunk stored in `namespace` (world size in kv_rank's top byte).
+
+    Raises `TypeError` for a hash that is not `bytes` and `WireError` for a world size that
+    does not fit kv_rank's byte.
+    """
+    if not isinstance(chunk_hash, bytes):
+        raise TypeError(f"chunk_hash must be bytes (hex on the wire), not "
+                        f"{type(chunk_hash).__name__}")
+    return EncodedObjectKey(chunk_hash_hex=chunk_hash.hex(), model_name=namespace.model_name,
                             kv_rank=pack_kv_rank(namespace.world_size),
                             cache_salt=namespace.cache_salt)
 
@@ -88,6 +97,10 @@ class CacheEventReporter:
         self._lock = threading.Lock()         # guards the queue, the outbox and the stats
         self._flush_lock = threading.Lock()   # one flush at a time keeps the order
         self._events: collections.deque[_Event] = collections.deque()
+        # Events taken off the queue by a flush and being built into batches outside the
+        # lock; still counted against the bound, and the oldest of them drop first.
+        self._building = 0
+        self._building_dropped = 0
         self._outbox: list[CacheEventBatch] = []  # formed, numbered, not yet acknowledged
         self._outbox_entries = 0
         self._seq = itertools.count(1)
@@ -102,21 +115,32 @@ class CacheEventReporter:
 
     # --- the store path: enqueue only ----------------------------------------------------------
 
-    def report_store(self, namespace: BlendNamespace, chunk_hashes: Sequence[Hashable],
+    def report_store(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes],
                      token_chunks: Sequence[Sequence[int] | None], offsets: Sequence[int],
                      size_bytes: int = 0) -> None:
-        """Queue one STORE per chunk: its tokens and the position of its first token."""
+        """Queue one STORE per chunk: its tokens and the position of its first token.
+
+        The tokens are copied (the caller may reuse its buffer). A hash that is not `bytes`
+        raises `TypeError` (an empty one, or a bad offset, `ValueError`) and nothing of this
+        call is queued.
+        """
         if not len(chunk_hashes) == len(token_chunks) == len(offsets):
             raise ValueError("chunk_hashes, token_chunks and offsets must have the same length")
         namespace = BlendNamespace(*namespace)
-        self._enqueue([_Event("store", namespace, h, t, int(o) if o is not None else UNKNOWN_TOKEN_OFFSET,
-                              size_bytes)
-                       for h, t, o in zip(chunk_hashes, token_chunks, offsets)])
+        events = []
+        for chunk_hash, tokens, offset in zip(chunk_hashes, token_chunks, offsets):
+            offset = UNKNOWN_TOKEN_OFFSET if offset is None else int(offset)
+            if offset < UNKNOWN_TOKEN_OFFSET:  # checked here: batch building must not fail
+                raise ValueError(f"token_offset {offset} is invalid: use >= 0, or -1 for unknown")
+            events.append(_Event("store", encode_key(namespace, chunk_hash),
+                                 None if tokens is None else np.array(tokens), offset, size_bytes))
+        self._enqueue(events)
 
-    def report_delete(self, namespace: BlendNamespace, chunk_hashes: Sequence[Hashable]) -> None:
-        """Queue one DELETE per chunk."""
+    def report_delete(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes]) -> None:
+        """Queue one DELETE per chunk. A hash that is not `bytes` raises `TypeError` and
+        nothing of this call is queued."""
         namespace = BlendNamespace(*namespace)
-        self._enqueue([_Event("delete", namespace, h, None, UNKNOWN_TOKEN_OFFSET, 0)
+        self._enqueue([_Event("delete", encode_key(namespace, h), None, UNKNOWN_TOKEN_OFFSET, 0)
                        for h in chunk_hashes])
 
     def _enqueue(self, events: list[_Event]) -> None:
@@ -126,12 +150,16 @@ class CacheEventReporter:
                 return
             self._events.extend(events)
             self._stats["enqueued"] += len(events)
-            overflow = len(self._events) + self._outbox_entries - self.max_events
+            overflow = self._pending_locked() - self.max_events
             if overflow > 0:
                 self._drop_oldest_locked(overflow)
 
+    def _pending_locked(self) -> int:
+        return len(self._events) + self._outbox_entries + self._building - self._building_dropped
+
     def _drop_oldest_locked(self, count: int) -> None:
-        # The oldest events are the ones already formed into batches, then the queue's head.
+        # The oldest events are the ones already formed into batches, then those being built,
+        # then the queue's head.
         dropped = 0
         while dropped < count and self._outbox:
             batch = self._outbox[0]
@@ -141,6 +169,11 @@ class CacheEventReporter:
             dropped += take
             if not batch.entries:
                 self._outbox.pop(0)  # its seq is skipped; gaps are fine, order is kept
+        if dropped < count and self._building > self._building_dropped:
+            # The flush building them skips this many from their head when it is done.
+            take = min(count - dropped, self._building - self._building_dropped)
+            self._building_dropped += take
+            dropped += take
         while dropped < count and self._events:
             self._events.popleft()
             dropped += 1
@@ -166,32 +199,44 @@ class CacheEventReporter:
                     return False
 
     def _form_batches(self) -> None:
+        # Called under _flush_lock only, so one build runs at a time and seqs stay in order.
+        # The queue is swapped out under _lock and the entries are built outside it: building
+        # thousands of entries must not stall the store path, which only needs _lock to append.
         with self._lock:
-            if not self._events:
-                return
-            events = list(self._events)
-            self._events.clear()
-            now = time.time()
-            # Consecutive events of one type share a batch; a change of type starts a new one,
-            # so a store and a later delete of the same chunk keep their order.
-            for event_type, run in itertools.groupby(events, key=lambda e: e.event_type):
-                run = list(run)
-                for start in range(0, len(run), self.max_entries_per_batch):
-                    part = run[start:start + self.max_entries_per_batch]
-                    entries = [self._entry(e) for e in part]
-                    self._outbox.append(CacheEventBatch(
-                        instance_id=self.instance_id, incarnation=self.incarnation,
-                        seq=next(self._seq), event_type=event_type, tier=self.tier,
-                        backend=self.backend, entries=entries, ts=now))
-                    self._outbox_entries += len(entries)
+            events, self._events = self._events, collections.deque()
+            self._building, self._building_dropped = len(events), 0
+        built = []
+        try:
+            built = [(e.event_type, self._entry(e)) for e in events]
+        finally:
+            with self._lock:
+                built = built[self._building_dropped:]  # overflowed meanwhile: the oldest go
+                self._building = self._building_dropped = 0
+                self._outbox.extend(self._batches(built))
+                self._outbox_entries += len(built)
+
+    def _batches(self, built: list[tuple[str, CacheEventEntry]]) -> list[CacheEventBatch]:
+        # Cheap (one struct per batch), so it may run under _lock.
+        now = time.time()
+        batches = []
+        # Consecutive events of one type share a batch; a change of type starts a new one,
+        # so a store and a later delete of the same chunk keep their order.
+        for event_type, run in itertools.groupby(built, key=lambda b: b[0]):
+            entries = [entry for _, entry in run]
+            for start in range(0, len(entries), self.max_entries_per_batch):
+                batches.append(CacheEventBatch(
+                    instance_id=self.instance_id, incarnation=self.incarnation,
+                    seq=next(self._seq), event_type=event_type, tier=self.tier,
+                    backend=self.backend, entries=entries[start:start + self.max_entries_per_batch],
+                    ts=now))
+        return batches
 
     @staticmethod
     def _entry(event: _Event) -> CacheEventEntry:
-        key = encode_key(event.namespace, event.chunk_hash)
         if event.event_type == "delete":
-            return CacheEventEntry(key=key)
-        tokens = [] if event.tokens is None else np.asarray(event.tokens).tolist()
-        return CacheEventEntry(key=key, size_bytes=event.size_bytes, token_ids=tokens,
+            return CacheEventEntry(key=event.key)
+        tokens = [] if event.tokens is None else event.tokens.tolist()
+        return CacheEventEntry(key=event.key, size_bytes=event.size_bytes, token_ids=tokens,
                                token_offset=event.offset)
 
     def _post(self, batches: list[CacheEventBatch]) -> bool:
@@ -237,7 +282,7 @@ class CacheEventReporter:
             self._stats["failed_flushes"] += 1
             first = not self._failing
             self._failing = True
-            pending = len(self._events) + self._outbox_entries
+            pending = self._pending_locked()
         # One warning per outage, not one per flush interval.
         log = logger.warning if first else logger.debug
         log("cannot deliver cache events to %s (%s); %d event(s) kept and retried in order",
@@ -257,11 +302,11 @@ class CacheEventReporter:
     def pending(self) -> int:
         """Events not yet acknowledged by the coordinator."""
         with self._lock:
-            return len(self._events) + self._outbox_entries
+            return self._pending_locked()
 
     def stats(self) -> dict:
         with self._lock:
-            return {**self._stats, "pending": len(self._events) + self._outbox_entries,
+            return {**self._stats, "pending": self._pending_locked(),
                     "incarnation": self.incarnation}
 
     def close(self, timeout: float = 2.0) -> None:

@@ -11,7 +11,8 @@ import pytest
 
 from plugin import PENDING, BlendCoordinatorClient, BlendMatch, BlendNamespace
 from plugin.wire import decode_tokens
-from test_plugin_loopback import HangingServer, LoopbackServer, Reply, closed_port_url, wait_until
+from test_plugin_loopback import (HangingServer, LoopbackServer, Reply, TricklingServer,
+                                  closed_port_url, wait_until)
 
 C = 16
 NS = BlendNamespace("model", "salt", 2)
@@ -163,23 +164,25 @@ def test_invalid_reply_entries_are_dropped(client_factory, caplog):
 
 def test_circuit_breaker_opens_skips_then_probes(client_factory):
     healthy = threading.Event()
+    now = [0.0]  # the client's clock: the cool-down passes when the test says so
 
     def behave(path, body):
         return Reply(200, {"matches": []}) if healthy.is_set() else Reply(500, "down")
 
     with LoopbackServer(behave) as server:
-        client = client_factory(server.url, breaker_threshold=3, breaker_cooldown_s=0.3)
+        client = client_factory(server.url, breaker_threshold=3, breaker_cooldown_s=0.3,
+                                clock=lambda: now[0])
         for i in range(3):
             assert client.submit_match(f"f{i}", TOKENS, NS)
             wait_result(client, f"f{i}")
         assert client.breaker_state == "open"
-        # Open: declined at once, nothing sent.
-        started = time.perf_counter()
+        # Open: declined at once (not queued, not tracked), nothing sent.
         assert not client.submit_match("skipped", TOKENS, NS)
-        assert time.perf_counter() - started < 0.02
+        assert client.poll_match("skipped") is None
+        assert client.stats()["skipped_breaker"] == 1
         assert len(server.requests) == 3
         # After the cool-down exactly one probe goes; it fails, so the breaker re-opens.
-        time.sleep(0.35)
+        now[0] += 0.35
         assert client.submit_match("probe1", TOKENS, NS)
         assert not client.submit_match("during-probe", TOKENS, NS)
         wait_result(client, "probe1")
@@ -187,7 +190,7 @@ def test_circuit_breaker_opens_skips_then_probes(client_factory):
         assert len(server.requests) == 4
         # The next probe succeeds and closes it.
         healthy.set()
-        time.sleep(0.35)
+        now[0] += 0.35
         assert client.submit_match("probe2", TOKENS, NS)
         wait_result(client, "probe2")
         assert client.breaker_state == "closed"
@@ -205,6 +208,50 @@ def test_breaker_counts_only_consecutive_failures(client_factory):
             wait_result(client, f"r{i}")
         assert client.breaker_state == "closed"
         assert len(server.requests) == 5
+
+
+@pytest.mark.parametrize("status, body", [(422, "model_name is required"), (404, "no such path"),
+                                          (200, "<html>not json</html>"), (200, {"results": []})])
+def test_caller_errors_and_bad_replies_do_not_count_toward_the_breaker(status, body,
+                                                                     client_factory):
+    # One misconfigured caller (422) or one odd reply must not turn the fleet leg off for
+    # every lookup of the process; each such lookup still goes local-only.
+    with LoopbackServer(lambda p, b: Reply(status, body)) as server:
+        client = client_factory(server.url, breaker_threshold=2)
+        for i in range(4):
+            assert client.submit_match(f"r{i}", TOKENS, NS)
+            result = wait_result(client, f"r{i}")
+            assert result == [] and result.ok is False
+        assert client.breaker_state == "closed"
+        assert client.stats()["failed"] == 4 and len(server.requests) == 4
+
+
+def test_a_caller_error_between_outages_does_not_reset_the_count(client_factory):
+    outcomes = iter([503, 422, 503])
+    with LoopbackServer(lambda p, b: Reply(next(outcomes), "x")) as server:
+        client = client_factory(server.url, breaker_threshold=2)
+        for i in range(3):
+            client.submit_match(f"r{i}", TOKENS, NS)
+            wait_result(client, f"r{i}")
+        assert client.breaker_state == "open"
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_trickling_coordinator_cannot_hold_a_round_trip_past_its_budget(part, client_factory):
+    # httpx's timeouts are per read: a byte every 50 ms never trips a 0.3 s read timeout.
+    budget = 0.3
+    with TricklingServer(part, interval_s=0.05) as server:
+        client = client_factory(server.url, timeout=budget, breaker_threshold=1)
+        started = time.monotonic()
+        assert client.submit_match("r1", TOKENS, NS)
+        assert wait_until(lambda: client.poll_match("r1") is not PENDING, budget + 5.0)
+        elapsed = time.monotonic() - started
+        result = client.poll_match("r1")
+        assert result == [] and result.ok is False
+        assert elapsed < budget + 1.0, elapsed  # bounded, not hung
+        assert client.stats()["failed"] == 1
+        assert client.breaker_state == "open"  # a timeout counts toward the breaker
+        assert client.stats()["in_flight"] == 0  # the worker is free again
 
 
 def test_results_nobody_takes_expire(client_factory):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 
 import pytest
 
@@ -23,7 +25,8 @@ def test_defaults_match_wire_md():
     assert config.blend_timeout == 1.0
     assert config.match_concurrency == 8
     assert config.chunk_size == 256
-    assert config.instance_id
+    assert config.instance_id == f"{socket.gethostname()}:{os.getpid()}"
+    assert config.instance_id_is_default
     assert not config.fleet_enabled
 
 
@@ -39,7 +42,7 @@ def test_reads_every_environment_name():
     assert config.match_budget_s == 0.5  # one value: HTTP timeout and lookup budget
     assert config.match_concurrency == 3
     assert config.chunk_size == 128
-    assert config.instance_id == "server-7"
+    assert config.instance_id == "server-7" and not config.instance_id_is_default
     assert config.fleet_enabled
 
 
@@ -54,8 +57,9 @@ def test_event_reporting_truthy_values(raw):
     assert PluginConfig.from_env({REPORTING: raw}).event_reporting is True
 
 
-@pytest.mark.parametrize("raw", ["0", "false", "No", ""])
-def test_event_reporting_falsy_values(raw):
+@pytest.mark.parametrize("raw", ["0", "false", "No", "", "on", "enabled", "2", "y"])
+def test_event_reporting_any_other_value_means_off(raw):
+    # WIRE.md and LMCache: only 1, true and yes turn it on; anything else is off, not an error.
     assert PluginConfig.from_env({REPORTING: raw}).event_reporting is False
 
 
@@ -79,7 +83,7 @@ def test_url_without_reporting_is_not_fleet_enabled():
     (CONCURRENCY, "0"), (CONCURRENCY, "-2"), (CONCURRENCY, "many"),
     (TIMEOUT, "fast"), (TIMEOUT, "0"), (TIMEOUT, "-1"), (TIMEOUT, "inf"),
     (FLUSH, "soon"), (FLUSH, "0"),
-    (REPORTING, "on"), ("LMCACHE_CHUNK_SIZE", "0"),
+    ("LMCACHE_CHUNK_SIZE", "0"),
 ])
 def test_bad_values_fail_at_start_up_naming_the_variable(name, raw):
     with pytest.raises(ConfigError, match=name):

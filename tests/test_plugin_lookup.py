@@ -7,7 +7,6 @@ replies each test chooses.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -120,10 +119,13 @@ def test_first_call_starts_prefix_local_and_coordinator(plugins):
         host = InMemoryHost(C)
         plugin = plugins(host, server.url, blend_timeout=2.0)
         doc = fresh(2 * C)
-        store(plugin, host, doc)
+        hashes = store(plugin, host, doc)
         query = np.concatenate([fresh(5), doc, fresh(3)])
         assert plugin.cb_unified_lookup(LookupKey("r1", query, MODEL), 2) is None
         assert host.prefix_requests == [("r1", 2)]
+        # The local match ran on that first call: chunks leaving the local matcher now (the
+        # host still holds them) are still part of this lookup.
+        plugin.on_evict(hashes)
         # The plugin's event reporter posts to the same server; count lookups only.
         assert wait_until(lambda: len(server.bodies(BLEND_LOOKUP_PATH)) == 1, 1.0)
         sent = server.bodies(BLEND_LOOKUP_PATH)[0]
@@ -146,15 +148,17 @@ def test_no_coordinator_query_below_one_chunk(plugins):
 
 
 def test_pending_prefix_returns_none_without_blocking(plugins):
-    host = InMemoryHost(C, prefix_delay_s=0.1)
+    now = [0.0]  # the host's clock: its prefix lookup completes only when the test says so
+    host = InMemoryHost(C, prefix_delay_s=0.1, clock=lambda: now[0])
     plugin = plugins(host)
     key = LookupKey("r1", fresh(4 * C), MODEL)
-    started = time.perf_counter()
+    # Structural: the prefix cannot complete while the clock stands, so a call that waited
+    # for it would never return.
     assert plugin.cb_unified_lookup(key) is None
-    assert time.perf_counter() - started < 0.05  # far below the 0.1 s the prefix takes
-    result, elapsed, calls = run(plugin, key)
-    assert elapsed >= 0.08 and calls > 1
-    assert result == CBUnifiedLookupResult(0, [])
+    assert plugin.cb_unified_lookup(key) is None
+    now[0] += 0.1
+    assert plugin.cb_unified_lookup(key) == CBUnifiedLookupResult(0, [])
+    assert plugin.trace("r1").calls == 3
 
 
 def test_pending_prefetch_returns_none(plugins):
@@ -268,12 +272,14 @@ def test_past_the_deadline_the_lookup_goes_local_only(plugins):
     l2 = {b"\x0f": np.zeros(C, dtype=np.uint32)}
     host = InMemoryHost(C, shared_l2=l2)
     doc = fresh(C)
-    with LoopbackServer(fleet_reply((b"\x0f", 0, 2 * C), delay_s=0.5)) as server:
+    # The reply would come 3 s in, far past the 0.2 s budget: finishing well before it shows
+    # the lookup did not wait for it, with room for a loaded machine.
+    with LoopbackServer(fleet_reply((b"\x0f", 0, 2 * C), delay_s=3.0)) as server:
         plugin = plugins(host, server.url, blend_timeout=0.2)
         local_hash, = store(plugin, host, doc)
         query = np.concatenate([doc, fresh(2 * C)])
         result, elapsed, _ = run(plugin, LookupKey("r1", query, MODEL))
-        assert 0.18 <= elapsed < 0.2 + 0.15
+        assert 0.18 <= elapsed < 0.2 + 1.0
         assert result.non_prefix_segments == [seg(0, 0, local_hash)]
         # The HTTP timeout is the same budget, so the client may give up a hair before the
         # lookup's own deadline check: either way the lookup went local-only on time.
@@ -286,17 +292,17 @@ def test_past_the_deadline_the_lookup_goes_local_only(plugins):
 
 
 def test_a_late_coordinator_reply_is_discarded(plugins):
-    # The client's HTTP timeout is 0.5 s; the lookup's own deadline is cut to 0.05 s so it fires
-    # first: the reply (at 0.15 s) reaches a client that no longer tracks the request.
-    with LoopbackServer(fleet_reply((b"\x0f", 0, 0), delay_s=0.15)) as server:
-        plugin = plugins(InMemoryHost(C), server.url, blend_timeout=0.5)
+    # The client's query may take 5 s; the lookup's own deadline is cut to 0.05 s so it fires
+    # first, long before the reply (at 1 s) reaches a client that no longer tracks the request.
+    with LoopbackServer(fleet_reply((b"\x0f", 0, 0), delay_s=1.0)) as server:
+        plugin = plugins(InMemoryHost(C), server.url, blend_timeout=5.0)
         key = LookupKey("r1", fresh(2 * C), MODEL)
         assert plugin.cb_unified_lookup(key) is None
         plugin._lookups["r1"].deadline = time.monotonic() + 0.05  # the lookup's own budget
         result, elapsed, _ = run(plugin, key)
-        assert elapsed < 0.15 and result == CBUnifiedLookupResult(0, [])
+        assert elapsed < 1.0 and result == CBUnifiedLookupResult(0, [])
         assert plugin.trace("r1").fleet_status == "timeout"
-        assert wait_until(lambda: plugin.client.stats()["late_discarded"] == 1, 2.0)
+        assert wait_until(lambda: plugin.client.stats()["late_discarded"] == 1, 5.0)
         assert plugin.client.stats()["tracked"] == 0
 
 
@@ -333,6 +339,105 @@ def test_errors_never_reach_the_serving_path(plugins, caplog):
     assert "engine hiccup" in caplog.text
     plugin.on_store(LookupKey("bad", fresh(C), MODEL), [b"1", b"2"], 0)  # does not fit: logged
     plugin.on_evict([b"never stored"])
+
+
+def test_an_error_releases_only_the_lookup_it_worked_on(plugins):
+    plugin = None
+
+    class RacingHost(InMemoryHost):
+        raced = False
+
+        def poll_prefix_lookup(self, request_id):
+            if not self.raced:
+                self.raced = True
+                # Meanwhile this lookup is released elsewhere and another thread starts a new
+                # one under the same id; then this call fails.
+                plugin._lookups.pop(request_id)
+                assert plugin.cb_unified_lookup(LookupKey(request_id, fresh(2 * C), MODEL)) is None
+                raise RuntimeError("engine hiccup")
+            return super().poll_prefix_lookup(request_id)
+
+    plugin = plugins(RacingHost(C, prefix_delay_s=60.0))
+    failed = plugin.cb_unified_lookup(LookupKey("r1", fresh(2 * C), MODEL))
+    assert failed == CBUnifiedLookupResult(0, [])
+    assert plugin.active_lookups == 1  # the new lookup lives on
+    assert plugin.cb_unified_lookup(LookupKey("r1", fresh(2 * C), MODEL)) is None
+
+
+@pytest.mark.parametrize("bad", ["0a0b", 12, bytearray(b"\x01"), None])
+def test_chunk_hashes_must_be_bytes(bad, caplog):
+    with LoopbackServer() as server:
+        host = InMemoryHost(C)
+        plugin = make_plugin(host, server.url)
+        doc = fresh(2 * C)
+        key = LookupKey("s", doc, MODEL)
+        with caplog.at_level(logging.ERROR, logger="plugin.plugin"):
+            plugin.on_store(key, [b"\x01", bad], 0)  # never raises into the serving path
+            plugin.on_evict([bad])
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2 and all(type(bad).__name__ in e for e in errors), errors
+        plugin.on_store(key, [b"\x02"], C)  # a good range afterwards is unaffected
+        host.store(key, [b"\x01", b"\x02"], 0)
+        result = run(plugin, LookupKey("q", doc, MODEL))[0]
+        assert [s.hash for s in result.non_prefix_segments] == [b"\x02"]  # the bad range skipped
+        plugin.close()  # flushes
+        sent = [e["key"]["chunk_hash_hex"] for body in server.bodies("/events")
+                for b in body["batches"] for e in b["entries"]]
+        assert sent == ["02"]
+
+
+def test_reported_tokens_survive_the_engine_reusing_its_buffer():
+    with LoopbackServer() as server:
+        plugin = make_plugin(InMemoryHost(C), server.url)
+        buffer = fresh(2 * C)  # uint32: np.asarray would not copy it
+        expected = buffer.tolist()
+        plugin.on_store(LookupKey("s", buffer, MODEL), [b"\x01", b"\x02"], 0)
+        buffer[:] = 7  # the engine reuses its buffer before the flush
+        plugin.close()  # flushes
+        stored = [e["token_ids"] for body in server.bodies("/events") for b in body["batches"]
+                  for e in b["entries"]]
+        assert stored == [expected[:C], expected[C:]]
+
+
+@pytest.mark.parametrize("model, world_size", [("", 1), (MODEL, 0)])
+def test_a_namespace_the_coordinator_must_reject_is_not_asked(model, world_size, plugins):
+    with LoopbackServer(fleet_reply()) as server:
+        host = InMemoryHost(C)
+        plugin = plugins(host, server.url)
+        doc = fresh(C)
+        key = LookupKey("s", doc, model, world_size)
+        host.store(key, [b"\x01"], 0)
+        plugin.on_store(key, [b"\x01"], 0)
+        result, _, calls = run(plugin, LookupKey("r1", np.concatenate([fresh(3), doc]), model,
+                                                 world_size))
+        assert [s.hash for s in result.non_prefix_segments] == [b"\x01"]  # local-only
+        assert plugin.trace("r1").fleet_status == "not_asked" and calls == 1
+        assert plugin.client.stats()["submitted"] == 0
+        assert server.bodies(BLEND_LOOKUP_PATH) == []
+
+
+def test_one_local_matcher_serves_every_namespace(plugins, monkeypatch):
+    import plugin.plugin as plugin_module
+
+    made = []
+
+    class CountingMatcher(plugin_module.LocalMatcher):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(plugin_module, "LocalMatcher", CountingMatcher)
+    host = InMemoryHost(C)
+    plugin = plugins(host)
+    doc = fresh(C)
+    for tenant in range(5):
+        key = LookupKey(f"s{tenant}", doc, MODEL, cache_salt=f"tenant-{tenant}")
+        host.store(key, [bytes([tenant])], 0)
+        plugin.on_store(key, [bytes([tenant])], 0)
+    assert len(made) == 1
+    for tenant in range(5):  # still one tenant's chunk per tenant
+        result = run(plugin, LookupKey(f"q{tenant}", doc, MODEL, cache_salt=f"tenant-{tenant}"))[0]
+        assert [s.hash for s in result.non_prefix_segments] == [bytes([tenant])]
 
 
 def test_resolve_after_prefetch_lets_an_available_chunk_through(plugins):
@@ -448,6 +553,25 @@ def test_url_without_event_reporting_warns_once_and_creates_no_client(plugins, c
     assert len(_plugin_threads()) == before
     run(plugin, LookupKey("r1", fresh(2 * C), MODEL))
     assert len([r for r in caplog.records if "EVENT_REPORTING" in r.getMessage()]) == 1
+
+
+def test_default_instance_id_with_the_fleet_leg_warns_once(caplog):
+    caplog.set_level(logging.WARNING, logger="plugin.plugin")
+
+    def warnings():
+        return [r for r in caplog.records if "LMCACHE_COORDINATOR_INSTANCE_ID" in r.getMessage()]
+
+    with LoopbackServer() as server:
+        plugin = make_plugin(InMemoryHost(C), server.url)  # instance_id defaulted
+        for i in range(3):
+            run(plugin, LookupKey(f"r{i}", fresh(2 * C), MODEL))
+        plugin.close()
+        assert len(warnings()) == 1 and warnings()[0].levelno == logging.WARNING
+        assert plugin.config.instance_id in warnings()[0].getMessage()
+        caplog.clear()
+        make_plugin(InMemoryHost(C), server.url, instance_id="server-7").close()
+        make_plugin(InMemoryHost(C)).close()  # no fleet leg: nothing to fence
+        assert warnings() == []
 
 
 def test_close_stops_plugin_threads():

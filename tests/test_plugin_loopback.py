@@ -3,7 +3,8 @@
 `LoopbackServer(behave)` serves HTTP/1.1 on 127.0.0.1 with a thread per connection;
 `behave(path, body) -> Reply` decides each answer (status, body, delay before answering), and
 every request is recorded with the peak number answered concurrently. `HangingServer` accepts
-connections and never answers. `closed_port_url()` names a port nothing listens on.
+connections and never answers; `TricklingServer` answers one byte at a time, forever.
+`closed_port_url()` names a port nothing listens on.
 
 Imported by the other plugin tests; the tests here check the helpers themselves.
 """
@@ -128,6 +129,58 @@ class HangingServer:
             conn.close()
 
     def __enter__(self) -> "HangingServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TricklingServer:
+    """Answers every connection one byte per `interval_s`, never finishing: the status line
+    and headers (`part="headers"`), or a complete header then an endless body (`"body"`)."""
+
+    def __init__(self, part: str = "headers", interval_s: float = 0.05) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        if part == "headers":
+            self._prefix, self._trickle = b"", head + b"x-padding: " + b"a" * 10**6
+        else:
+            self._prefix = head + b"content-length: 1000000\r\n\r\n"
+            self._trickle = b'{"matches": [' + b" " * 10**6
+        self.interval_s = interval_s
+        self._closed = threading.Event()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)  # the request (small enough for one read here)
+                conn.sendall(self._prefix)
+                for i in range(len(self._trickle)):
+                    if self._closed.wait(self.interval_s):
+                        return
+                    conn.sendall(self._trickle[i:i + 1])
+            except OSError:
+                return  # the client gave up and closed the connection
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+
+    def __enter__(self) -> "TricklingServer":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -6,9 +6,10 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from plugin import BlendNamespace, CacheEventReporter
-from plugin.wire import CacheEventBatch, EventsRequest, decode, pack_kv_rank
+from plugin.wire import CacheEventBatch, EventsRequest, WireError, decode, pack_kv_rank
 from test_plugin_loopback import HangingServer, LoopbackServer, Reply, closed_port_url, ok_reply, wait_until
 
 NS = BlendNamespace("llama", "tenant-a", 4)
@@ -109,13 +110,107 @@ def test_close_flushes_what_is_queued():
 def test_the_store_path_only_enqueues():
     with HangingServer() as server:
         reporter = reporter_for(server.url, flush_interval=30.0, timeout=0.2)
-        started = time.perf_counter()
         for i in range(200):
             reporter.report_store(NS, [bytes([i])], [np.arange(256, dtype=np.uint32)], [i * 256])
-        assert time.perf_counter() - started < 0.1
+        # Structural: a hanging coordinator would block any call that touched the network.
         assert server.accepted == []  # nothing touched the network
         assert reporter.pending == 200
         reporter.close(timeout=0.1)
+
+
+def test_a_bad_event_is_refused_when_queued_and_never_takes_the_queue_down():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        reporter.report_store(NS, [b"\x01"], [[1, 2]], [0])
+        with pytest.raises(TypeError, match="str"):
+            reporter.report_store(NS, ["01"], [[3]], [0])  # a hash must be bytes
+        with pytest.raises(TypeError, match="int"):
+            reporter.report_delete(NS, [b"\x02", 7])  # nothing of this call is queued
+        with pytest.raises(WireError, match="world_size"):
+            reporter.report_store(NS._replace(world_size=300), [b"\x03"], [[4]], [0])
+        with pytest.raises(ValueError, match="token_offset"):
+            reporter.report_store(NS, [b"\x04"], [[5]], [-5])
+        reporter.report_delete(NS, [b"\x01"])
+        assert reporter.pending == 2
+        assert reporter.flush()
+        reporter.close()
+        assert [(b["event_type"], [e["key"]["chunk_hash_hex"] for e in b["entries"]])
+                for b in sent_batches(server)] == [("store", ["01"]), ("delete", ["01"])]
+
+
+def test_tokens_are_copied_when_queued():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        buffer = np.arange(8, dtype=np.uint32)  # the engine's buffer, reused after the call
+        reporter.report_store(NS, [b"\x01", b"\x02"], [buffer[:4], buffer[4:]], [0, 4])
+        buffer[:] = 99
+        reporter.close()
+        entries = [e for b in sent_batches(server) for e in b["entries"]]
+        assert [e["token_ids"] for e in entries] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def _block_batch_building(reporter):
+    """Make the reporter's next batch build stop at its first entry until released."""
+    building, release = threading.Event(), threading.Event()
+    build_entry = reporter._entry
+
+    def blocked_entry(event):
+        building.set()
+        assert release.wait(10.0)
+        return build_entry(event)
+
+    reporter._entry = blocked_entry
+    return building, release
+
+
+def test_the_store_path_never_waits_for_batch_building():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        tok = np.arange(256, dtype=np.uint32)
+        for i in range(100):
+            reporter.report_store(NS, [bytes([i])], [tok], [i])
+        building, release = _block_batch_building(reporter)
+        flusher = threading.Thread(target=reporter.flush)
+        flusher.start()
+        try:
+            assert building.wait(10.0)
+            # Mid-build: the queue's lock is free, so a store is queued without waiting.
+            assert reporter._lock.acquire(blocking=False)
+            reporter._lock.release()
+            storer = threading.Thread(target=reporter.report_store,
+                                      args=(NS, [b"\xff"], [tok], [999]))
+            storer.start()
+            storer.join(10.0)
+            assert not storer.is_alive()
+            assert reporter.pending == 101  # the batch being built still counts
+        finally:
+            release.set()
+            flusher.join(10.0)
+        reporter.close()
+        offsets = [e["token_offset"] for b in sent_batches(server) for e in b["entries"]]
+        assert offsets == list(range(100)) + [999]  # nothing lost, order kept
+
+
+def test_the_bound_applies_to_events_being_built_oldest_first():
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url, max_events=3)
+        for i in range(3):
+            reporter.report_store(NS, [bytes([i])], [[i]], [i])
+        building, release = _block_batch_building(reporter)
+        flusher = threading.Thread(target=reporter.flush)
+        flusher.start()
+        try:
+            assert building.wait(10.0)
+            for i in range(3, 5):  # two more than the bound: the two oldest go
+                reporter.report_store(NS, [bytes([i])], [[i]], [i])
+            assert reporter.pending == 3
+        finally:
+            release.set()
+            flusher.join(10.0)
+        reporter.close()
+        offsets = [e["token_offset"] for b in sent_batches(server) for e in b["entries"]]
+        assert offsets == [2, 3, 4]
+        assert reporter.stats()["dropped_events"] == 2
 
 
 def test_bounded_queue_drops_oldest_and_counts_them():
