@@ -112,8 +112,13 @@ class HangingServer:
         self._sock.listen(128)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.accepted: list[socket.socket] = []
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        return len(self.accepted)
 
     def _accept(self) -> None:
         while True:
@@ -121,21 +126,26 @@ class HangingServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            self.accepted.append(conn)  # held open, never answered
+            self.accepted.append(conn)
+            self._handle(conn)
+
+    def _handle(self, conn: socket.socket) -> None:
+        pass  # held open, never answered
 
     def close(self) -> None:
+        self._closed.set()
         self._sock.close()
         for conn in self.accepted:
             conn.close()
 
-    def __enter__(self) -> "HangingServer":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-class TricklingServer:
+class TricklingServer(HangingServer):
     """Answers every connection one byte per `interval_s`, never finishing: the status line
     and headers (`part="headers"`), or a complete header then an endless body (`"body"`)."""
 
@@ -147,44 +157,21 @@ class TricklingServer:
             self._prefix = head + b"content-length: 1000000\r\n\r\n"
             self._trickle = b'{"matches": [' + b" " * 10**6
         self.interval_s = interval_s
-        self._closed = threading.Event()
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(16)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)  # the request (small enough for one read here)
-                conn.sendall(self._prefix)
-                for i in range(len(self._trickle)):
-                    if self._closed.wait(self.interval_s):
-                        return
-                    conn.sendall(self._trickle[i:i + 1])
-            except OSError:
-                return  # the client gave up and closed the connection
-
-    def close(self) -> None:
-        self._closed.set()
-        self._sock.close()
-
-    def __enter__(self) -> "TricklingServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        try:
+            conn.recv(65536)  # the request (small enough for one read here)
+            conn.sendall(self._prefix)
+            for i in range(len(self._trickle)):
+                if self._closed.wait(self.interval_s):
+                    return
+                conn.sendall(self._trickle[i:i + 1])
+        except OSError:
+            return  # the client gave up and closed the connection
 
 
 def closed_port_url() -> str:
