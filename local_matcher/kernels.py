@@ -88,7 +88,7 @@ def _same_tokens(query, start, stored):
 
 
 @njit(cache=True, nogil=True)
-def probe(query, stride, salt, base, base_top, filter_words, filter_shift,
+def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
           table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch):
     """First verified occurrence of every stored content in `query`.
 
@@ -118,7 +118,8 @@ def probe(query, stride, salt, base, base_top, filter_words, filter_shift,
             k += 1
             next_probe += stride
         if p < last:
-            h = (h - scrambled[p] * base_top) * base + scrambled[p + width]
+            # h*B - s[p]*B**C + s[p+C]: only one multiply-add depends on the previous h.
+            h = h * base + (scrambled[p + width] - scrambled[p] * base_pow)
     # Pass 2: filter, table, namespace pre-test, tokens. The filter loads are independent
     # of each other here, so the CPU overlaps their cache misses.
     table_mask = table_cid.shape[0] - 1

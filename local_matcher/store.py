@@ -41,7 +41,7 @@ class ContentStore:
         self.chunk_size = chunk_size
         self._salt = _as_u64(salt)
         self._base = _as_u64(base | 1)  # odd: multiplication by it is invertible mod 2**64
-        self._base_top = _as_u64(pow(int(self._base), chunk_size - 1, 2**64))
+        self._base_pow = _as_u64(pow(int(self._base), chunk_size, 2**64))
         self._epoch = 0
         self._blocks = List.empty_list(_BLOCK_TYPE)
         self.ns_mask = np.zeros(0, dtype=np.uint64)
@@ -131,7 +131,7 @@ class ContentStore:
         """(positions, content ids) of the first verified occurrence of each content
         whose namespace mask has `ns_bit`, ascending by position."""
         self._epoch += 1
-        return kernels.probe(query, stride, self._salt, self._base, self._base_top, self._filter,
+        return kernels.probe(query, stride, self._salt, self._base, self._base_pow, self._filter,
                              self._filter_shift, self._table_fp, self._table_cid,
                              self._table_shift, self._blocks, self.chunk_size, self.ns_mask,
                              np.uint64(ns_bit), self._seen, self._epoch)
