@@ -78,7 +78,7 @@ class ContentIndex:
         self._ns_claim_counts: list[int] = []
         self._free_ns_ids: list[int] = []
         self._num_claims = 0
-        warm_up()
+        ContentStore.warm_up()
 
     # --- adding ---------------------------------------------------------------------
 
@@ -304,19 +304,3 @@ class ContentIndex:
 
 # Python memory of one chunk: its record, its place among its content's occupants, its offset.
 _CHUNK_BYTES = sys.getsizeof((0, 10**6, 1)) + sys.getsizeof((b"",)) + sys.getsizeof(10**6)
-
-_warmed = False
-
-
-def warm_up() -> None:
-    """Compile (or load from the on-disk cache) every kernel once per process."""
-    global _warmed
-    if _warmed:
-        return
-    store = ContentStore(4)
-    cids, _ = store.insert(np.arange(8, dtype=np.uint32).reshape(2, 4))
-    store.ns_mask[cids] = 1
-    store.probe(np.arange(12, dtype=np.uint32), 1, 1)
-    store.remove(cids)
-    store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
-    _warmed = True

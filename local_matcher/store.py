@@ -34,6 +34,22 @@ def _as_u64(value: int) -> np.uint64:
 
 
 class ContentStore:
+    _warmed = False
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """Compile (or load from numba's on-disk cache) every kernel, once per process, so
+        the first real lookup does not pay for it."""
+        if cls._warmed:
+            return
+        store = cls(4)
+        cids, _ = store.insert(np.arange(8, dtype=np.uint32).reshape(2, 4))
+        store.ns_mask[cids] = 1
+        store.probe(np.arange(12, dtype=np.uint32), 1, 1)
+        store.remove(cids)
+        store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
+        cls._warmed = True
+
     def __init__(self, chunk_size: int, fingerprint_key: tuple[int, int] | None = None) -> None:
         if fingerprint_key is None:
             fingerprint_key = (secrets.randbits(64), secrets.randbits(64))
