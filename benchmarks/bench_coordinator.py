@@ -36,7 +36,7 @@ import psutil
 
 from benchmarks.common import machine_description
 from coordinator_stub.process import start_coordinator
-from plugin.wire import (
+from blend_wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,
     HEALTH_PATH,

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.service import Coordinator, TooLarge
-from plugin.wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, WireError, encode
+from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, WireError, encode
 
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)

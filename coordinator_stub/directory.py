@@ -47,7 +47,7 @@ import threading
 import numpy as np
 
 from coordinator_stub.gate import IngestGate, Verdict
-from plugin.wire import (
+from blend_wire import (
     UNKNOWN_TOKEN_OFFSET,
     BlendNamespace,
     CacheEventBatch,

@@ -1,7 +1,7 @@
 """The coordinator's request logic, free of HTTP: body in, reply body out.
 
 Contract:
-- `ingest(body)`: validate the whole `/events` body with `plugin.wire.decode` first; a
+- `ingest(body)`: validate the whole `/events` body with `blend_wire.decode` first; a
   body that fails raises `WireError` (-> 422) and nothing of it is applied. Then the
   directory gates and applies the batches in order.
 - `lookup(body)`: validate, refuse queries over `max_query_tokens` with `TooLarge`
@@ -13,14 +13,14 @@ Contract:
 body's shape on the event loop and hand the token decoding (a GIL-free kernel) and the
 matching to a worker thread. Everything else
 blocks (locks, CPU-bound work) and runs on worker threads, never on the loop. All reply
-bodies are encoded with `plugin.wire.encode`, the one owner of the wire shapes.
+bodies are encoded with `blend_wire.encode`, the one owner of the wire shapes.
 """
 
 from __future__ import annotations
 
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.directory import KeyDirectory
-from plugin.wire import (
+from blend_wire import (
     BlendLookupReply,
     BlendLookupRequest,
     EventsRequest,

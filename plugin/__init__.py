@@ -8,7 +8,7 @@
     result = plugin.cb_unified_lookup(key, tp_size)     # None while pending, then a result
     plugin.close()
 
-`plugin.wire` owns every wire shape and the token codec; the other modules import it.
+`blend_wire` owns every wire shape and the token codec; the other modules import it.
 """
 
 from plugin.client import PENDING, BlendCoordinatorClient, MatchList

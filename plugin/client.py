@@ -40,7 +40,7 @@ import httpx
 import numpy as np
 
 from local_matcher.types import BlendMatch
-from plugin.wire import (BLEND_LOOKUP_PATH, BlendLookupReply, BlendLookupRequest, BlendNamespace,
+from blend_wire import (BLEND_LOOKUP_PATH, BlendLookupReply, BlendLookupRequest, BlendNamespace,
                          WireError, decode, encode, encode_tokens)
 
 logger = logging.getLogger(__name__)

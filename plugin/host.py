@@ -26,7 +26,7 @@ from typing import Callable, Collection, Hashable, MutableMapping, Protocol, Seq
 import numpy as np
 
 from plugin.types import CBMatchResult, LookupKey
-from plugin.wire import BlendNamespace
+from blend_wire import BlendNamespace
 
 
 @runtime_checkable

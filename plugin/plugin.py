@@ -45,7 +45,7 @@ from plugin.host import ServingHost
 from plugin.lookup import FLEET, Candidate, merge_candidates, resolve_overlaps
 from plugin.reporter import CacheEventReporter
 from plugin.types import BlendMatch, CBMatchResult, CBUnifiedLookupResult, LookupKey
-from plugin.wire import BlendNamespace
+from blend_wire import BlendNamespace
 
 logger = logging.getLogger(__name__)
 

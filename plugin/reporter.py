@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import httpx
 import numpy as np
 
-from plugin.wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
+from blend_wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
                          CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
                          decode, encode, pack_kv_rank)
 

@@ -6,7 +6,7 @@
   cache covers, and the reusable non-prefix segments, ascending by `cur_st`, non-overlapping,
   each starting at or after the prefix coverage.
 - `BlendMatch`, `CBMatchResult` come from `local_matcher.types` and `BlendNamespace` from
-  `plugin.wire`; they are re-exported here, never redefined.
+  `blend_wire`; they are re-exported here, never redefined.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
-from plugin.wire import BlendNamespace
+from blend_wire import BlendNamespace
 
 __all__ = ["LookupKey", "CBUnifiedLookupResult", "BlendMatch", "CBMatchResult",
            "BlendNamespace", "UNKNOWN_TOKEN_OFFSET"]

@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from coordinator_stub import COORDINATOR, CoordinatorConfig, create_app
-from plugin.wire import (
+from blend_wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,
     HEALTH_PATH,

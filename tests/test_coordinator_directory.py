@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from coordinator_stub.directory import KeyDirectory
-from plugin.wire import (
+from blend_wire import (
     BlendNamespace,
     CacheEventBatch,
     CacheEventEntry,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from coordinator_stub.process import launch_coordinator
-from plugin.wire import (
+from blend_wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,
     HEALTH_PATH,

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from plugin import PENDING, BlendCoordinatorClient, BlendMatch, BlendNamespace
-from plugin.wire import decode_tokens
+from blend_wire import decode_tokens
 from test_plugin_loopback import (HangingServer, LoopbackServer, Reply, TricklingServer,
                                   closed_port_url, wait_until)
 

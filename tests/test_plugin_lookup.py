@@ -17,7 +17,7 @@ import pytest
 from plugin import (BlendMatch, BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost,
                     LookupKey, PluginConfig, ServingHost)
 from plugin.lookup import BOTH, FLEET, LOCAL, Candidate, merge_candidates, resolve_overlaps
-from plugin.wire import BLEND_LOOKUP_PATH, decode_tokens
+from blend_wire import BLEND_LOOKUP_PATH, decode_tokens
 from test_plugin_loopback import LoopbackServer, Reply, closed_port_url, wait_until
 
 C = 16

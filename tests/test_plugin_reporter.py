@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from plugin import BlendNamespace, CacheEventReporter
-from plugin.wire import CacheEventBatch, EventsRequest, WireError, decode, pack_kv_rank
+from blend_wire import CacheEventBatch, EventsRequest, WireError, decode, pack_kv_rank
 from test_plugin_loopback import HangingServer, LoopbackServer, Reply, closed_port_url, ok_reply, wait_until
 
 NS = BlendNamespace("llama", "tenant-a", 4)

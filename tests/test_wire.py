@@ -1,4 +1,4 @@
-"""The token codec and wire shapes of plugin.wire, against WIRE.md and the stdlib."""
+"""The token codec and wire shapes of blend_wire, against WIRE.md and the stdlib."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plugin.wire import (BlendLookupRequest, CacheEventBatch, EventsRequest, WireError, decode,
+from blend_wire import (BlendLookupRequest, CacheEventBatch, EventsRequest, WireError, decode,
                          decode_tokens, encode_tokens, pack_kv_rank, world_size_of)
 
 

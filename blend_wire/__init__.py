@@ -1,8 +1,10 @@
 """The HTTP contract between serving processes and a coordinator (shared/WIRE.md).
 
-This module is the only place the wire shapes, their defaults and limits, and the
-token codec are written down; the plugin's client and reporter and the bundled
-coordinator all import them from here. The shapes follow LMCache's MP coordinator
+A neutral package: the only place the wire shapes, their defaults and limits, the token
+codec and the shared value types (`BlendNamespace`, and `BlendMatch` /
+`UNKNOWN_TOKEN_OFFSET` from `local_matcher.types`) are written down. The plugin's client
+and reporter and the bundled coordinator all import them from here, and importing it
+loads neither side: no httpx, no aiohttp (tests/test_layering.py checks both). The shapes follow LMCache's MP coordinator
 (0.5.x) field for field, so either side can talk to LMCache's other side.
 
 Decoding is validation: `decode(body, Shape)` either returns a fully checked
