@@ -9,12 +9,22 @@ loads neither side: no httpx, no aiohttp (tests/test_layering.py checks both). T
 
 Decoding is validation: `decode(body, Shape)` either returns a fully checked
 value or raises `WireError` whose message names the offending field, e.g.
-``Expected `int` >= 1 - at `$.batches[0].seq```. Nothing partial is returned.
+``Expected `int` >= 1 - at `$.batches[0].seq```. Nothing partial is returned, and no
+body, however hostile (nested 100k deep, numbers of 40 digits), raises anything else.
+
+Every field has a range the coordinator can hold (the `MAX_*` constants below): an
+integer out of range is refused at decoding, naming the field, never half-way through
+applying a batch. Strings that become keys are checked as LMCache's `ObjectKey` checks
+them (and a little stricter): `chunk_hash_hex` is non-empty, even-length hex and nothing
+else (no whitespace, so `"ab cd"` and `"abcd"` cannot name one chunk twice);
+`model_name` has no `@`; `cache_salt` has none of `@ / \\ NUL` and at most 128
+characters (`check_cache_salt`, shared with the blend-lookup request).
 """
 
 from __future__ import annotations
 
 import base64
+import re
 from typing import Annotated, Literal, NamedTuple, TypeVar
 
 import msgspec
@@ -30,12 +40,57 @@ STATS_PATH = "/directory/stats"
 HEALTH_PATH = "/healthz"
 
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# --- ranges: what the directory and the index can hold ----------------------------------
+#: Sequence numbers, incarnations, sizes and capacities: signed 64-bit, as every store of
+#: them (numpy, Prometheus, LMCache's own SQL persistence) can hold.
+MAX_INT64 = 2**63 - 1
+#: `kv_rank` packs four bytes (`pack_kv_rank`); `object_group_id` is a 32-bit index.
+MAX_KV_RANK = 2**32 - 1
+MAX_OBJECT_GROUP_ID = 2**32 - 1
+#: A chunk's stored position. Tighter than int64 so that `old_st + chunk_size` never
+#: overflows the index's int64 offsets, and exact in any JSON reader (2^53).
+MAX_TOKEN_OFFSET = 2**53 - 1
+#: LMCache's `ObjectKey` rules for a salt (it is embedded in file names and C strings).
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+#: Generous bounds on strings that are interned per key or per instance.
+MAX_CHUNK_HASH_HEX_CHARS = 1024
+MAX_NAME_CHARS = 1024
+#: `world_size` of a lookup: at most what kv_rank's byte can hold is ever stored, but a
+#: larger one is only a query that finds nothing (as in LMCache), so the bound is loose.
+MAX_WORLD_SIZE = 2**32 - 1
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+TokenOffset = Annotated[int, msgspec.Meta(ge=UNKNOWN_TOKEN_OFFSET, le=MAX_TOKEN_OFFSET)]
+ChunkHashHex = Annotated[str, msgspec.Meta(min_length=2, max_length=MAX_CHUNK_HASH_HEX_CHARS,
+                                           pattern=r"^(?:[0-9a-fA-F]{2})+\Z")]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 
 class WireError(ValueError):
     """A body that breaks the wire contract. The message says which field and why."""
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """Raise `ValueError` unless `cache_salt` follows LMCache's `ObjectKey` rules."""
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt of {len(cache_salt)} characters exceeds "
+                         f"{MAX_CACHE_SALT_CHARS}")
+    if not CACHE_SALT_FORBIDDEN.isdisjoint(cache_salt):
+        bad = sorted(CACHE_SALT_FORBIDDEN.intersection(cache_salt))
+        raise ValueError(f"cache_salt must not contain {bad!r} (got {cache_salt[:40]!r})")
+
+
+def check_chunk_hash_hex(text: str) -> None:
+    """Raise `ValueError` unless `text` is non-empty, even-length hex without whitespace."""
+    if not text or len(text) > MAX_CHUNK_HASH_HEX_CHARS or len(text) % 2 \
+            or not _HEX.fullmatch(text):
+        raise ValueError(f"chunk_hash_hex {text[:64]!r} is not valid hex: use 2 to "
+                         f"{MAX_CHUNK_HASH_HEX_CHARS} hex digits, no whitespace")
+
+
+_HEX = re.compile(r"[0-9a-fA-F]+")
 
 
 class BlendNamespace(NamedTuple):
@@ -134,13 +189,16 @@ def world_size_of(kv_rank: int) -> int:
 
 class BlendLookupRequest(msgspec.Struct, kw_only=True):
     tokens_b64: str = ""
-    model_name: str = ""
-    world_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    model_name: Name = ""
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
     cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.tokens_b64 and not self.model_name:
             raise ValueError("model_name is required when tokens_b64 is non-empty")
+        # Nothing can be stored under such a salt, so LMCache's answer would be empty;
+        # saying why is kinder, and keeps one rule for salts everywhere.
+        check_cache_salt(self.cache_salt)
 
     @property
     def namespace(self) -> BlendNamespace:
@@ -161,19 +219,25 @@ class BlendLookupReply(msgspec.Struct, kw_only=True):
 
 
 class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
-    chunk_hash_hex: str
-    model_name: str
-    kv_rank: int
-    object_group_id: int = 0
+    """A stored object's key. Checked when decoded (field constraints, naming the field)
+    and when built in code (`__post_init__`), so a client cannot queue a key the
+    coordinator would refuse."""
+
+    chunk_hash_hex: ChunkHashHex
+    model_name: Name
+    kv_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_KV_RANK)]
+    object_group_id: Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_GROUP_ID)] = 0
     cache_salt: str = ""
 
     def __post_init__(self) -> None:
-        if not self.chunk_hash_hex:
-            raise ValueError("chunk_hash_hex must be non-empty hex")
-        try:
-            bytes.fromhex(self.chunk_hash_hex)
-        except ValueError:
-            raise ValueError(f"chunk_hash_hex {self.chunk_hash_hex[:64]!r} is not valid hex") from None
+        check_chunk_hash_hex(self.chunk_hash_hex)
+        if "@" in self.model_name:
+            raise ValueError(f"model_name must not contain '@' (got {self.model_name[:40]!r})")
+        if not 0 <= self.kv_rank <= MAX_KV_RANK:
+            raise ValueError(f"kv_rank {self.kv_rank} is outside [0, 2^32)")
+        if not 0 <= self.object_group_id <= MAX_OBJECT_GROUP_ID:
+            raise ValueError(f"object_group_id {self.object_group_id} is outside [0, 2^32)")
+        check_cache_salt(self.cache_salt)
 
     @property
     def chunk_hash(self) -> bytes:
@@ -188,12 +252,17 @@ class CacheEventEntry(msgspec.Struct, kw_only=True):
     key: EncodedObjectKey
     size_bytes: NonNegative = 0
     token_ids: list[TokenId] = msgspec.field(default_factory=list)
-    token_offset: int = UNKNOWN_TOKEN_OFFSET
+    token_offset: TokenOffset = UNKNOWN_TOKEN_OFFSET
 
     def __post_init__(self) -> None:
-        if self.token_offset < UNKNOWN_TOKEN_OFFSET:
-            raise ValueError(
-                f"token_offset {self.token_offset} is invalid: use >= 0, or -1 for unknown")
+        check_token_offset(self.token_offset)
+
+
+def check_token_offset(offset: int) -> None:
+    """Raise `ValueError` unless `offset` is -1 (unknown) or in `[0, MAX_TOKEN_OFFSET]`."""
+    if not UNKNOWN_TOKEN_OFFSET <= offset <= MAX_TOKEN_OFFSET:
+        raise ValueError(f"token_offset {offset} is invalid: use 0..2^53-1, or -1 for "
+                         "unknown")
 
 
 EventType = Literal["store", "delete", "access", "config"]
@@ -201,15 +270,15 @@ Tier = Literal["l1", "l2"]
 
 
 class CacheEventBatch(msgspec.Struct, kw_only=True):
-    instance_id: Annotated[str, msgspec.Meta(min_length=1)]
+    instance_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
     incarnation: NonNegative = 0
-    seq: Annotated[int, msgspec.Meta(ge=1)]
+    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT64)]
     event_type: EventType
     tier: Tier
-    backend: str = ""
+    backend: Name = ""
     entries: list[CacheEventEntry] = msgspec.field(default_factory=list)
     shared: bool = False
-    ts: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    ts: Annotated[float, msgspec.Meta(ge=0, le=1e18)] = 0.0  # finite: epoch seconds
     capacity_bytes: NonNegative = 0
     capacity_revision: NonNegative = 0
 
@@ -248,3 +317,7 @@ def decode(body: bytes | str, shape: type[T]) -> T:
         raise WireError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise WireError(f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # msgspec skips unknown fields recursively: a value nested ~100k deep runs out of
+        # stack. No wire shape nests more than a few levels, so such a body is malformed.
+        raise WireError("body is nested too deeply to be any wire shape") from None

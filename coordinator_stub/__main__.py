@@ -4,6 +4,12 @@ Contract (tests/conftest.py relies on it): once the socket is bound, exactly one
 ``listening on http://HOST:PORT`` is written to stdout and flushed, with the real port
 when `--port 0` asked for a free one. Logs go to stderr. On SIGINT or SIGTERM the server
 stops accepting, finishes in-flight requests, stops its worker threads and exits 0.
+
+Connection hygiene (a client may hold sockets and send nothing): the listening socket
+is served through the app's `ConnectionGuard` (at most `--max-connections` open; the
+longest-idle makes room), aiohttp's keep-alive timer closes a connection without a
+complete request head `--idle-timeout` s after it opened or after its last response,
+and the app cuts off a body that takes longer than `--body-timeout`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Sequence
 
 from aiohttp import web
 
-from coordinator_stub.app import create_app
+from coordinator_stub.app import CONNECTIONS, create_app
 from coordinator_stub.config import CoordinatorConfig, parse_args
 
 log = logging.getLogger("coordinator_stub")
@@ -41,6 +47,11 @@ def _tune_runtime() -> None:
     sys.setswitchinterval(0.001)
 
 
+#: Pending connections the kernel queues before accept (aiohttp's default is 128): a burst
+#: of clients connecting at once is accepted, not reset.
+_BACKLOG = 1024
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -50,21 +61,31 @@ async def serve(config: CoordinatorConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    app = create_app(config)
     # No access log: a line per request would cost more than serving a lookup.
-    runner = web.AppRunner(create_app(config), access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                           keepalive_timeout=config.idle_timeout_s)
     await runner.setup()
     _tune_runtime()
+    server = None
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        # Our own listening server rather than a TCPSite: every connection goes through
+        # the guard, which counts them and makes room at the cap.
+        guard = app[CONNECTIONS]
+        server = await loop.create_server(guard.protocol_factory(runner.server), config.host,
+                                          config.port, backlog=_BACKLOG)
+        host, port = server.sockets[0].getsockname()[:2]
         print(f"listening on {_url(host, port)}", flush=True)
+        log.info("at most %d connections; idle timeout %g s, body timeout %g s",
+                 guard.max_connections, config.idle_timeout_s, config.body_timeout_s)
         log.info("blend lookup %s, chunk size %d, probe stride %d",
                  "on" if config.enable_blend_lookup else "off", config.chunk_size,
                  config.blend_probe_stride)
         await stop.wait()
         log.info("shutting down")
     finally:
+        if server is not None:
+            server.close()  # stop accepting; runner.cleanup() finishes open connections
         await runner.cleanup()
 
 

@@ -16,8 +16,10 @@ Contract:
     are validated on the matcher thread too;
   * stats on asyncio's default pool: they wait for the directory lock, never a match.
 - Errors: a body breaking the wire contract -> 422 `{"error": "<what and where>"}`; a body
-  over `max_body_bytes` or a query over `max_query_tokens` -> 413. Neither affects other
-  requests or the state.
+  over `max_body_bytes` or a query over `max_query_tokens` -> 413; a body that cannot be
+  read (corrupt gzip/deflate, unknown content encoding, broken chunking) -> 400; a body
+  not complete within `body_timeout_s` of its headers -> 408. None affects other
+  requests or the state, and none is a 500.
 """
 
 from __future__ import annotations
@@ -27,13 +29,17 @@ import concurrent.futures
 from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from coordinator_stub.config import CoordinatorConfig
+from coordinator_stub.connections import ConnectionGuard, connection_cap
 from coordinator_stub.service import Coordinator, TooLarge
 from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, WireError, encode
 
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
+#: Caps open connections when the app is served through it (`python -m coordinator_stub`).
+CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 _INGEST_POOL = web.AppKey("ingest_pool", concurrent.futures.ThreadPoolExecutor)
 _MATCH_POOL = web.AppKey("match_pool", concurrent.futures.ThreadPoolExecutor)
 
@@ -41,6 +47,14 @@ _JSON = "application/json"
 #: Lookup bodies up to this size (about 48k tokens) are parsed on the loop.
 _INLINE_PARSE_BYTES = 256 * 1024
 _HEALTHY = encode({"status": "ok"})
+
+
+class _Unreadable(Exception):
+    """A body that cannot be read as sent (-> 400, or 408 for `timed_out`)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.status = 408 if timed_out else 400
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -53,11 +67,23 @@ async def _read_body(request: web.Request) -> bytes:
     if declared is not None and declared > limit:
         # Refuse on the declared length, without reading (and buffering) the body at all.
         raise TooLarge(f"body of {declared} bytes exceeds {limit} (--max-body-bytes)")
+    timeout = request.app[COORDINATOR].config.body_timeout_s
     try:
-        # A body without a declared length is cut off at the app's client_max_size.
-        return await request.read()
+        # A body without a declared length is cut off at the app's client_max_size (after
+        # decompression, so a gzip bomb stops there too). A body trickling in is cut off
+        # after `timeout`: it would otherwise hold its connection and buffer for ever.
+        async with asyncio.timeout(timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise TooLarge(f"body exceeds {limit} bytes (--max-body-bytes)") from None
+    except TimeoutError:
+        raise _Unreadable(f"body not received within {timeout:g} s (--body-timeout)",
+                          timed_out=True) from None
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
+        # Corrupt gzip/deflate, an encoding we cannot decode, broken chunked framing.
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
+        message = getattr(cause, "message", "") or str(cause)
+        raise _Unreadable(f"body cannot be read: {message}".strip()) from None
 
 
 def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
@@ -70,6 +96,8 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
             return _error(422, str(exc))
         except TooLarge as exc:
             return _error(413, str(exc))
+        except _Unreadable as exc:
+            return _error(exc.status, str(exc))
         return web.Response(body=reply, content_type=_JSON)
     return respond
 
@@ -124,6 +152,8 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     config = config or CoordinatorConfig()
     app = web.Application(client_max_size=config.max_body_bytes)
     app[COORDINATOR] = Coordinator(config)
+    app[CONNECTIONS] = ConnectionGuard(connection_cap(config.max_connections))
+    app.middlewares.append(app[CONNECTIONS].middleware)
     app.cleanup_ctx.append(_worker_pools)
     app.router.add_post(EVENTS_PATH, _events)
     app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)

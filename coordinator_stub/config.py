@@ -21,6 +21,13 @@ DEFAULT_PORT = 9300
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_QUERY_TOKENS = 1 << 20
+#: A connection that has not sent a complete request head this long after it opened, or
+#: after its previous response, is closed (aiohttp's keep-alive timer covers both).
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+#: A request body must arrive within this long of its headers.
+DEFAULT_BODY_TIMEOUT_S = 60.0
+#: Open connections beyond this make room by closing the longest-idle one.
+DEFAULT_MAX_CONNECTIONS = 4096
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,9 @@ class CoordinatorConfig:
     # The index serialises matches under its lock: more matcher threads only add lock
     # and GIL hand-offs (measured: ~10% fewer lookups/s with two than with one).
     match_workers: int = 1
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -46,12 +56,28 @@ class CoordinatorConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not isinstance(self.match_workers, int) or self.match_workers < 1:
             raise ValueError(f"match_workers must be an integer >= 1, got {self.match_workers!r}")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise ValueError(f"max_connections must be an integer >= 1, got "
+                             f"{self.max_connections!r}")
+        for name in ("idle_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got "
+                                 f"{value!r}")
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
     return value
 
 
@@ -92,6 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "the index serialises matches, so more than one only helps "
                              "when large queries are parsed while others match "
                              "(default: %(default)s)")
+    parser.add_argument("--idle-timeout", type=_positive_seconds,
+                        default=DEFAULT_IDLE_TIMEOUT_S,
+                        help="close a connection that sends no complete request head within "
+                             "this many seconds of opening or of its last response "
+                             "(default: %(default)s)")
+    parser.add_argument("--body-timeout", type=_positive_seconds,
+                        default=DEFAULT_BODY_TIMEOUT_S,
+                        help="answer 408 to a request whose body has not fully arrived this "
+                             "many seconds after its head (default: %(default)s)")
+    parser.add_argument("--max-connections", type=_positive_int,
+                        default=DEFAULT_MAX_CONNECTIONS,
+                        help="open connections at most; a new one beyond it closes the "
+                             "longest-idle connection, or is refused when every connection "
+                             "has a request in progress. Also kept below the process's "
+                             "descriptor limit (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level on stderr (default: %(default)s)")
@@ -105,7 +146,9 @@ def parse_args(argv: Sequence[str] | None = None) -> CoordinatorConfig:
             host=args.host, port=args.port, enable_blend_lookup=args.enable_blend_lookup,
             chunk_size=args.chunk_size, blend_probe_stride=args.blend_probe_stride,
             max_body_bytes=args.max_body_bytes, max_query_tokens=args.max_query_tokens,
-            match_workers=args.match_workers, log_level=args.log_level)
+            match_workers=args.match_workers, idle_timeout_s=args.idle_timeout,
+            body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+            log_level=args.log_level)
     except ValueError as exc:
         build_parser().error(str(exc))
         raise  # unreachable: error() exits
