@@ -33,6 +33,9 @@ ENV_MATCH_CONCURRENCY = "LMCACHE_COORDINATOR_BLEND_MATCH_CONCURRENCY"
 ENV_CHUNK_SIZE = "LMCACHE_CHUNK_SIZE"
 ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
 
+#: Default `abandon_after_s`, in match budgets.
+ABANDON_AFTER_BUDGETS = 4
+
 # WIRE.md: these turn event reporting on; any other value means off, as in LMCache, so a
 # deployment that works there starts here too.
 _TRUE = frozenset({"1", "true", "yes"})
@@ -78,8 +81,12 @@ class PluginConfig:
     # included, and resolve overlaps among the chunks the prefetch actually found, so a
     # missing chunk cannot shadow an available one. Costs loads of overlap losers.
     resolve_after_prefetch: bool = False
-    # A lookup state nobody polled for this long is released (the scheduler dropped it).
-    abandoned_lookup_s: float = 300.0
+    # A lookup nobody polled for this long is released (the scheduler dropped it); None:
+    # `ABANDON_AFTER_BUDGETS` match budgets (see `abandon_after_s`). An engine polls a live
+    # lookup every scheduler step, so a few budgets without a poll means it is gone.
+    abandoned_lookup_s: float | None = None
+    # Lookups tracked at once; a new one beyond this releases the least recently polled.
+    max_tracked_lookups: int = 4096
 
     def __post_init__(self) -> None:
         url = (self.coordinator_url or "").strip().rstrip("/") or None
@@ -103,12 +110,21 @@ class PluginConfig:
         _check_positive("breaker_cooldown_s", self.breaker_cooldown_s)
         _check_positive("result_ttl_s", self.result_ttl_s)
         _check_int_at_least("max_tracked_queries", self.max_tracked_queries, 1)
-        _check_positive("abandoned_lookup_s", self.abandoned_lookup_s)
+        if self.abandoned_lookup_s is not None:
+            _check_positive("abandoned_lookup_s", self.abandoned_lookup_s)
+        _check_int_at_least("max_tracked_lookups", self.max_tracked_lookups, 1)
 
     @property
     def match_budget_s(self) -> float:
         """Wall-clock budget of one unified lookup for the coordinator leg."""
         return self.blend_timeout
+
+    @property
+    def abandon_after_s(self) -> float:
+        """How long a lookup may go unpolled before it is released."""
+        if self.abandoned_lookup_s is not None:
+            return self.abandoned_lookup_s
+        return ABANDON_AFTER_BUDGETS * self.match_budget_s
 
     @property
     def fleet_enabled(self) -> bool:

@@ -5,12 +5,18 @@ non-blocking calls: `submit_*` starts an operation for a request id, `poll_*` re
 while it is pending and its result once (the result is handed out a single time, then
 forgotten). Neither may block the caller on I/O.
 
+A host may also offer `cancel(request_id)`: forget every operation of a request the engine
+aborted. The plugin calls it, when present, whenever it lets a lookup go unfinished.
+
 `InMemoryHost` is the reference implementation for tests, examples and benchmarks. It keeps
 stored chunks in a dict (chunk hash -> the chunk's tokens, standing in for its KV). Several
 hosts can share one dict as a shared L2, so a chunk one server stored can be fetched by
 another; by default each host has its own. An optional artificial delay makes the pending
 paths observable without threads: an operation completes on the first poll at or after
-`submit time + delay`, measured on the host's clock.
+`submit time + delay`, measured on the host's clock. Its memory is bounded whatever the
+plugin does: at most `max_pending_ops` operations per kind wait to be polled (the oldest
+is forgotten first), and the request history it records for tests keeps the last
+`history` requests.
 
 Chunk hashes are prefix-chained (`chunk_hashes`): chunk i's hash covers every token before
 it and the namespace, so the same text behind two prefixes, or in two tenants, is two chunks.
@@ -66,9 +72,14 @@ class InMemoryHost:
                  shared_l2: MutableMapping[Hashable, np.ndarray] | None = None,
                  delay_s: float = 0.0, prefix_delay_s: float | None = None,
                  prefetch_delay_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_pending_ops: int = 4096,
+                 history: int = 1024) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        if max_pending_ops < 1 or history < 1:
+            raise ValueError("max_pending_ops and history must be >= 1")
+        self.max_pending_ops = max_pending_ops
+        self.history = history
         self.chunk_size = chunk_size
         self.store_map: MutableMapping[Hashable, np.ndarray] = {} if shared_l2 is None else shared_l2
         self.prefix_delay_s = delay_s if prefix_delay_s is None else prefix_delay_s
@@ -78,9 +89,11 @@ class InMemoryHost:
         # request id -> (ready_at, result); popped by the poll that hands the result out.
         self._prefix_ops: dict[str, tuple[float, list[Hashable]]] = {}
         self._prefetch_ops: dict[str, tuple[float, set[Hashable]]] = {}
-        # What the plugin asked for, for tests and demos: (request id, argument).
+        # What the plugin asked for, for tests and demos: (request id, argument); at least
+        # the last `history` requests (trimmed in bulk, so appending stays O(1)).
         self.prefix_requests: list[tuple[str, int]] = []
         self.prefetch_requests: list[tuple[str, list[CBMatchResult]]] = []
+        self.dropped_ops = 0  # operations forgotten unpolled to respect max_pending_ops
 
     # --- what the engine does when it saves or drops KV ---------------------------------
 
@@ -121,8 +134,9 @@ class InMemoryHost:
                 if chunk_hash not in self.store_map:
                     break
                 found.append(chunk_hash)
-            self.prefix_requests.append((key.request_id, tp_size))
-            self._prefix_ops[key.request_id] = (self._clock() + self.prefix_delay_s, found)
+            self._record(self.prefix_requests, (key.request_id, tp_size))
+            self._put(self._prefix_ops, key.request_id,
+                      (self._clock() + self.prefix_delay_s, found))
 
     def poll_prefix_lookup(self, request_id: str) -> Sequence[Hashable] | None:
         return self._poll(self._prefix_ops, request_id)
@@ -130,11 +144,35 @@ class InMemoryHost:
     def submit_prefetch(self, request_id: str, segments: Sequence[CBMatchResult]) -> None:
         with self._lock:
             found = {s.hash for s in segments if s.hash in self.store_map}
-            self.prefetch_requests.append((request_id, list(segments)))
-            self._prefetch_ops[request_id] = (self._clock() + self.prefetch_delay_s, found)
+            self._record(self.prefetch_requests, (request_id, list(segments)))
+            self._put(self._prefetch_ops, request_id,
+                      (self._clock() + self.prefetch_delay_s, found))
 
     def poll_prefetch(self, request_id: str) -> Collection[Hashable] | None:
         return self._poll(self._prefetch_ops, request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Forget every operation of `request_id` (the engine aborted it)."""
+        with self._lock:
+            self._prefix_ops.pop(request_id, None)
+            self._prefetch_ops.pop(request_id, None)
+
+    @property
+    def pending_ops(self) -> int:
+        with self._lock:
+            return len(self._prefix_ops) + len(self._prefetch_ops)
+
+    def _put(self, ops: dict, request_id: str, op: tuple) -> None:
+        ops.pop(request_id, None)  # a resubmission is the newest
+        ops[request_id] = op
+        while len(ops) > self.max_pending_ops:
+            del ops[next(iter(ops))]
+            self.dropped_ops += 1
+
+    def _record(self, requests: list, item: tuple) -> None:
+        requests.append(item)
+        if len(requests) > 2 * self.history:
+            del requests[:-self.history]
 
     def _poll(self, ops: dict, request_id: str):
         with self._lock:

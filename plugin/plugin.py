@@ -15,7 +15,13 @@ Contract:
   sparse prefetch is pending. Past the deadline the lookup continues local-only; the late
   reply is discarded. Then both legs are merged (`plugin.lookup`), one sparse prefetch is
   submitted (none when there is nothing to fetch), and only the chunks it found are returned.
-  A request id's state is released when its lookup completes.
+  A request id's state is released when its lookup completes, when `cancel(request_id)` is
+  called (the engine aborted the request), or once nobody has polled it for
+  `abandon_after_s` (a few match budgets): an abandoned lookup holds its tokens (one
+  uint32 copy, never the engine's list) and O(1) more, and only that long. At most
+  `max_tracked_lookups` lookups are tracked; a new one beyond that releases the one
+  polled least recently. Releasing also cancels the coordinator query and, when the host
+  offers `cancel(request_id)`, the host's operations.
 - Nothing raises into the serving path: an internal error is logged and the lookup answers
   "no reuse" (`CBUnifiedLookupResult(0, [])`), which is always safe (the engine recomputes).
 - Gating: the fleet leg (client + reporter) exists only with a coordinator URL *and* event
@@ -45,7 +51,7 @@ from plugin.host import ServingHost
 from plugin.lookup import FLEET, Candidate, merge_candidates, resolve_overlaps
 from plugin.reporter import CacheEventReporter
 from plugin.types import BlendMatch, CBMatchResult, CBUnifiedLookupResult, LookupKey
-from blend_wire import BlendNamespace
+from blend_wire import BlendNamespace, check_cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +90,10 @@ class LookupTrace:
 
 @dataclass(eq=False)
 class _Lookup:
-    key: LookupKey
+    # Not the engine's LookupKey: its token list may be much larger than this uint32 copy,
+    # and an aborted request's list must not be kept alive here.
+    request_id: str
+    namespace: BlendNamespace
     tokens: np.ndarray
     tp_size: int
     started_at: float
@@ -137,8 +146,8 @@ class BlendPlugin:
         # chunk -> the namespace storing it; a frozenset in the rare case of several. No set
         # per chunk: this map holds every chunk the process stores.
         self._owners: dict[bytes, BlendNamespace | frozenset[BlendNamespace]] = {}
-        self._lookups: dict[str, _Lookup] = {}
-        self._last_sweep = time.monotonic()
+        # Least recently polled first: the sweep and the cap look only at the front.
+        self._lookups: collections.OrderedDict[str, _Lookup] = collections.OrderedDict()
         self._closed = False
         self.traces: collections.deque[LookupTrace] = collections.deque(maxlen=1024)
         self._stats = collections.Counter()
@@ -161,15 +170,18 @@ class BlendPlugin:
                 raise ValueError(f"{len(hashes)} chunks at {start} do not fit in "
                                  f"{len(tokens)} tokens (chunk_size={size})")
             namespace = key.namespace
+            released: list[_Lookup] = []
             with self._lock:
                 if self._closed:
                     return
+                self._sweep_locked(time.monotonic(), released)
                 owners = self._owners
                 for chunk_hash in hashes:
                     known = owners.setdefault(chunk_hash, namespace)
                     if known != namespace and not (type(known) is frozenset and namespace in known):
                         owners[chunk_hash] = (known if type(known) is frozenset
                                               else frozenset((known,))) | {namespace}
+            self._let_go(released)
             self._matcher.register(tokens[start:start + len(hashes) * size], hashes,
                                    position_offset=start, namespace=namespace)
             if self.reporter is not None:
@@ -222,20 +234,30 @@ class BlendPlugin:
         state = None
         try:
             now = time.monotonic()
+            released: list[_Lookup] = []
             with self._lock:
+                self._sweep_locked(now, released)
                 state = self._lookups.get(request_id)
                 if state is None:
-                    self._sweep_locked(now)
-                    state = _Lookup(key, np.asarray(key.token_ids, dtype=np.uint32), tp_size,
+                    if len(self._lookups) >= self.config.max_tracked_lookups:
+                        # Full: the lookup polled least recently is the likeliest abandoned.
+                        _, oldest = self._lookups.popitem(last=False)
+                        released.append(oldest)
+                        self._stats["evicted"] += 1
+                    state = _Lookup(request_id, key.namespace,
+                                    np.asarray(key.token_ids, dtype=np.uint32), tp_size,
                                     started_at=now, deadline=now + self.config.match_budget_s,
                                     last_call=now)
                     self._lookups[request_id] = state
+                else:
+                    self._lookups.move_to_end(request_id)
+            self._let_go(released)
             with state.lock:
                 state.calls += 1
                 state.last_call = now
                 if not state.started:
                     state.started = True
-                    self._start(state)
+                    self._start(state, key)
                 result = self._advance(state)
             if result is not None:
                 self._release(request_id, state)
@@ -249,8 +271,7 @@ class BlendPlugin:
                 self._release(request_id, state)
             return CBUnifiedLookupResult(0, [])
 
-    def _start(self, state: _Lookup) -> None:
-        key = state.key
+    def _start(self, state: _Lookup, key: LookupKey) -> None:
         self.host.submit_prefix_lookup(key, state.tp_size)
         # The coordinator query goes out before the local match runs, so the round-trip
         # overlaps the local work instead of following it.
@@ -258,14 +279,15 @@ class BlendPlugin:
             state.fleet_status = FLEET_OFF
         elif len(state.tokens) < self.chunk_size:
             state.fleet_status = FLEET_SHORT
-        elif not key.model_name or key.world_size < 1:
+        elif not key.model_name or key.world_size < 1 or not _salt_ok(key.cache_salt):
             # The coordinator rejects such a query (422); asking would only cost a round-trip.
             state.fleet_status = FLEET_NOT_ASKED
             if not self._warned_not_asked:
                 self._warned_not_asked = True
-                logger.warning("lookup %s has model_name=%r, world_size=%r: the coordinator "
-                               "cannot answer that, so such lookups go local-only",
-                               key.request_id, key.model_name, key.world_size)
+                logger.warning("lookup %s has model_name=%r, world_size=%r, cache_salt=%r: "
+                               "the coordinator cannot answer that, so such lookups go "
+                               "local-only", key.request_id, key.model_name, key.world_size,
+                               key.cache_salt[:40])
         elif self.client.submit_match(key.request_id, state.tokens, key.namespace, state.deadline):
             state.fleet_status = FLEET_PENDING
         else:
@@ -273,7 +295,7 @@ class BlendPlugin:
         state.local = self._matcher.match(state.tokens, namespace=key.namespace)
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
-        request_id = state.key.request_id
+        request_id = state.request_id
         if state.prefix_tokens is None:
             prefix_chunks = self.host.poll_prefix_lookup(request_id)
             if prefix_chunks is None:
@@ -313,7 +335,7 @@ class BlendPlugin:
     def _complete(self, state: _Lookup, kept: list[Candidate]) -> CBUnifiedLookupResult:
         segments = [c.segment for c in kept]
         self.traces.append(LookupTrace(
-            request_id=state.key.request_id, num_tokens=len(state.tokens),
+            request_id=state.request_id, num_tokens=len(state.tokens),
             prefix_tokens=state.prefix_tokens, local_matches=len(state.local),
             fleet_matches=len(state.fleet), fleet_status=state.fleet_status, segments=segments,
             sources=[c.source for c in kept], prefetched=len(state.prefetch or ()),
@@ -330,20 +352,57 @@ class BlendPlugin:
         if self.client is not None and state.fleet_status == FLEET_PENDING:
             self.client.cancel(request_id)
 
-    def _sweep_locked(self, now: float) -> None:
-        # Release lookups the scheduler abandoned; the scan runs at most once a second.
-        if now - self._last_sweep < min(1.0, self.config.abandoned_lookup_s):
-            return
-        self._last_sweep = now
-        stale = [rid for rid, s in self._lookups.items()
-                 if now - s.last_call > self.config.abandoned_lookup_s]
-        for rid in stale:
-            del self._lookups[rid]
+    def cancel(self, request_id: str) -> bool:
+        """The engine aborted `request_id`: forget its lookup now (its coordinator query and,
+        if the host can, the host's operations too). True if a lookup was tracked. A later
+        call for the same id starts afresh. Never raises."""
+        try:
+            with self._lock:
+                state = self._lookups.pop(request_id, None)
+            if state is None:
+                return False
+            self._stats["cancelled"] += 1
+            self._let_go([state])
+            return True
+        except Exception:
+            logger.exception("cancel failed for request %s", request_id)
+            return False
+
+    def _sweep_locked(self, now: float, released: list[_Lookup]) -> None:
+        # Lookups nobody polled for `abandon_after_s` were dropped by the scheduler. The map
+        # is ordered by last poll, so this looks at the front only: O(1) when none expired.
+        horizon = now - self.config.abandon_after_s
+        lookups = self._lookups
+        while lookups:
+            state = next(iter(lookups.values()))
+            if state.last_call > horizon:
+                break
+            lookups.popitem(last=False)
+            released.append(state)
             self._stats["abandoned"] += 1
-            if self.client is not None:
-                self.client.cancel(rid)
+
+    def _let_go(self, released: list[_Lookup]) -> None:
+        """Outside the plugin lock: cancel what released lookups left in flight."""
+        host_cancel = getattr(self.host, "cancel", None)
+        for state in released:
+            try:
+                if self.client is not None and state.fleet_status == FLEET_PENDING:
+                    self.client.cancel(state.request_id)
+                if host_cancel is not None:
+                    host_cancel(state.request_id)
+            except Exception:
+                logger.exception("could not cancel what lookup %s left in flight",
+                                 state.request_id)
 
     # --- introspection and lifecycle -------------------------------------------------------------
+
+    def sweep(self) -> int:
+        """Release abandoned lookups now (lookups do it as they come); returns how many."""
+        released: list[_Lookup] = []
+        with self._lock:
+            self._sweep_locked(time.monotonic(), released)
+        self._let_go(released)
+        return len(released)
 
     def trace(self, request_id: str) -> LookupTrace | None:
         """The trace of the most recent completed lookup of `request_id`, if still kept."""
@@ -394,3 +453,12 @@ class BlendPlugin:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _salt_ok(cache_salt: str) -> bool:
+    # A salt no key may carry: the coordinator answers 422, and nothing can match anyway.
+    try:
+        check_cache_salt(cache_salt)
+    except ValueError:
+        return False
+    return True

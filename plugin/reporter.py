@@ -36,7 +36,7 @@ import numpy as np
 
 from blend_wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
                          CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
-                         decode, encode, pack_kv_rank)
+                         check_token_offset, decode, encode, pack_kv_rank)
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,7 @@ class CacheEventReporter:
         events = []
         for chunk_hash, tokens, offset in zip(chunk_hashes, token_chunks, offsets):
             offset = UNKNOWN_TOKEN_OFFSET if offset is None else int(offset)
-            if offset < UNKNOWN_TOKEN_OFFSET:  # checked here: batch building must not fail
-                raise ValueError(f"token_offset {offset} is invalid: use >= 0, or -1 for unknown")
+            check_token_offset(offset)  # checked here: batch building must not fail
             events.append(_Event("store", encode_key(namespace, chunk_hash),
                                  None if tokens is None else np.array(tokens), offset, size_bytes))
         self._enqueue(events)
