@@ -2,21 +2,41 @@
 
 Design (shared/DESIGN.md, "The content index"): content of exactly `chunk_size` tokens is
 stored once in a `ContentStore`; every chunk hash that names that content is an
-*occupant* of it, carrying its own stored offset and the set of namespaces that claim
-it. A match rolls a fingerprint over the query, lets the filter and the exact table
-reject almost every window, skips contents no occupant of which the requester's
-namespace may claim, and only then compares tokens.
+*occupant* of it, carrying its own stored offset and claimed by one or more namespaces.
+A match rolls a fingerprint over the query, lets the filter and the exact table reject
+almost every window, skips contents the requester's namespace has no claim on, and only
+then compares tokens.
+
+The match rule (DESIGN.md; WIRE.md, blend-lookup; LMCache's own): at most one match per
+query position, and each chunk at most once. At a position whose window equals a stored
+content, the match names the first occupant of the requester's namespace not named
+earlier in this query ("first": in the order that namespace claimed them); a later
+occurrence of the same content gets the next one, and once all are named, none.
+
+Why costs do not grow with multiplicity (one document behind a thousand prefixes is a
+thousand occupants of one content): each (chunk, namespace) claim is a *slot*, and the
+claims one namespace holds on one content form a circular doubly linked list of slots,
+in claim order, kept in flat integer arrays. Adding or removing a claim splices one slot
+in or out, O(1); a match takes one step along a list per occurrence. So a lookup costs
+O(query + matches) and deleting n occupants O(n), however many occupants a content has
+and however many of them belong to other namespaces.
 
 Invariants (all under `self._lock`, which is never held while calling out):
-- `_chunks[h] == (cid, offset, claims)` for chunk `h` of content `cid`; `_occupants[cid]`
-  is the tuple of the hashes of that content's chunks. Records are tuples of atoms, so
-  Python's cyclic GC untracks them: an index of a million chunks adds no GC pause.
-- A chunk exists iff at least one namespace claims it (`claims != 0`); a content is
-  stored iff it has at least one occupant. Removing the last one frees the slot.
-- `claims` is a bit set of namespace ids (Python int); a namespace's id is recycled
-  once nothing claims it, so the ids stay small.
-- `store.ns_mask[cid]` holds bit `id % 64` of every namespace claiming an occupant of
-  `cid`; it may carry stale extra bits (a cheap pre-test), never miss one.
+- `_chunks[h] == (cid, offset, claim)` for chunk `h` of content `cid`: `claim` is the
+  slot of h's only claim, or a dict {namespace id: slot} while several namespaces claim
+  h. Records are tuples and dicts of atoms, untracked by Python's cyclic GC, so an index
+  of a million chunks adds no GC pause.
+- slot `s`: `_slot_chunk[s]` its chunk, `_slot_ns[s]` its namespace id, `_next[s]` and
+  `_prev[s]` its neighbours in its list; at a list's head, `_length[s]` the list's
+  length. Free slots are chained through `_next` from `_free_slot`.
+- the list of (cid, ns) starts at `_head[cid]` if `_slot_ns[_head[cid]] == ns`, else at
+  `_more_heads[ns << 32 | cid]`: most contents are claimed by one namespace, so their
+  only list costs no dict entry.
+- `_num_chunks[cid]` occupants and `_num_lists[cid]` namespace lists per content. A
+  content is stored iff it has an occupant; a chunk exists iff a namespace claims it.
+- `store.ns_mask[cid]` holds bit `id % 64` of every namespace with a list on `cid`; it
+  may carry stale extra bits (a cheap pre-test), never miss one.
+- A namespace's id is recycled once nothing claims it, so the ids stay small.
 """
 
 from __future__ import annotations
@@ -24,6 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from array import array
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -33,20 +54,22 @@ from local_matcher.types import MAX_TOKEN_ID, BlendMatch
 
 log = logging.getLogger(__name__)
 
+_NONE = -1  # "no slot" in the slot and head arrays
+_NS_SHIFT = 32  # `_more_heads` key: namespace id above, content id below
 
 
 def as_tokens(values) -> np.ndarray:
     """A contiguous uint32 array of token ids; ValueError for ids outside uint32."""
-    array = np.asarray(values)
-    if array.dtype == np.uint32:
-        return np.ascontiguousarray(array)
-    if array.size == 0:
-        return np.zeros(array.shape, dtype=np.uint32)
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, not {array.dtype}")
-    if array.min() < 0 or array.max() > MAX_TOKEN_ID:
+    array_ = np.asarray(values)
+    if array_.dtype == np.uint32:
+        return np.ascontiguousarray(array_)
+    if array_.size == 0:
+        return np.zeros(array_.shape, dtype=np.uint32)
+    if array_.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, not {array_.dtype}")
+    if array_.min() < 0 or array_.max() > MAX_TOKEN_ID:
         raise ValueError("token ids must fit in uint32 (0 .. 2**32-1)")
-    return array.astype(np.uint32)
+    return array_.astype(np.uint32)
 
 
 def _mask_bit(ns_id: int) -> int:
@@ -71,8 +94,22 @@ class ContentIndex:
         self.probe_stride = probe_stride
         self._lock = threading.Lock()
         self._store = ContentStore(chunk_size, fingerprint_key)
-        self._chunks: dict[Hashable, tuple[int, int, int]] = {}
-        self._occupants: list[tuple] = []
+        self._chunks: dict[Hashable, tuple] = {}
+        # Claim slots.
+        self._slot_chunk: list[Hashable] = []
+        self._slot_ns = array("i")
+        self._next = array("i")
+        self._prev = array("i")
+        self._length = array("i")
+        self._free_slot = _NONE
+        # Per content id (grown with the store).
+        self._head = array("i")
+        self._num_chunks = array("i")
+        self._num_lists = array("i")
+        self._more_heads: dict[int, int] = {}
+        # (cid, ns_id) of lists created since the last `_settle`: their mask bits.
+        self._new_lists: list[tuple[int, int]] = []
+        # Namespaces.
         self._ns_ids: dict[Hashable, int] = {}
         self._ns_names: list[Hashable] = []
         self._ns_claim_counts: list[int] = []
@@ -87,8 +124,9 @@ class ContentIndex:
 
         Content that is not exactly `chunk_size` tokens, or an unknown (negative)
         offset, is logged and skipped. Adding again only updates the offset and adds
-        the claim; a known hash with different tokens moves to the new content,
-        dropping every claim it had on the old one.
+        the claim (a claim keeps its place in its namespace's order); a known hash with
+        different tokens moves to the new content, dropping every claim it had on the
+        old one.
         """
         rows = as_tokens(tokens)
         if rows.shape != (self.chunk_size,):
@@ -114,36 +152,32 @@ class ContentIndex:
         if not len(chunk_hashes):
             return
         with self._lock:
-            ns_id = self._namespace_id(namespace)
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
-            if len(self._occupants) < self._store.capacity:
-                self._occupants.extend([()] * (self._store.capacity - len(self._occupants)))
-            chunks, occupants, vacated = self._chunks, self._occupants, []
-            bit, claimed = 1 << ns_id, 0
+            self._grow_contents()
+            chunks, num_chunks, slot_ns, vacated = self._chunks, self._num_chunks, self._slot_ns, []
+            ns_id = self._namespace_id(namespace)
             for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
                 record = chunks.get(chunk_hash)
                 if record is not None and record[0] != cid:
                     # The hash now names other content: retire it from the old one first.
-                    self._count_claims(ns_id, claimed)
                     vacated.append(record[0])
                     self._drop(chunk_hash, record)
-                    record, claimed = None, 0
+                    record = None
                     ns_id = self._namespace_id(namespace)  # the drop may have retired it
-                    bit = 1 << ns_id
                 if record is None:
-                    chunks[chunk_hash] = (cid, offset, bit)
-                    occupants[cid] += (chunk_hash,)
-                    claimed += 1
-                else:
-                    claims = record[2]
-                    if not claims & bit:
-                        claims |= bit
-                        claimed += 1
-                    chunks[chunk_hash] = (cid, offset, claims)
-            self._count_claims(ns_id, claimed)
-            self._store.ns_mask[cids] |= np.uint64(_mask_bit(ns_id))
+                    chunks[chunk_hash] = (cid, offset, self._claim(chunk_hash, cid, ns_id))
+                    num_chunks[cid] += 1
+                    continue
+                claim = record[2]
+                if type(claim) is int:
+                    if slot_ns[claim] != ns_id:
+                        claim = {slot_ns[claim]: claim,
+                                 ns_id: self._claim(chunk_hash, cid, ns_id)}
+                elif ns_id not in claim:
+                    claim[ns_id] = self._claim(chunk_hash, cid, ns_id)
+                chunks[chunk_hash] = (cid, offset, claim)
             # Released only now: a later row of this batch may have found that content.
-            self._release_if_vacant(vacated)
+            self._settle(vacated)
 
     # --- removing ---------------------------------------------------------------------
 
@@ -156,16 +190,24 @@ class ContentIndex:
         with self._lock:
             record = self._known_record(tokens, chunk_hash)
             ns_id = self._ns_ids.get(namespace)
-            if record is None or ns_id is None or not (record[2] >> ns_id) & 1:
+            if record is None or ns_id is None:
                 return
-            cid, offset, claims = record
-            self._unclaim(ns_id)
-            claims &= ~(1 << ns_id)
-            if claims:
-                self._chunks[chunk_hash] = (cid, offset, claims)
+            cid, offset, claim = record
+            if type(claim) is int:
+                if self._slot_ns[claim] != ns_id:
+                    return
+                self._unclaim(claim, cid)
+                del self._chunks[chunk_hash]
+                self._num_chunks[cid] -= 1
             else:
-                self._unlink(chunk_hash, cid)
-            self._release_if_vacant([cid])
+                slot = claim.pop(ns_id, None)
+                if slot is None:
+                    return
+                self._unclaim(slot, cid)
+                if len(claim) == 1:
+                    claim = next(iter(claim.values()))
+                self._chunks[chunk_hash] = (cid, offset, claim)
+            self._settle([cid])
 
     def remove_chunk(self, tokens, chunk_hash: Hashable) -> None:
         """Drop a chunk and every claim on it, in one lock acquisition.
@@ -175,7 +217,7 @@ class ContentIndex:
             record = self._known_record(tokens, chunk_hash)
             if record is not None:
                 self._drop(chunk_hash, record)
-                self._release_if_vacant([record[0]])
+                self._settle([record[0]])
 
     def remove_chunks(self, chunk_hashes: Iterable[Hashable]) -> None:
         """Drop chunks by hash with all their claims; unknown hashes are skipped."""
@@ -186,14 +228,14 @@ class ContentIndex:
                 if record is not None:
                     self._drop(chunk_hash, record)
                     vacated.append(record[0])
-            self._release_if_vacant(vacated)
+            self._settle(vacated)
 
     # --- matching -------------------------------------------------------------------------
 
     def match(self, query, namespace: Hashable) -> list[BlendMatch]:
-        """Every chunk `namespace` claims whose content occurs in `query`.
+        """The chunks of `namespace` found in `query`, by the match rule (module doc).
 
-        Ascending by `cur_st`; one match per chunk, at its first occurrence; every
+        Ascending by `cur_st`; at most one match per position and per chunk; every
         match compared token by token.
         """
         tokens = as_tokens(query)
@@ -205,14 +247,46 @@ class ContentIndex:
             ns_id = self._ns_ids.get(namespace)
             if ns_id is None:
                 return []
-            positions, cids = self._store.probe(tokens, self.probe_stride, _mask_bit(ns_id))
-            chunks, occupants, matches = self._chunks, self._occupants, []
-            for cur_st, cid in zip(positions.tolist(), cids.tolist()):
-                for chunk_hash in occupants[cid]:
-                    _, offset, claims = chunks[chunk_hash]
-                    if (claims >> ns_id) & 1:
-                        matches.append(BlendMatch(chunk_hash, offset, cur_st))
+            store = self._store
+            first_pos, first_cid, repeat_pos, repeat_cid = store.probe(
+                tokens, self.probe_stride, _mask_bit(ns_id))
+            first_cids = first_cid.tolist()
+            heads = [self._head_of(cid, ns_id) for cid in first_cids]
+            chunks, slot_chunk, matches = self._chunks, self._slot_chunk, []
+            if repeat_pos.size:
+                # Each content offers as many matches as the namespace has occupants of it:
+                # the first occurrence takes the head, so the repeats may take the rest.
+                length = self._length
+                store.budget[first_cid] = [length[h] - 1 if h != _NONE else 0 for h in heads]
+                keep = store.verify_repeats(tokens, repeat_pos, repeat_cid)
+                if keep.size:
+                    return self._walk(first_pos, first_cid, repeat_pos[keep],
+                                      repeat_cid[keep], dict(zip(first_cids, heads)))
+            for cur_st, slot in zip(first_pos.tolist(), heads):
+                if slot != _NONE:
+                    chunk_hash = slot_chunk[slot]
+                    matches.append(BlendMatch(chunk_hash, chunks[chunk_hash][1], cur_st))
             return matches
+
+    def _walk(self, first_pos: np.ndarray, first_cid: np.ndarray, repeat_pos: np.ndarray,
+              repeat_cid: np.ndarray, heads: dict[int, int]) -> list[BlendMatch]:
+        """Matches for verified occurrences, some contents occurring several times: in
+        position order, each occurrence takes the next slot of its content's list."""
+        positions = np.concatenate([first_pos, repeat_pos])
+        cids = np.concatenate([first_cid, repeat_cid])
+        order = np.argsort(positions, kind="stable")
+        chunks, slot_chunk, next_slot = self._chunks, self._slot_chunk, self._next
+        cursor: dict[int, int] = {}
+        matches = []
+        for cur_st, cid in zip(positions[order].tolist(), cids[order].tolist()):
+            slot = cursor.get(cid)
+            slot = heads[cid] if slot is None else next_slot[slot]
+            if slot == _NONE:  # no list after all (a stale mask bit)
+                continue
+            cursor[cid] = slot
+            chunk_hash = slot_chunk[slot]
+            matches.append(BlendMatch(chunk_hash, chunks[chunk_hash][1], cur_st))
+        return matches
 
     def tokens_of(self, chunk_hash: Hashable) -> np.ndarray | None:
         """A copy of an indexed chunk's content, or None if the chunk is not indexed.
@@ -226,8 +300,12 @@ class ContentIndex:
     def stats(self) -> dict[str, int]:
         with self._lock:
             num_chunks = len(self._chunks)
-            python_bytes = (sys.getsizeof(self._chunks) + sys.getsizeof(self._occupants)
-                            + num_chunks * _CHUNK_BYTES)
+            arrays = (self._slot_ns, self._next, self._prev, self._length, self._head,
+                      self._num_chunks, self._num_lists)
+            python_bytes = (sys.getsizeof(self._chunks) + num_chunks * _RECORD_BYTES
+                            + sys.getsizeof(self._slot_chunk)
+                            + sys.getsizeof(self._more_heads)
+                            + sum(len(a) * a.itemsize for a in arrays))
             return {
                 "num_contents": self._store.num_contents,
                 "num_chunks": num_chunks,
@@ -238,6 +316,13 @@ class ContentIndex:
             }
 
     # --- internals (caller holds the lock) ----------------------------------------------
+
+    def _grow_contents(self) -> None:
+        missing = self._store.capacity - len(self._head)
+        if missing > 0:
+            self._head.extend(array("i", [_NONE]) * missing)
+            self._num_chunks.extend(array("i", [0]) * missing)
+            self._num_lists.extend(array("i", [0]) * missing)
 
     def _namespace_id(self, namespace: Hashable) -> int:
         ns_id = self._ns_ids.get(namespace)
@@ -252,18 +337,91 @@ class ContentIndex:
             self._ns_ids[namespace] = ns_id
         return ns_id
 
-    def _known_record(self, tokens, chunk_hash: Hashable) -> tuple[int, int, int] | None:
+    def _known_record(self, tokens, chunk_hash: Hashable) -> tuple | None:
         record = self._chunks.get(chunk_hash)
         if record is None or tokens is None:
             return record
         return record if self._store.holds(record[0], as_tokens(tokens)) else None
 
-    def _count_claims(self, ns_id: int, claimed: int) -> None:
-        self._ns_claim_counts[ns_id] += claimed
-        self._num_claims += claimed
+    def _head_of(self, cid: int, ns_id: int) -> int:
+        """The first slot of `ns_id`'s list on content `cid`, or _NONE."""
+        head = self._head[cid]
+        if head != _NONE and self._slot_ns[head] == ns_id:
+            return head
+        return self._more_heads.get(ns_id << _NS_SHIFT | cid, _NONE)
 
-    def _unclaim(self, ns_id: int) -> None:
-        """Count one claim of `ns_id` gone; retire the namespace's id with its last."""
+    def _set_head(self, cid: int, ns_id: int, old: int, new: int) -> None:
+        """Move the head of `ns_id`'s list on `cid` from slot `old` to `new` (_NONE: the
+        list is gone)."""
+        if self._head[cid] == old:
+            self._head[cid] = new
+        elif new == _NONE:
+            del self._more_heads[ns_id << _NS_SHIFT | cid]
+        else:
+            self._more_heads[ns_id << _NS_SHIFT | cid] = new
+
+    def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int) -> int:
+        """Append a claim of `ns_id` on `chunk_hash` (content `cid`) to its list; the slot."""
+        slot = self._free_slot
+        if slot == _NONE:
+            slot = len(self._slot_chunk)
+            self._slot_chunk.append(chunk_hash)
+            self._slot_ns.append(ns_id)
+            self._next.append(slot)
+            self._prev.append(slot)
+            self._length.append(1)
+        else:
+            self._free_slot = self._next[slot]
+            self._slot_chunk[slot] = chunk_hash
+            self._slot_ns[slot] = ns_id
+        next_slot, prev_slot = self._next, self._prev
+        head = self._head_of(cid, ns_id)
+        if head == _NONE:
+            next_slot[slot] = prev_slot[slot] = slot
+            self._length[slot] = 1
+            if self._head[cid] == _NONE:
+                self._head[cid] = slot
+            else:
+                self._more_heads[ns_id << _NS_SHIFT | cid] = slot
+            self._num_lists[cid] += 1
+            self._new_lists.append((cid, ns_id))
+        else:
+            tail = prev_slot[head]
+            next_slot[tail] = slot
+            prev_slot[slot] = tail
+            next_slot[slot] = head
+            prev_slot[head] = slot
+            self._length[head] += 1
+        self._ns_claim_counts[ns_id] += 1
+        self._num_claims += 1
+        return slot
+
+    def _unclaim(self, slot: int, cid: int) -> None:
+        """Splice a claim's slot out of its list and free it; retire the namespace's id
+        with its last claim."""
+        next_slot, prev_slot = self._next, self._prev
+        ns_id = self._slot_ns[slot]
+        following = next_slot[slot]
+        if following == slot:  # the list's only slot: the list goes
+            self._set_head(cid, ns_id, slot, _NONE)
+            self._num_lists[cid] -= 1
+            remaining = self._head[cid]
+            if self._num_lists[cid] == 1 and remaining != _NONE:
+                # One namespace left, and we know which: the mask is exact again.
+                self._store.ns_mask[cid] = _mask_bit(self._slot_ns[remaining])
+        else:
+            preceding = prev_slot[slot]
+            next_slot[preceding] = following
+            prev_slot[following] = preceding
+            head = self._head_of(cid, ns_id)
+            if head == slot:
+                self._length[following] = self._length[slot] - 1
+                self._set_head(cid, ns_id, slot, following)
+            else:
+                self._length[head] -= 1
+        self._slot_chunk[slot] = None
+        next_slot[slot] = self._free_slot
+        self._free_slot = slot
         self._num_claims -= 1
         self._ns_claim_counts[ns_id] -= 1
         if self._ns_claim_counts[ns_id] == 0:
@@ -271,36 +429,27 @@ class ContentIndex:
             self._ns_names[ns_id] = None
             self._free_ns_ids.append(ns_id)
 
-    def _drop(self, chunk_hash: Hashable, record: tuple[int, int, int]) -> None:
-        claims, ns_id = record[2], 0
-        while claims:
-            if claims & 1:
-                self._unclaim(ns_id)
-            claims >>= 1
-            ns_id += 1
-        self._unlink(chunk_hash, record[0])
-
-    def _unlink(self, chunk_hash: Hashable, cid: int) -> None:
+    def _drop(self, chunk_hash: Hashable, record: tuple) -> None:
+        cid, _, claim = record
+        for slot in ((claim,) if type(claim) is int else claim.values()):
+            self._unclaim(slot, cid)
         del self._chunks[chunk_hash]
-        self._occupants[cid] = tuple(h for h in self._occupants[cid] if h != chunk_hash)
+        self._num_chunks[cid] -= 1
 
-    def _release_if_vacant(self, cids: Iterable[int]) -> None:
-        """Free each content that lost its last occupant; refresh the others' masks."""
-        vacant = []
-        for cid in set(cids):
-            if not self._occupants[cid]:
-                vacant.append(cid)
-                continue
-            mask = 0
-            for chunk_hash in self._occupants[cid]:
-                claims = self._chunks[chunk_hash][2]
-                while claims:
-                    mask |= claims & 0xFFFFFFFFFFFFFFFF
-                    claims >>= 64
-            self._store.ns_mask[cid] = np.uint64(mask)
+    def _settle(self, touched: Iterable[int]) -> None:
+        """Set the mask bits of lists created since the last call; free each touched
+        content left without an occupant."""
+        if self._new_lists:
+            cids, ns_ids = zip(*self._new_lists)
+            bits = np.left_shift(np.uint64(1), np.array(ns_ids, dtype=np.uint64) & np.uint64(63))
+            np.bitwise_or.at(self._store.ns_mask, np.array(cids, dtype=np.int64), bits)
+            self._new_lists.clear()
+        vacant = [cid for cid in set(touched) if self._num_chunks[cid] == 0]
         if vacant:
-            self._store.remove(np.array(vacant, dtype=np.int64))
+            vacant_ids = np.array(vacant, dtype=np.int64)
+            self._store.ns_mask[vacant_ids] = 0
+            self._store.remove(vacant_ids)
 
 
-# Python memory of one chunk: its record, its place among its content's occupants, its offset.
-_CHUNK_BYTES = sys.getsizeof((0, 10**6, 1)) + sys.getsizeof((b"",)) + sys.getsizeof(10**6)
+# Python memory of one chunk beyond the arrays: its record and the ints in it.
+_RECORD_BYTES = sys.getsizeof((0, 10**6, 10**6)) + 2 * sys.getsizeof(10**6)

@@ -90,17 +90,20 @@ def _same_tokens(query, start, stored):
 @njit(cache=True, nogil=True)
 def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
           table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch):
-    """First verified occurrence of every stored content in `query`.
+    """Where stored contents occur in `query`: first occurrences verified, repeats not yet.
 
-    Windows start at multiples of `stride`. A candidate must pass the filter, have
-    its fingerprint in the table, carry `ns_bit` in its namespace mask (a cheap
-    over-approximation of "claimed by the requester") and not be seen yet in this
-    call; only then are its tokens compared. ``seen[cid] = epoch`` marks a content
-    as found for this call, after verification. Returns (positions, cids), ascending.
+    Windows start at multiples of `stride`. A candidate must pass the filter, have its
+    fingerprint in the table and carry `ns_bit` in its namespace mask (a cheap
+    over-approximation of "claimed by the requester"). The first candidate of a content
+    is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
+    its later candidates are returned unverified as repeats (`verify_repeats` compares
+    only as many as the content has occupants to offer). Returns
+    (first positions, first cids, repeat positions, repeat cids), each ascending.
     """
     n = query.shape[0]
     if n < width:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
     scrambled = np.empty(n, dtype=np.uint64)
     for i in range(n):
         scrambled[i] = _scramble(query[i], salt)
@@ -125,7 +128,10 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
     table_mask = table_cid.shape[0] - 1
     out_pos = np.empty(num_probes, dtype=np.int64)
     out_cid = np.empty(num_probes, dtype=np.int64)
+    rep_pos = np.empty(num_probes, dtype=np.int64)
+    rep_cid = np.empty(num_probes, dtype=np.int64)
     found = 0
+    repeats = 0
     for k in range(num_probes):
         fp = fps[k]
         if _filter_test(filter_words, fp >> filter_shift):
@@ -133,15 +139,35 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
             s = np.int64(fp >> table_shift)
             while table_cid[s] != -1:
                 cid = table_cid[s]
-                if (table_fp[s] == fp and seen[cid] != epoch
-                        and (ns_mask[cid] & ns_bit) != 0
-                        and _same_tokens(query, p, _row(blocks, cid))):
-                    seen[cid] = epoch
-                    out_pos[found] = p
-                    out_cid[found] = cid
-                    found += 1
+                if table_fp[s] == fp and (ns_mask[cid] & ns_bit) != 0:
+                    if seen[cid] == epoch:
+                        rep_pos[repeats] = p
+                        rep_cid[repeats] = cid
+                        repeats += 1
+                    elif _same_tokens(query, p, _row(blocks, cid)):
+                        seen[cid] = epoch
+                        out_pos[found] = p
+                        out_cid[found] = cid
+                        found += 1
                 s = (s + 1) & table_mask
-    return out_pos[:found], out_cid[:found]
+    return out_pos[:found], out_cid[:found], rep_pos[:repeats], rep_cid[:repeats]
+
+
+@njit(cache=True, nogil=True)
+def verify_repeats(query, rep_pos, rep_cid, budget, blocks):
+    """Indices of the repeat candidates to keep, in order: a candidate is kept if its
+    content still has budget (``budget[cid]``, decremented per kept candidate) and its
+    window equals the content token by token. Work: one comparison per kept candidate
+    or failed collision; a content whose budget is spent costs one load per candidate."""
+    keep = np.empty(rep_pos.shape[0], dtype=np.int64)
+    kept = 0
+    for i in range(rep_pos.shape[0]):
+        cid = rep_cid[i]
+        if budget[cid] > 0 and _same_tokens(query, rep_pos[i], _row(blocks, cid)):
+            budget[cid] -= 1
+            keep[kept] = i
+            kept += 1
+    return keep[:kept]
 
 
 @njit(cache=True, inline="always")

@@ -45,7 +45,9 @@ class ContentStore:
         store = cls(4)
         cids, _ = store.insert(np.arange(8, dtype=np.uint32).reshape(2, 4))
         store.ns_mask[cids] = 1
-        store.probe(np.arange(12, dtype=np.uint32), 1, 1)
+        query = np.arange(12, dtype=np.uint32)
+        found = store.probe(query, 1, 1)
+        store.verify_repeats(query, found[0], found[1])
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
         cls._warmed = True
@@ -61,6 +63,7 @@ class ContentStore:
         self._epoch = 0
         self._blocks = List.empty_list(_BLOCK_TYPE)
         self.ns_mask = np.zeros(0, dtype=np.uint64)
+        self.budget = np.zeros(0, dtype=np.int64)
         self._seen = np.zeros(0, dtype=np.int64)
         self._free_ids = np.zeros(0, dtype=np.int64)
         self._free_top = np.zeros(1, dtype=np.int64)
@@ -83,7 +86,8 @@ class ContentStore:
 
     @property
     def nbytes(self) -> int:
-        arrays = (*self._blocks, self.ns_mask, self._seen, self._free_ids, self._table_fp,
+        arrays = (*self._blocks, self.ns_mask, self.budget, self._seen, self._free_ids,
+                  self._table_fp,
                   self._table_cid, self._filter)
         return sum(a.nbytes for a in arrays)
 
@@ -103,6 +107,7 @@ class ContentStore:
             # Rows are written before any read; fresh pages are mapped lazily on first write.
             self._blocks.append(np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32))
             self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
+            self.budget = np.concatenate([self.budget, np.zeros(new - old, dtype=np.int64)])
             self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
             free = int(self._free_top[0])
             free_ids = np.empty(new, dtype=np.int64)
@@ -143,11 +148,19 @@ class ContentStore:
     def holds(self, cid: int, tokens: np.ndarray) -> bool:
         return bool(np.array_equal(self.row(cid), tokens))
 
-    def probe(self, query: np.ndarray, stride: int, ns_bit: int) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, content ids) of the first verified occurrence of each content
-        whose namespace mask has `ns_bit`, ascending by position."""
+    def probe(self, query: np.ndarray, stride: int, ns_bit: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Occurrences of contents whose namespace mask has `ns_bit`: (positions, ids) of
+        each content's first verified occurrence, then (positions, ids) of its later
+        candidates, not yet verified (`verify_repeats`). Both ascending by position."""
         self._epoch += 1
         return kernels.probe(query, stride, self._salt, self._base, self._base_pow, self._filter,
                              self._filter_shift, self._table_fp, self._table_cid,
                              self._table_shift, self._blocks, self.chunk_size, self.ns_mask,
                              np.uint64(ns_bit), self._seen, self._epoch)
+
+    def verify_repeats(self, query: np.ndarray, positions: np.ndarray, cids: np.ndarray
+                       ) -> np.ndarray:
+        """Indices of the repeat candidates that verify while `budget[cid]` lasts (the
+        caller sets the budget of every content among them first; it is spent here)."""
+        return kernels.verify_repeats(query, positions, cids, self.budget, self._blocks)

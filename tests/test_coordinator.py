@@ -119,6 +119,19 @@ async def test_matches_ascend_by_query_offset_once_per_chunk_at_first_occurrence
     assert await coord.lookup(query) == [("bb02", 4, 3), ("aa01", 0, 7)]
 
 
+async def test_repeated_content_offers_a_second_chunk_of_the_same_namespace(coord):
+    # LMCache's example (WIRE.md, blend-lookup): T stored as aa (offset 0) and bb (512).
+    await coord.post_events(batch(entry("aa", A, offset=0), entry("bb", A, offset=512)))
+    assert await coord.lookup(A + A) == [("aa", 0, 0), ("bb", 512, C)]
+    assert await coord.lookup(A + FILL + A + A) == [("aa", 0, 0), ("bb", 512, 7)]
+
+
+async def test_a_document_behind_many_prefixes_costs_one_match_per_occurrence(coord):
+    await coord.post_events(batch(*(entry(f"{i:04x}", A, offset=C * i) for i in range(300))))
+    assert await coord.lookup(A + A) == [("0000", 0, 0), ("0001", C, C)]
+    assert await coord.lookup(A, salt="other") == []
+
+
 async def test_query_shorter_than_a_chunk_answers_empty(coord):
     await coord.post_events(batch(entry("aa01", A, offset=0)))
     assert await coord.lookup(A[:3]) == []

@@ -81,6 +81,16 @@ def test_namespaces_are_kept_apart_and_eviction_leaves_all_of_them():
     assert matcher.match(stored, namespace="tenant-2") == []
 
 
+def test_a_document_stored_behind_two_prefixes_serves_two_occurrences():
+    matcher = LocalMatcher(chunk_size=C)
+    document = tokens(C, seed=9)
+    matcher.register(np.concatenate([tokens(C, seed=10), document]), [b"p1", b"d1"])
+    matcher.register(np.concatenate([tokens(C, seed=11), document]), [b"p2", b"d2"])
+    query = np.concatenate([document, tokens(3, seed=12), document, document])
+    assert matcher.match(query) == [CBMatchResult(C, 2 * C, 0, C, b"d1"),
+                                    CBMatchResult(C, 2 * C, C + 3, 2 * C + 3, b"d2")]
+
+
 def test_long_lived_matcher_survives_more_than_2_pow_20_cycles():
     """LMCache 0.5.6 stops indexing after 2**20 registrations; this must not."""
     chunk = 4

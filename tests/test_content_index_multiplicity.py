@@ -1,0 +1,202 @@
+"""ContentIndex with many chunks per content: the match rule and costs that do not grow.
+
+The rule (DESIGN.md, content index item 2; WIRE.md, blend-lookup): at most one match per
+query position and each chunk at most once; at a position, the first occupant of the
+requester's namespace (in the order it claimed them) not yet named in this query.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from local_matcher import BlendMatch, ContentIndex
+
+C = 4
+A, B = "tenant-a", "tenant-b"
+X = [1, 2, 3, 4]
+Y = [5, 6, 7, 8]
+
+
+@pytest.fixture
+def index() -> ContentIndex:
+    return ContentIndex(chunk_size=C)
+
+
+def test_lmcache_example_second_occurrence_gets_the_second_chunk():
+    # LMCache's test: tokens T stored as chunk aa (offset 0) and bb (offset 512);
+    # a query T T answers [aa, 0, 0], [bb, 512, 256].
+    index = ContentIndex(chunk_size=256)
+    tokens = np.arange(1000, 1256, dtype=np.uint32)
+    index.add(tokens, bytes.fromhex("aa"), 0, A)
+    index.add(tokens, bytes.fromhex("bb"), 512, A)
+    assert index.match(np.concatenate([tokens, tokens]), A) == [
+        BlendMatch(bytes.fromhex("aa"), 0, 0), BlendMatch(bytes.fromhex("bb"), 512, 256)]
+
+
+def test_repeated_content_takes_occupants_in_order_until_they_run_out(index):
+    for i in range(3):
+        index.add(X, f"x{i}".encode(), 100 * i, A)
+    query = X + [0] + X + X + Y + X + X
+    assert index.match(query, A) == [
+        BlendMatch(b"x0", 0, 0), BlendMatch(b"x1", 100, 5), BlendMatch(b"x2", 200, 9)]
+
+
+def test_a_content_held_by_thousands_of_chunks_costs_one_match_per_occurrence(index):
+    index.add_many(np.tile(np.array(X, dtype=np.uint32), (2000, 1)), list(range(2000)),
+                   [C * i for i in range(2000)], A)
+    assert index.match(X + X, A) == [BlendMatch(0, 0, 0), BlendMatch(1, C, C)]
+
+
+def test_periodic_content_matches_at_consecutive_positions_while_occupants_last(index):
+    periodic = [7, 7, 7, 7]
+    index.add(periodic, b"p0", 0, A)
+    index.add(periodic, b"p1", 4, A)
+    # Windows at 0, 1, 2 and 3 all hold the content: two occupants, two matches.
+    assert index.match([7] * 7, A) == [BlendMatch(b"p0", 0, 0), BlendMatch(b"p1", 4, 1)]
+    for i in range(2, 10):
+        index.add(periodic, f"p{i}".encode(), 4 * i, A)
+    assert [m.cur_st for m in index.match([7] * 7, A)] == [0, 1, 2, 3]
+
+
+def test_period_two_content_overlapping_itself(index):
+    index.add([1, 2, 1, 2], b"a", 0, A)
+    index.add([2, 1, 2, 1], b"b", 0, A)
+    index.add([1, 2, 1, 2], b"c", 8, A)
+    assert index.match([1, 2, 1, 2, 1, 2, 1], A) == [
+        BlendMatch(b"a", 0, 0), BlendMatch(b"b", 0, 1), BlendMatch(b"c", 8, 2)]
+
+
+def test_namespaces_sharing_a_content_each_get_their_own_occupants(index):
+    index.add(X, b"a1", 0, A)
+    index.add(X, b"b1", 10, B)
+    index.add(X, b"a2", 20, A)
+    index.add(X, b"b2", 30, B)
+    index.add(X, b"b3", 40, B)
+    query = X + X + X
+    assert index.match(query, A) == [BlendMatch(b"a1", 0, 0), BlendMatch(b"a2", 20, 4)]
+    assert index.match(query, B) == [BlendMatch(b"b1", 10, 0), BlendMatch(b"b2", 30, 4),
+                                     BlendMatch(b"b3", 40, 8)]
+
+
+def test_a_chunk_two_namespaces_claim_is_in_each_ones_order(index):
+    index.add(X, b"shared", 0, A)
+    index.add(X, b"mine", 8, B)
+    index.add(X, b"shared", 0, B)  # B claims it after its own chunk
+    assert index.match(X + X, A) == [BlendMatch(b"shared", 0, 0)]
+    assert index.match(X + X, B) == [BlendMatch(b"mine", 8, 0), BlendMatch(b"shared", 0, 4)]
+    index.remove_claim(X, b"shared", A)
+    assert index.match(X + X, B) == [BlendMatch(b"mine", 8, 0), BlendMatch(b"shared", 0, 4)]
+    assert index.match(X + X, A) == []
+
+
+def test_readding_keeps_a_chunks_place_and_removal_of_any_place_keeps_the_order(index):
+    for name in (b"a", b"b", b"c", b"d"):
+        index.add(X, name, 0, A)
+    index.add(X, b"a", 64, A)  # an offset update, not a new claim
+    assert [m.chunk_hash for m in index.match(X * 4, A)] == [b"a", b"b", b"c", b"d"]
+    index.remove_chunk(X, b"a")  # the head
+    index.remove_claim(X, b"c", A)  # the middle
+    assert [m.chunk_hash for m in index.match(X * 4, A)] == [b"b", b"d"]
+    index.remove_chunks([b"d"])  # the tail
+    index.add(X, b"e", 0, A)
+    assert [m.chunk_hash for m in index.match(X * 4, A)] == [b"b", b"e"]
+
+
+def test_another_tenants_occupants_neither_answer_nor_exhaust_mine(index):
+    index.add_many(np.tile(np.array(X, dtype=np.uint32), (10_000, 1)), list(range(10_000)),
+                   [0] * 10_000, B)
+    index.add(X, b"mine", 4, A)
+    assert index.match([9] + X * 50, A) == [BlendMatch(b"mine", 4, 1)]
+    assert len(index.match(X * 3, B)) == 3
+
+
+def test_stats_count_occupants_and_claims(index):
+    index.add(X, b"a", 0, A)
+    index.add(X, b"b", 0, A)
+    index.add(X, b"b", 0, B)
+    stats = index.stats()
+    assert (stats["num_contents"], stats["num_chunks"], stats["num_claims"],
+            stats["num_namespaces"]) == (1, 2, 3, 2)
+    index.remove_chunks([b"a", b"b"])
+    stats = index.stats()
+    assert (stats["num_contents"], stats["num_chunks"], stats["num_claims"],
+            stats["num_namespaces"]) == (0, 0, 0, 0)
+
+
+# --- work does not grow with multiplicity (counted, not timed) ---------------------------
+
+
+def _python_lines(action, *packages: str) -> int:
+    """Python lines executed inside `packages` while `action()` runs: a deterministic
+    count of interpreted work (numba kernels and C loops are not counted)."""
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def tracer(frame, event, arg):
+        filename = frame.f_code.co_filename
+        return local if any(f"/{p}/" in filename for p in packages) else None
+
+    sys.settrace(tracer)
+    try:
+        action()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def _one_content_many_chunks(n: int, namespaces: int = 1) -> ContentIndex:
+    index = ContentIndex(chunk_size=C)
+    rows = np.tile(np.array(X, dtype=np.uint32), (n, 1))
+    for ns in range(namespaces):
+        index.add_many(rows, [(ns, i) for i in range(n)], [0] * n, ns)
+    return index
+
+
+@pytest.mark.parametrize("how", ["remove_chunk", "remove_claim", "remove_chunks"])
+def test_removing_n_occupants_of_one_content_is_linear_work(how):
+    def remove_all(index: ContentIndex, n: int) -> None:
+        if how == "remove_chunk":
+            for i in range(n):
+                index.remove_chunk(X, (0, i))
+        elif how == "remove_claim":
+            for i in range(n):
+                index.remove_claim(X, (0, i), 0)
+        else:
+            index.remove_chunks([(0, i) for i in range(n)])
+
+    work = {}
+    for n in (500, 4000):
+        index = _one_content_many_chunks(n)
+        work[n] = _python_lines(lambda: remove_all(index, n), "local_matcher")
+        assert index.stats()["num_chunks"] == 0
+    assert work[4000] < 9 * work[500], work  # linear: 8x; quadratic would be 64x
+
+
+def test_adding_n_occupants_of_one_content_is_linear_work():
+    work = {}
+    for n in (500, 4000):
+        index = ContentIndex(chunk_size=C)
+        work[n] = _python_lines(
+            lambda: [index.add(X, i, 0, A) for i in range(n)], "local_matcher")
+    assert work[4000] < 9 * work[500], work
+
+
+def test_a_lookup_costs_the_same_however_many_occupants_other_tenants_hold():
+    work = {}
+    for n in (10, 10_000):
+        index = _one_content_many_chunks(n, namespaces=2)
+        index.add(X, b"mine", 0, "small")
+        query = [0] + X * 20
+        found = []
+        work[n] = _python_lines(lambda: found.append(index.match(query, "small")),
+                                "local_matcher")
+        assert found == [[BlendMatch(b"mine", 0, 1)]]
+    assert work[10_000] <= work[10] + 5, work
