@@ -87,8 +87,7 @@ class ContentStore:
     @property
     def nbytes(self) -> int:
         arrays = (*self._blocks, self.ns_mask, self.budget, self._seen, self._free_ids,
-                  self._table_fp,
-                  self._table_cid, self._filter)
+                  self._table_fp, self._table_cid, self._filter)
         return sum(a.nbytes for a in arrays)
 
     def _allocate_table(self, bits: int) -> None:
