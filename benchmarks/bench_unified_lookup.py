@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                 break
         assert fleet_b.client.breaker_state == "open", "the breaker did not open"
         local_s, stopped, _, _ = interleaved(local_b, fleet_b, queries, args.iterations, "stopped")
-        breaker_skips = fleet_b.client.stats()["skipped_breaker"]
+        breaker_skips = fleet_b.client.stats().skipped_breaker
     finally:
         for plugin in (server_a, fleet_b, local_b):
             plugin.close()

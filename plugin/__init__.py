@@ -8,31 +8,40 @@
     result = plugin.cb_unified_lookup(key, tp_size)     # None while pending, then a result
     plugin.close()
 
-`blend_wire` owns every wire shape and the token codec; the other modules import it.
+`blend_wire` owns every wire shape and the token codec; `plugin.http` the one HTTP policy;
+`plugin.types` every value and state type the parts hand each other.
 """
 
-from plugin.client import PENDING, BlendCoordinatorClient, MatchList
+from plugin.client import BlendCoordinatorClient, ClientStats
 from plugin.config import ConfigError, PluginConfig
 from plugin.host import InMemoryHost, ServingHost, chunk_hashes
-from plugin.plugin import BlendPlugin, LookupTrace
-from plugin.reporter import CacheEventReporter
-from plugin.types import BlendMatch, BlendNamespace, CBMatchResult, CBUnifiedLookupResult, LookupKey
+from plugin.plugin import BlendPlugin, LookupTrace, PluginStats
+from plugin.reporter import CacheEventReporter, ReporterStats
+from plugin.types import (BlendMatch, BlendNamespace, BreakerState, CBMatchResult,
+                          CBUnifiedLookupResult, FleetReply, FleetStatus, LookupKey, MatchState,
+                          Source)
 
 __all__ = [
-    "PENDING",
-    "MatchList",
     "BlendCoordinatorClient",
     "BlendMatch",
     "BlendNamespace",
     "BlendPlugin",
+    "BreakerState",
     "CBMatchResult",
     "CBUnifiedLookupResult",
     "CacheEventReporter",
+    "ClientStats",
     "ConfigError",
+    "FleetReply",
+    "FleetStatus",
     "InMemoryHost",
     "LookupKey",
     "LookupTrace",
+    "MatchState",
     "PluginConfig",
+    "PluginStats",
+    "ReporterStats",
     "ServingHost",
+    "Source",
     "chunk_hashes",
 ]

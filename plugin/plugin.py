@@ -24,6 +24,14 @@ Contract:
   offers `cancel(request_id)`, the host's operations.
 - Nothing raises into the serving path: an internal error is logged and the lookup answers
   "no reuse" (`CBUnifiedLookupResult(0, [])`), which is always safe (the engine recomputes).
+- This is the edge: a key's tokens are validated and converted to one contiguous `uint32`
+  array and its namespace built once per call (`plugin.types.tokens_of`); the local matcher,
+  the client and the reporter take those. Whether a lookup asks the coordinator at all (at
+  least one chunk of tokens, a namespace it accepts) is decided once, here.
+- One worker lifecycle: with the fleet leg on, the plugin makes one thread pool
+  (`blend-worker-*`) that runs the client's round-trips and the reporter's periodic flush,
+  and `close()` shuts it down after both; without the fleet leg it starts no thread. Time is
+  read from one injected `clock` (time.monotonic by default), shared with the client.
 - Gating: the fleet leg (client + reporter) exists only with a coordinator URL *and* event
   reporting; with a URL alone the plugin warns once and runs local-only. Without a URL no
   plugin thread is started. With the fleet leg on and the default (`hostname:pid`) instance
@@ -36,36 +44,27 @@ Contract:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from blend_wire import BlendNamespace, check_cache_salt
 from local_matcher import LocalMatcher
-from plugin.client import PENDING, BlendCoordinatorClient
+from plugin.client import BlendCoordinatorClient, ClientStats
 from plugin.config import ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_INSTANCE_ID, PluginConfig
 from plugin.host import ServingHost
-from plugin.lookup import FLEET, Candidate, merge_candidates, resolve_overlaps
-from plugin.reporter import CacheEventReporter
-from plugin.types import BlendMatch, CBMatchResult, CBUnifiedLookupResult, LookupKey
-from blend_wire import BlendNamespace, check_cache_salt
+from plugin.lookup import Candidate, merge_candidates, resolve_overlaps
+from plugin.reporter import CacheEventReporter, ReporterStats
+from plugin.types import (CBMatchResult, CBUnifiedLookupResult, FleetStatus, LookupKey,
+                          MatchState, Source, tokens_of)
 
 logger = logging.getLogger(__name__)
-
-# Fleet-leg outcomes of one lookup, as recorded in its trace.
-FLEET_OFF = "off"            # no client (no URL, or no event reporting)
-FLEET_SHORT = "short"        # query shorter than one chunk: not asked
-FLEET_NOT_ASKED = "not_asked"  # empty model name or world size < 1: the coordinator would
-                               # answer 422, so it is not asked
-FLEET_DECLINED = "declined"  # the client declined (breaker open, or too many queries tracked)
-FLEET_PENDING = "pending"
-FLEET_OK = "ok"
-FLEET_FAILED = "failed"      # the round-trip failed or was skipped: local-only
-FLEET_TIMEOUT = "timeout"    # the deadline passed first; the lookup went local-only
-FLEET_LOST = "lost"          # the client no longer tracked the query (expired)
 
 
 @dataclass
@@ -77,15 +76,31 @@ class LookupTrace:
     prefix_tokens: int
     local_matches: int
     fleet_matches: int
-    fleet_status: str
+    fleet_status: FleetStatus
     segments: list[CBMatchResult]
-    sources: list[str]          # per segment: "local", "fleet" or "both"
+    sources: list[Source]       # per segment: which leg(s) found it
     prefetched: int             # segments asked of the sparse prefetch
     elapsed_s: float            # first call to completion
     calls: int                  # how many times the lookup was called
 
-    def tokens_from(self, *sources: str) -> int:
+    def tokens_from(self, *sources: Source) -> int:
         return sum(s.cur_ed - s.cur_st for s, src in zip(self.segments, self.sources) if src in sources)
+
+
+@dataclass
+class PluginStats:
+    """Counters since start, plus the parts' own stats at the time of `stats()`."""
+
+    lookups: int = 0
+    errors: int = 0             # lookups that failed inside and answered "no reuse"
+    abandoned: int = 0          # lookups released because nobody polled them in time
+    evicted: int = 0            # lookups released to respect max_tracked_lookups
+    cancelled: int = 0          # lookups the engine cancelled
+    segments_fleet_only: int = 0
+    fleet_outcomes: dict[FleetStatus, int] = field(default_factory=dict)
+    active_lookups: int = 0
+    client: ClientStats | None = None
+    reporter: ReporterStats | None = None
 
 
 @dataclass(eq=False)
@@ -104,20 +119,23 @@ class _Lookup:
     calls: int = 0
     prefix_tokens: int | None = None
     local: list[CBMatchResult] = field(default_factory=list)
-    fleet: list[BlendMatch] = field(default_factory=list)
-    fleet_status: str = FLEET_OFF
+    fleet: Sequence[CBMatchResult] = ()
+    fleet_status: FleetStatus = FleetStatus.OFF
     prefetch: list[Candidate] | None = None
 
 
 class BlendPlugin:
     """Unified CacheBlend lookup (local matcher + coordinator) for one serving process."""
 
-    def __init__(self, config: PluginConfig, host: ServingHost) -> None:
+    def __init__(self, config: PluginConfig, host: ServingHost, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.host = host
         self.chunk_size = config.chunk_size
+        self._clock = clock
         self.client: BlendCoordinatorClient | None = None
         self.reporter: CacheEventReporter | None = None
+        self._workers: ThreadPoolExecutor | None = None
         if config.coordinator_url and not config.event_reporting:
             logger.warning("%s is set but %s is off: the coordinator would hold no cache state "
                            "to match, so the fleet leg stays off. Set %s=1 to enable it.",
@@ -128,17 +146,20 @@ class BlendPlugin:
                            "process reported. Set %s to a stable per-server name.",
                            config.instance_id, ENV_INSTANCE_ID)
         if config.fleet_enabled:
+            # The round-trips in flight, plus the reporter's periodic flush.
+            self._workers = ThreadPoolExecutor(config.match_concurrency + 1,
+                                               thread_name_prefix="blend-worker")
             self.client = BlendCoordinatorClient(
                 config.coordinator_url, chunk_size=config.chunk_size, timeout=config.blend_timeout,
                 match_concurrency=config.match_concurrency,
                 breaker_threshold=config.breaker_threshold,
                 breaker_cooldown_s=config.breaker_cooldown_s, result_ttl_s=config.result_ttl_s,
-                max_tracked=config.max_tracked_queries)
+                max_tracked=config.max_tracked_queries, executor=self._workers, clock=clock)
             self.reporter = CacheEventReporter(
                 config.coordinator_url, instance_id=config.instance_id,
                 incarnation=config.incarnation, flush_interval=config.event_flush_interval,
                 timeout=config.blend_timeout, max_events=config.event_queue_limit,
-                tier=config.event_tier, backend=config.event_backend)
+                tier=config.event_tier, backend=config.event_backend, executor=self._workers)
         self._lock = threading.Lock()
         # One matcher for every namespace: it registers and matches under `key.namespace`.
         self._matcher = LocalMatcher(chunk_size=config.chunk_size)
@@ -150,7 +171,7 @@ class BlendPlugin:
         self._lookups: collections.OrderedDict[str, _Lookup] = collections.OrderedDict()
         self._closed = False
         self.traces: collections.deque[LookupTrace] = collections.deque(maxlen=1024)
-        self._stats = collections.Counter()
+        self._stats = PluginStats()
 
     # --- the store path ------------------------------------------------------------------------
 
@@ -162,7 +183,7 @@ class BlendPlugin:
         """
         try:
             size = self.chunk_size
-            tokens = np.asarray(key.token_ids, dtype=np.uint32)
+            tokens = tokens_of(key)
             hashes = list(chunk_hashes)
             if not self._all_bytes(hashes, "on_store"):
                 return
@@ -174,7 +195,7 @@ class BlendPlugin:
             with self._lock:
                 if self._closed:
                     return
-                self._sweep_locked(time.monotonic(), released)
+                self._sweep_locked(self._clock(), released)
                 owners = self._owners
                 for chunk_hash in hashes:
                     known = owners.setdefault(chunk_hash, namespace)
@@ -186,7 +207,7 @@ class BlendPlugin:
                                    position_offset=start, namespace=namespace)
             if self.reporter is not None:
                 # Slices of the caller's buffer: the reporter copies them when it queues them.
-                offsets = [start + i * size for i in range(len(hashes))]
+                offsets = range(start, start + len(hashes) * size, size)
                 self.reporter.report_store(namespace, hashes,
                                            [tokens[o:o + size] for o in offsets], offsets)
         except Exception:
@@ -233,7 +254,7 @@ class BlendPlugin:
         request_id = key.request_id
         state = None
         try:
-            now = time.monotonic()
+            now = self._clock()
             released: list[_Lookup] = []
             with self._lock:
                 self._sweep_locked(now, released)
@@ -243,9 +264,8 @@ class BlendPlugin:
                         # Full: the lookup polled least recently is the likeliest abandoned.
                         _, oldest = self._lookups.popitem(last=False)
                         released.append(oldest)
-                        self._stats["evicted"] += 1
-                    state = _Lookup(request_id, key.namespace,
-                                    np.asarray(key.token_ids, dtype=np.uint32), tp_size,
+                        self._stats.evicted += 1
+                    state = _Lookup(request_id, key.namespace, tokens_of(key), tp_size,
                                     started_at=now, deadline=now + self.config.match_budget_s,
                                     last_call=now)
                     self._lookups[request_id] = state
@@ -264,7 +284,8 @@ class BlendPlugin:
             return result
         except Exception:
             logger.exception("unified lookup failed for request %s; answering no reuse", request_id)
-            self._stats["errors"] += 1
+            with self._lock:
+                self._stats.errors += 1
             # Only the state this call worked on: the map may by now hold a new lookup that
             # another thread started under the same id.
             if state is not None:
@@ -272,27 +293,31 @@ class BlendPlugin:
             return CBUnifiedLookupResult(0, [])
 
     def _start(self, state: _Lookup, key: LookupKey) -> None:
+        namespace = state.namespace
         self.host.submit_prefix_lookup(key, state.tp_size)
+        if len(state.tokens) < self.chunk_size:
+            # Shorter than one chunk: neither leg can find anything, so neither is asked.
+            state.fleet_status = FleetStatus.OFF if self.client is None else FleetStatus.SHORT
+            return
         # The coordinator query goes out before the local match runs, so the round-trip
         # overlaps the local work instead of following it.
         if self.client is None:
-            state.fleet_status = FLEET_OFF
-        elif len(state.tokens) < self.chunk_size:
-            state.fleet_status = FLEET_SHORT
-        elif not key.model_name or key.world_size < 1 or not _salt_ok(key.cache_salt):
+            state.fleet_status = FleetStatus.OFF
+        elif (not namespace.model_name or namespace.world_size < 1
+              or not _salt_ok(namespace.cache_salt)):
             # The coordinator rejects such a query (422); asking would only cost a round-trip.
-            state.fleet_status = FLEET_NOT_ASKED
+            state.fleet_status = FleetStatus.NOT_ASKED
             if not self._warned_not_asked:
                 self._warned_not_asked = True
                 logger.warning("lookup %s has model_name=%r, world_size=%r, cache_salt=%r: "
                                "the coordinator cannot answer that, so such lookups go "
-                               "local-only", key.request_id, key.model_name, key.world_size,
-                               key.cache_salt[:40])
-        elif self.client.submit_match(key.request_id, state.tokens, key.namespace, state.deadline):
-            state.fleet_status = FLEET_PENDING
+                               "local-only", state.request_id, namespace.model_name,
+                               namespace.world_size, namespace.cache_salt[:40])
+        elif self.client.submit(state.request_id, state.tokens, namespace, state.deadline):
+            state.fleet_status = FleetStatus.PENDING
         else:
-            state.fleet_status = FLEET_DECLINED
-        state.local = self._matcher.match(state.tokens, namespace=key.namespace)
+            state.fleet_status = FleetStatus.DECLINED
+        state.local = self._matcher.match(state.tokens, namespace=namespace)
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
         request_id = state.request_id
@@ -301,22 +326,21 @@ class BlendPlugin:
             if prefix_chunks is None:
                 return None
             state.prefix_tokens = min(len(prefix_chunks) * self.chunk_size, len(state.tokens))
-        if state.fleet_status == FLEET_PENDING:
-            reply = self.client.poll_match(request_id)
-            if reply is PENDING:
-                if time.monotonic() < state.deadline:
+        if state.fleet_status is FleetStatus.PENDING:
+            reply = self.client.take(request_id)
+            if reply.state is MatchState.PENDING:
+                if self._clock() < state.deadline:
                     return None
                 self.client.cancel(request_id)  # a late reply is discarded
-                state.fleet_status = FLEET_TIMEOUT
-            elif reply is None:
-                state.fleet_status = FLEET_LOST
+                state.fleet_status = FleetStatus.TIMEOUT
+            elif reply.state is MatchState.UNKNOWN:
+                state.fleet_status = FleetStatus.LOST
             else:
-                self.client.take_match(request_id)  # hand-over done: the client forgets it
-                state.fleet = reply
-                state.fleet_status = FLEET_OK if getattr(reply, "ok", True) else FLEET_FAILED
+                state.fleet = reply.matches
+                state.fleet_status = (FleetStatus.OK if reply.state is MatchState.DONE
+                                      else FleetStatus.FAILED)
         if state.prefetch is None:
-            candidates = merge_candidates(state.local, state.fleet, state.prefix_tokens,
-                                          self.chunk_size)
+            candidates = merge_candidates(state.local, state.fleet, state.prefix_tokens)
             if not self.config.resolve_after_prefetch:
                 candidates = resolve_overlaps(candidates)
             state.prefetch = candidates
@@ -339,17 +363,20 @@ class BlendPlugin:
             prefix_tokens=state.prefix_tokens, local_matches=len(state.local),
             fleet_matches=len(state.fleet), fleet_status=state.fleet_status, segments=segments,
             sources=[c.source for c in kept], prefetched=len(state.prefetch or ()),
-            elapsed_s=time.monotonic() - state.started_at, calls=state.calls))
-        self._stats["lookups"] += 1
-        self._stats[f"fleet_{state.fleet_status}"] += 1
-        self._stats["segments_fleet_only"] += sum(c.source == FLEET for c in kept)
+            elapsed_s=self._clock() - state.started_at, calls=state.calls))
+        with self._lock:
+            stats = self._stats
+            stats.lookups += 1
+            stats.fleet_outcomes[state.fleet_status] = (
+                stats.fleet_outcomes.get(state.fleet_status, 0) + 1)
+            stats.segments_fleet_only += sum(c.source is Source.FLEET for c in kept)
         return CBUnifiedLookupResult(state.prefix_tokens, segments)
 
     def _release(self, request_id: str, state: _Lookup) -> None:
         with self._lock:
             if self._lookups.get(request_id) is state:
                 del self._lookups[request_id]
-        if self.client is not None and state.fleet_status == FLEET_PENDING:
+        if self.client is not None and state.fleet_status is FleetStatus.PENDING:
             self.client.cancel(request_id)
 
     def cancel(self, request_id: str) -> bool:
@@ -361,7 +388,8 @@ class BlendPlugin:
                 state = self._lookups.pop(request_id, None)
             if state is None:
                 return False
-            self._stats["cancelled"] += 1
+            with self._lock:
+                self._stats.cancelled += 1
             self._let_go([state])
             return True
         except Exception:
@@ -379,14 +407,14 @@ class BlendPlugin:
                 break
             lookups.popitem(last=False)
             released.append(state)
-            self._stats["abandoned"] += 1
+            self._stats.abandoned += 1
 
     def _let_go(self, released: list[_Lookup]) -> None:
         """Outside the plugin lock: cancel what released lookups left in flight."""
         host_cancel = getattr(self.host, "cancel", None)
         for state in released:
             try:
-                if self.client is not None and state.fleet_status == FLEET_PENDING:
+                if self.client is not None and state.fleet_status is FleetStatus.PENDING:
                     self.client.cancel(state.request_id)
                 if host_cancel is not None:
                     host_cancel(state.request_id)
@@ -400,7 +428,7 @@ class BlendPlugin:
         """Release abandoned lookups now (lookups do it as they come); returns how many."""
         released: list[_Lookup] = []
         with self._lock:
-            self._sweep_locked(time.monotonic(), released)
+            self._sweep_locked(self._clock(), released)
         self._let_go(released)
         return len(released)
 
@@ -416,13 +444,13 @@ class BlendPlugin:
         with self._lock:
             return len(self._lookups)
 
-    def stats(self) -> dict:
-        out = {**self._stats, "active_lookups": self.active_lookups}
-        if self.client is not None:
-            out["client"] = self.client.stats()
-        if self.reporter is not None:
-            out["reporter"] = self.reporter.stats()
-        return out
+    def stats(self) -> PluginStats:
+        with self._lock:
+            stats = dataclasses.replace(self._stats, active_lookups=len(self._lookups),
+                                        fleet_outcomes=dict(self._stats.fleet_outcomes))
+        stats.client = None if self.client is None else self.client.stats()
+        stats.reporter = None if self.reporter is None else self.reporter.stats()
+        return stats
 
     def flush(self) -> bool:
         """Deliver queued cache events now; True when none is left (or there is no reporter)."""
@@ -435,14 +463,18 @@ class BlendPlugin:
             return False
 
     def close(self) -> None:
-        """Stop threads, flush what can be flushed, close HTTP clients. Idempotent."""
+        """Close the client, flush and close the reporter, apply what the local matcher has
+        queued, then shut the worker pool down. Idempotent; bounded by the HTTP budget."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._lookups.clear()
-        for closer in ([self.client.close] if self.client else []) + \
-                      ([self.reporter.close] if self.reporter else []) + [self._matcher.close]:
+        closers = [part.close for part in (self.client, self.reporter) if part is not None]
+        closers.append(self._matcher.close)
+        if self._workers is not None:
+            closers.append(self._workers.shutdown)
+        for closer in closers:
             try:
                 closer()
             except Exception:

@@ -3,11 +3,16 @@
 Contract:
 - `report_store` / `report_delete` only append to an in-memory queue (the store path never
   waits on the network, nor on batch building: batches are built outside the queue's lock); a
-  daemon thread flushes every `flush_interval`, and `close()` flushes once more.
-- Chunk hashes are `bytes` (DESIGN.md: opaque bytes, hex on the wire). Each event's wire key is
-  built when it is queued, so a bad hash or namespace raises `TypeError`/`WireError` to that
-  caller and never reaches batch building, where it would take the whole queue down with it.
-  Token chunks are copied when queued: the caller may reuse its buffer at once.
+  task on the executor (the caller's, e.g. `BlendPlugin`'s, or one this reporter owns) flushes
+  every `flush_interval`, and `close()` flushes once more.
+- Input comes converted from the edge (`BlendPlugin`): a `BlendNamespace`, `bytes` chunk
+  hashes (DESIGN.md: opaque bytes, hex on the wire), `uint32` token arrays. Each event's wire
+  key is built when it is queued, so a hash that cannot be written as hex or a namespace that
+  does not fit the wire raises `TypeError`/`WireError` to that caller and never reaches batch
+  building, where it would take the whole queue down with it. Token chunks are copied when
+  queued: the caller may reuse its buffer at once.
+- Every POST goes through the plugin's one HTTP policy (plugin.http): its timeout bounds the
+  whole round-trip, so a coordinator trickling bytes cannot hold `flush()` or `close()`.
 - STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
   Keys come from the namespace: `kv_rank` packs the world size in its top byte.
 - Batches are numbered `seq = 1, 2, ...` per `(instance_id, incarnation)`. The incarnation
@@ -17,7 +22,7 @@ Contract:
   same order (a retry of something that did land is then a harmless duplicate), and events
   reported meanwhile queue behind them.
 - The queue is bounded (`max_events` entries, formed batches included): when it is full the
-  oldest events are dropped first and counted in `stats()["dropped_events"]`.
+  oldest events are dropped first and counted in `stats().dropped_events`.
 - A batch the coordinator rejects as invalid (422) can never succeed: it is dropped, counted
   and logged, so it cannot wedge the queue.
 """
@@ -25,20 +30,42 @@ Contract:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
 import time
-from typing import NamedTuple, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Sequence
 
 import httpx
 import numpy as np
 
 from blend_wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
-                         CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
-                         check_token_offset, decode, encode, pack_kv_rank)
+                        CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
+                        check_token_offset, decode, encode, pack_kv_rank)
+from plugin.http import coordinator_http
 
 logger = logging.getLogger(__name__)
+_JSON = {"content-type": "application/json"}
+
+
+@dataclass
+class ReporterStats:
+    """Counters since start (events unless named batches), plus `pending` at the time."""
+
+    enqueued: int = 0
+    dropped_events: int = 0
+    dropped_after_close: int = 0
+    sent_batches: int = 0
+    failed_flushes: int = 0
+    rejected_batches: int = 0
+    applied: int = 0       # batches, as the coordinator counted them
+    duplicates: int = 0
+    stale: int = 0
+    pending: int = 0
+    incarnation: int = 0
 
 _incarnation_lock = threading.Lock()
 _last_incarnation = 0
@@ -53,7 +80,7 @@ def next_incarnation() -> int:
 
 
 class _Event(NamedTuple):
-    event_type: str  # "store" | "delete"
+    event_type: Literal["store", "delete"]
     key: EncodedObjectKey
     tokens: np.ndarray | None  # a private copy, never the caller's buffer
     offset: int
@@ -63,13 +90,16 @@ class _Event(NamedTuple):
 def encode_key(namespace: BlendNamespace, chunk_hash: bytes) -> EncodedObjectKey:
     """The wire key of a chunk stored in `namespace` (world size in kv_rank's top byte).
 
-    Raises `TypeError` for a hash that is not `bytes` and `WireError` for a world size that
-    does not fit kv_rank's byte.
+    Raises `TypeError` for a hash that has no hex form, `ValueError` for one whose hex form
+    is not hex (the wire key checks it), and `WireError` for a world size that does not fit
+    kv_rank's byte.
     """
-    if not isinstance(chunk_hash, bytes):
+    try:
+        hex_hash = chunk_hash.hex()
+    except AttributeError:
         raise TypeError(f"chunk_hash must be bytes (hex on the wire), not "
-                        f"{type(chunk_hash).__name__}")
-    return EncodedObjectKey(chunk_hash_hex=chunk_hash.hex(), model_name=namespace.model_name,
+                        f"{type(chunk_hash).__name__}") from None
+    return EncodedObjectKey(chunk_hash_hex=hex_hash, model_name=namespace.model_name,
                             kv_rank=pack_kv_rank(namespace.world_size),
                             cache_salt=namespace.cache_salt)
 
@@ -80,7 +110,7 @@ class CacheEventReporter:
     def __init__(self, base_url: str, *, instance_id: str, incarnation: int | None = None,
                  flush_interval: float = 1.0, timeout: float = 1.0, max_events: int = 100_000,
                  tier: str = "l1", backend: str = "dram", max_entries_per_batch: int = 1024,
-                 max_entries_per_post: int = 4096, transport: httpx.BaseTransport | None = None,
+                 max_entries_per_post: int = 4096, executor: Executor | None = None,
                  start: bool = True) -> None:
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
@@ -92,8 +122,7 @@ class CacheEventReporter:
         self.tier, self.backend = tier, backend
         self.max_entries_per_batch = max_entries_per_batch
         self.max_entries_per_post = max_entries_per_post
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
-                                  trust_env=False)  # no proxy between server and coordinator
+        self._http = coordinator_http(self.base_url, timeout=timeout)
         self._lock = threading.Lock()         # guards the queue, the outbox and the stats
         self._flush_lock = threading.Lock()   # one flush at a time keeps the order
         self._events: collections.deque[_Event] = collections.deque()
@@ -104,51 +133,50 @@ class CacheEventReporter:
         self._outbox: list[CacheEventBatch] = []  # formed, numbered, not yet acknowledged
         self._outbox_entries = 0
         self._seq = itertools.count(1)
-        self._stats = collections.Counter()
+        self._stats = ReporterStats(incarnation=self.incarnation)
         self._failing = False
         self._closed = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if start:
-            self._thread = threading.Thread(target=self._run, name="blend-events", daemon=True)
-            self._thread.start()
+        self._owns_executor = executor is None and start
+        if self._owns_executor:
+            executor = ThreadPoolExecutor(1, thread_name_prefix="blend-events")
+        self._executor = executor
+        self._flusher: Future | None = executor.submit(self._run) if start else None
 
     # --- the store path: enqueue only ----------------------------------------------------------
 
     def report_store(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes],
-                     token_chunks: Sequence[Sequence[int] | None], offsets: Sequence[int],
+                     token_chunks: Sequence[np.ndarray | None], offsets: Sequence[int],
                      size_bytes: int = 0) -> None:
         """Queue one STORE per chunk: its tokens and the position of its first token.
 
-        The tokens are copied (the caller may reuse its buffer). A hash that is not `bytes`
+        The tokens are copied (the caller may reuse its buffer). A hash with no hex form
         raises `TypeError` (an empty one, or a bad offset, `ValueError`) and nothing of this
         call is queued.
         """
         if not len(chunk_hashes) == len(token_chunks) == len(offsets):
             raise ValueError("chunk_hashes, token_chunks and offsets must have the same length")
-        namespace = BlendNamespace(*namespace)
         events = []
         for chunk_hash, tokens, offset in zip(chunk_hashes, token_chunks, offsets):
             offset = UNKNOWN_TOKEN_OFFSET if offset is None else int(offset)
             check_token_offset(offset)  # checked here: batch building must not fail
             events.append(_Event("store", encode_key(namespace, chunk_hash),
-                                 None if tokens is None else np.array(tokens), offset, size_bytes))
+                                 None if tokens is None else tokens.copy(), offset, size_bytes))
         self._enqueue(events)
 
     def report_delete(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes]) -> None:
-        """Queue one DELETE per chunk. A hash that is not `bytes` raises `TypeError` and
+        """Queue one DELETE per chunk. A hash with no hex form raises `TypeError` and
         nothing of this call is queued."""
-        namespace = BlendNamespace(*namespace)
         self._enqueue([_Event("delete", encode_key(namespace, h), None, UNKNOWN_TOKEN_OFFSET, 0)
                        for h in chunk_hashes])
 
     def _enqueue(self, events: list[_Event]) -> None:
         with self._lock:
             if self._closed:
-                self._stats["dropped_after_close"] += len(events)
+                self._stats.dropped_after_close += len(events)
                 return
             self._events.extend(events)
-            self._stats["enqueued"] += len(events)
+            self._stats.enqueued += len(events)
             overflow = self._pending_locked() - self.max_events
             if overflow > 0:
                 self._drop_oldest_locked(overflow)
@@ -176,7 +204,7 @@ class CacheEventReporter:
         while dropped < count and self._events:
             self._events.popleft()
             dropped += 1
-        self._stats["dropped_events"] += dropped
+        self._stats.dropped_events += dropped
 
     # --- delivery --------------------------------------------------------------------------------
 
@@ -241,14 +269,13 @@ class CacheEventReporter:
     def _post(self, batches: list[CacheEventBatch]) -> bool:
         body = encode(EventsRequest(batches=batches))
         try:
-            response = self._http.post(EVENTS_PATH, content=body,
-                                       headers={"content-type": "application/json"})
+            response = self._http.post(EVENTS_PATH, content=body, headers=_JSON)
         except httpx.HTTPError as exc:
             return self._failed(f"{type(exc).__name__}: {exc}")
         if response.status_code == 422:
             self._remove_sent(batches)
             with self._lock:
-                self._stats["rejected_batches"] += len(batches)
+                self._stats.rejected_batches += len(batches)
             logger.error("coordinator rejected %d event batch(es) as invalid and they were "
                          "dropped: %s", len(batches), response.text[:300])
             return True
@@ -256,14 +283,16 @@ class CacheEventReporter:
             return self._failed(f"HTTP {response.status_code}: {response.text[:200]!r}")
         self._remove_sent(batches)
         try:
-            reply = decode(response.content, EventsReply)
-            counts = {"applied": reply.applied, "duplicates": reply.duplicates, "stale": reply.stale}
+            reply: EventsReply | None = decode(response.content, EventsReply)
         except WireError:
-            counts = {}
+            reply = None
             logger.debug("events reply is not {applied, duplicates, stale}: %r", response.text[:200])
         with self._lock:
-            self._stats["sent_batches"] += len(batches)
-            self._stats.update(counts)
+            self._stats.sent_batches += len(batches)
+            if reply is not None:
+                self._stats.applied += reply.applied
+                self._stats.duplicates += reply.duplicates
+                self._stats.stale += reply.stale
             if self._failing:
                 logger.info("coordinator at %s accepts events again", self.base_url)
             self._failing = False
@@ -278,7 +307,7 @@ class CacheEventReporter:
 
     def _failed(self, reason: str) -> bool:
         with self._lock:
-            self._stats["failed_flushes"] += 1
+            self._stats.failed_flushes += 1
             first = not self._failing
             self._failing = True
             pending = self._pending_locked()
@@ -303,23 +332,25 @@ class CacheEventReporter:
         with self._lock:
             return self._pending_locked()
 
-    def stats(self) -> dict:
+    def stats(self) -> ReporterStats:
         with self._lock:
-            return {**self._stats, "pending": self._pending_locked(),
-                    "incarnation": self.incarnation}
+            return dataclasses.replace(self._stats, pending=self._pending_locked())
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop the flusher, try one last flush, close the HTTP client. Idempotent."""
+    def close(self) -> None:
+        """Stop the periodic flush, try one last flush, close the HTTP client and the executor
+        if this reporter made it. Idempotent. Bounded: each POST ends within the timeout."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
         try:
-            self.flush()
+            self.flush()  # waits for a flush in progress, then delivers what is left
         except Exception:
             logger.exception("final cache-event flush failed")
         finally:
+            if self._flusher is not None:
+                self._flusher.result()  # it saw _stop; at most its last POST remains
+            if self._owns_executor:
+                self._executor.shutdown(wait=True)
             self._http.close()

@@ -1,24 +1,37 @@
-"""Value types of the plugin's public API.
+"""Value types of the plugin: its public API and the states its parts hand each other.
 
 - `LookupKey`: what the serving engine hands the plugin for one request (or one stored range):
-  the request id, the whole token sequence and the namespace fields.
+  the request id, the whole token sequence and the namespace fields. It is the plugin's
+  edge: `BlendPlugin` validates and converts it once (`tokens_of`), and every inner layer
+  (local matcher, coordinator client, reporter) takes the converted form: a contiguous
+  `uint32` token array and a `BlendNamespace`.
 - `CBUnifiedLookupResult`: what a unified lookup returns: how many leading tokens the prefix
   cache covers, and the reusable non-prefix segments, ascending by `cur_st`, non-overlapping,
   each starting at or after the prefix coverage.
-- `BlendMatch`, `CBMatchResult` come from `local_matcher.types` and `BlendNamespace` from
-  `blend_wire`; they are re-exported here, never redefined.
+- `CBMatchResult` is the one result shape of both legs: the local matcher and the coordinator
+  client each return a list of them. `BlendMatch`, `CBMatchResult` come from
+  `local_matcher.types` and `BlendNamespace` from `blend_wire`; re-exported, never redefined.
+- Every state is an Enum defined here: `Source` (which leg found a segment), `FleetStatus`
+  (what one lookup's coordinator leg came to), `MatchState` and `FleetReply` (the client's
+  hand-over), `BreakerState`. The string-valued ones compare equal to their values
+  (`FleetStatus.OK == "ok"`), so traces read well in logs and tests.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
+import numpy as np
+
 from blend_wire import BlendNamespace
+from local_matcher.index import as_tokens
+from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
 
 __all__ = ["LookupKey", "CBUnifiedLookupResult", "BlendMatch", "CBMatchResult",
-           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET"]
+           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET", "Source", "FleetStatus", "MatchState",
+           "FleetReply", "BreakerState", "tokens_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,3 +61,67 @@ class CBUnifiedLookupResult(NamedTuple):
         """Tokens whose KV is reused: the prefix plus every segment."""
         return self.prefix_coverage_tokens + sum(
             s.cur_ed - s.cur_st for s in self.non_prefix_segments)
+
+
+# --- conversion at the edge -------------------------------------------------------------------
+
+
+def tokens_of(key: LookupKey) -> np.ndarray:
+    """The key's tokens as a contiguous `uint32` array (no copy when they already are one).
+
+    Raises `ValueError` for ids that are not integers or do not fit in uint32: they could be
+    neither matched nor sent, and wrapping them silently would match the wrong content.
+    """
+    return as_tokens(key.token_ids).ravel()
+
+
+# --- states -----------------------------------------------------------------------------------
+
+
+class Source(enum.StrEnum):
+    """Which leg(s) of a unified lookup reported a segment."""
+
+    LOCAL = "local"
+    FLEET = "fleet"
+    BOTH = "both"
+
+
+class FleetStatus(enum.StrEnum):
+    """What the coordinator leg of one lookup came to (recorded in its trace)."""
+
+    OFF = "off"                # no client (no URL, or no event reporting)
+    SHORT = "short"            # query shorter than one chunk: not asked
+    NOT_ASKED = "not_asked"    # empty model name or world size < 1: the coordinator would
+                               # answer 422, so it is not asked
+    DECLINED = "declined"      # the client declined (breaker open, or too many tracked)
+    PENDING = "pending"
+    OK = "ok"
+    FAILED = "failed"          # the round-trip failed or was skipped: local-only
+    TIMEOUT = "timeout"        # the lookup's deadline passed first: local-only
+    LOST = "lost"              # the client no longer tracked the query (expired)
+
+
+class MatchState(enum.Enum):
+    """Where one coordinator query stands, as `BlendCoordinatorClient.take` reports it."""
+
+    PENDING = "pending"    # queued or in flight; ask again
+    DONE = "done"          # answered; the matches are the coordinator's (possibly none)
+    FAILED = "failed"      # the round-trip failed or was skipped; no matches
+    UNKNOWN = "unknown"    # never submitted, already taken, cancelled or expired
+
+
+@dataclass(frozen=True, slots=True)
+class FleetReply:
+    """One hand-over from the coordinator client. Always truthy; read `state`."""
+
+    state: MatchState
+    matches: tuple[CBMatchResult, ...] = ()
+
+
+
+class BreakerState(enum.StrEnum):
+    """The coordinator client's circuit breaker."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"

@@ -1,16 +1,3 @@
-"""Shared fixtures: a real coordinator process on a free loopback port."""
-
-from __future__ import annotations
-
-from typing import Iterator
-
-import pytest
-
-from coordinator_stub.process import CoordinatorProcess, launch_coordinator
-
-
-@pytest.fixture
-def coordinator() -> Iterator[CoordinatorProcess]:
-    """A blend-enabled coordinator process with the production chunk size (256)."""
-    with launch_coordinator("--enable-blend-lookup") as running:
-        yield running
+"""Root of the test tree. Its presence puts tests/ on sys.path (pytest's default "prepend"
+import mode adds each conftest's folder), so every test module, sub-folders included,
+imports the shared helpers as `from helpers import ...`; no test module imports another."""

@@ -7,16 +7,19 @@ import logging
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from plugin import PENDING, BlendCoordinatorClient, BlendMatch, BlendNamespace
 from blend_wire import decode_tokens
-from test_plugin_loopback import (HangingServer, LoopbackServer, Reply, TricklingServer,
-                                  closed_port_url, wait_until)
+from helpers import (FakeClock, HangingServer, LoopbackServer, Reply, TricklingServer,
+                     closed_port_url, take_when_done, wait_until)
+from plugin import BlendCoordinatorClient, BlendNamespace, CBMatchResult, FleetReply, MatchState
 
 C = 16
 NS = BlendNamespace("model", "salt", 2)
-TOKENS = list(range(4 * C))  # a 64-token query: cur_st may go up to 48
+TOKENS = np.arange(4 * C, dtype=np.uint32)  # a 64-token query: cur_st may go up to 48
+DONE_EMPTY = FleetReply(MatchState.DONE, ())
+FAILED = FleetReply(MatchState.FAILED)
 
 
 def make_client(url: str, **kwargs) -> BlendCoordinatorClient:
@@ -26,9 +29,12 @@ def make_client(url: str, **kwargs) -> BlendCoordinatorClient:
     return BlendCoordinatorClient(url, **options)
 
 
-def wait_result(client, request_id, timeout=3.0):
-    assert wait_until(lambda: client.poll_match(request_id) is not PENDING, timeout)
-    return client.poll_match(request_id)
+def seg(chunk_hash: bytes, old_st: int, cur_st: int) -> CBMatchResult:
+    return CBMatchResult(old_st, old_st + C, cur_st, cur_st + C, chunk_hash)
+
+
+def done(*segments: CBMatchResult) -> FleetReply:
+    return FleetReply(MatchState.DONE, segments)
 
 
 def matches_reply(*entries) -> Reply:
@@ -48,47 +54,41 @@ def client_factory():
         client.close()
 
 
-def test_submit_poll_take_and_request_body(client_factory):
+def test_submit_take_and_request_body(client_factory):
     with LoopbackServer(lambda p, b: matches_reply(("ab01", 32, 16))) as server:
         client = client_factory(server.url)
-        assert client.poll_match("r1") is None  # never submitted
-        assert client.submit_match("r1", TOKENS, NS)
-        assert wait_result(client, "r1") == [BlendMatch(b"\xab\x01", 32, 16)]
-        assert client.poll_match("r1").ok
-        assert client.take_match("r1") == [BlendMatch(b"\xab\x01", 32, 16)]
-        assert client.poll_match("r1") is None  # take clears
+        assert client.take("r1").state is MatchState.UNKNOWN  # never submitted
+        assert client.submit("r1", TOKENS, NS)
+        # The same shape as the local leg's: segments with their ends.
+        assert take_when_done(client, "r1") == done(seg(b"\xab\x01", 32, 16))
+        assert client.take("r1").state is MatchState.UNKNOWN  # handed over once, then forgotten
         (path, body), = server.requests
         sent = json.loads(body)
         assert path == "/directory/blend-lookup"
-        assert list(decode_tokens(sent["tokens_b64"])) == TOKENS
+        assert decode_tokens(sent["tokens_b64"]).tolist() == TOKENS.tolist()
         assert (sent["model_name"], sent["cache_salt"], sent["world_size"]) == ("model", "salt", 2)
 
 
-def test_submit_once_per_request_id(client_factory):
+def test_submit_once_per_request_id_and_pending_stays_tracked(client_factory):
     with LoopbackServer(lambda p, b: Reply(delay_s=0.1)) as server:
         client = client_factory(server.url)
-        assert client.submit_match("r1", TOKENS, NS)
-        assert not client.submit_match("r1", TOKENS, NS)
-        assert client.poll_match("r1") is PENDING
-        wait_result(client, "r1")
+        assert client.submit("r1", TOKENS, NS)
+        assert not client.submit("r1", TOKENS, NS)
+        pending = client.take("r1")
+        assert pending.state is MatchState.PENDING and pending.matches == ()
+        assert client.take("r1").state is MatchState.PENDING  # asking does not cancel
+        assert take_when_done(client, "r1") == DONE_EMPTY
         assert len(server.requests) == 1
-
-
-def test_query_shorter_than_a_chunk_is_answered_empty_without_a_round_trip(client_factory):
-    with LoopbackServer() as server:
-        client = client_factory(server.url)
-        assert client.submit_match("r1", TOKENS[:C - 1], NS)
-        assert client.poll_match("r1") == []
-        assert server.requests == []
+        assert client.stats().declined_duplicate == 1
 
 
 def test_at_most_match_concurrency_round_trips_in_flight(client_factory):
     with LoopbackServer(lambda p, b: Reply(delay_s=0.15)) as server:
         client = client_factory(server.url, match_concurrency=2)
         for i in range(6):
-            assert client.submit_match(f"r{i}", TOKENS, NS, deadline=time.monotonic() + 5)
+            assert client.submit(f"r{i}", TOKENS, NS, deadline=time.monotonic() + 5)
         for i in range(6):
-            assert wait_result(client, f"r{i}") == []
+            assert take_when_done(client, f"r{i}") == DONE_EMPTY
         assert len(server.requests) == 6
         assert server.peak_active == 2
 
@@ -96,13 +96,13 @@ def test_at_most_match_concurrency_round_trips_in_flight(client_factory):
 def test_query_whose_deadline_passed_is_not_sent(client_factory):
     with LoopbackServer(lambda p, b: Reply(delay_s=0.3)) as server:
         client = client_factory(server.url, match_concurrency=1)
-        client.submit_match("slow", TOKENS, NS, deadline=time.monotonic() + 5)
+        client.submit("slow", TOKENS, NS, deadline=time.monotonic() + 5)
         # Queued behind the slow one; its deadline passes before a worker is free.
-        client.submit_match("late", TOKENS, NS, deadline=time.monotonic() + 0.05)
-        assert wait_result(client, "late") == []
-        wait_result(client, "slow")
+        client.submit("late", TOKENS, NS, deadline=time.monotonic() + 0.05)
+        assert take_when_done(client, "late") == FAILED
+        assert take_when_done(client, "slow") == DONE_EMPTY
         assert len(server.requests) == 1
-        assert client.stats()["skipped_deadline"] == 1
+        assert client.stats().skipped_deadline == 1
 
 
 def _failure_cases():
@@ -116,7 +116,7 @@ def _failure_cases():
 
 
 @pytest.mark.parametrize("case, behave", list(_failure_cases()), ids=[c for c, _ in _failure_cases()])
-def test_failures_give_an_empty_result_and_a_warning(case, behave, client_factory, caplog):
+def test_failures_give_failed_and_a_warning(case, behave, client_factory, caplog):
     caplog.set_level(logging.WARNING, logger="plugin.client")
     if behave is None:
         server, url = None, closed_port_url()
@@ -129,11 +129,10 @@ def test_failures_give_an_empty_result_and_a_warning(case, behave, client_factor
     try:
         client = client_factory(url, timeout=0.2)
         started = time.monotonic()
-        assert client.submit_match("r1", TOKENS, NS)
-        result = wait_result(client, "r1")
-        assert result == [] and result.ok is False
+        assert client.submit("r1", TOKENS, NS)
+        assert take_when_done(client, "r1") == FAILED
         assert time.monotonic() - started < 1.5
-        assert client.stats()["failed"] == 1
+        assert client.stats().failed == 1
         assert any(r.levelno == logging.WARNING and "local-only" in r.getMessage()
                    for r in caplog.records)
     finally:
@@ -155,47 +154,47 @@ def test_invalid_reply_entries_are_dropped(client_factory, caplog):
     )
     with LoopbackServer(lambda p, b: reply) as server:
         client = client_factory(server.url)
-        client.submit_match("r1", TOKENS, NS)
-        assert wait_result(client, "r1") == [BlendMatch(b"\xaa", 0, 0), BlendMatch(b"\xee", 512, 48)]
-        assert client.stats()["dropped_entries"] == 6
-        assert client.stats()["failed"] == 0
+        client.submit("r1", TOKENS, NS)
+        assert take_when_done(client, "r1") == done(seg(b"\xaa", 0, 0), seg(b"\xee", 512, 48))
+        assert client.stats().dropped_entries == 6
+        assert client.stats().failed == 0
         assert any("dropped 6 invalid" in r.getMessage() for r in caplog.records)
 
 
 def test_circuit_breaker_opens_skips_then_probes(client_factory):
     healthy = threading.Event()
-    now = [0.0]  # the client's clock: the cool-down passes when the test says so
+    clock = FakeClock()  # the client's clock: the cool-down passes when the test says so
 
     def behave(path, body):
         return Reply(200, {"matches": []}) if healthy.is_set() else Reply(500, "down")
 
     with LoopbackServer(behave) as server:
         client = client_factory(server.url, breaker_threshold=3, breaker_cooldown_s=0.3,
-                                clock=lambda: now[0])
+                                clock=clock)
         for i in range(3):
-            assert client.submit_match(f"f{i}", TOKENS, NS)
-            wait_result(client, f"f{i}")
+            assert client.submit(f"f{i}", TOKENS, NS, deadline=clock() + 5)
+            take_when_done(client, f"f{i}")
         assert client.breaker_state == "open"
         # Open: declined at once (not queued, not tracked), nothing sent.
-        assert not client.submit_match("skipped", TOKENS, NS)
-        assert client.poll_match("skipped") is None
-        assert client.stats()["skipped_breaker"] == 1
+        assert not client.submit("skipped", TOKENS, NS)
+        assert client.take("skipped").state is MatchState.UNKNOWN
+        assert client.stats().skipped_breaker == 1
         assert len(server.requests) == 3
         # After the cool-down exactly one probe goes; it fails, so the breaker re-opens.
-        now[0] += 0.35
-        assert client.submit_match("probe1", TOKENS, NS)
-        assert not client.submit_match("during-probe", TOKENS, NS)
-        wait_result(client, "probe1")
+        clock.advance(0.35)
+        assert client.submit("probe1", TOKENS, NS, deadline=clock() + 5)
+        assert not client.submit("during-probe", TOKENS, NS)
+        take_when_done(client, "probe1")
         assert client.breaker_state == "open"
         assert len(server.requests) == 4
         # The next probe succeeds and closes it.
         healthy.set()
-        now[0] += 0.35
-        assert client.submit_match("probe2", TOKENS, NS)
-        wait_result(client, "probe2")
+        clock.advance(0.35)
+        assert client.submit("probe2", TOKENS, NS, deadline=clock() + 5)
+        take_when_done(client, "probe2")
         assert client.breaker_state == "closed"
-        assert client.submit_match("normal", TOKENS, NS)
-        assert wait_result(client, "normal") == []
+        assert client.submit("normal", TOKENS, NS, deadline=clock() + 5)
+        assert take_when_done(client, "normal") == DONE_EMPTY
 
 
 def test_breaker_counts_only_consecutive_failures(client_factory):
@@ -204,8 +203,8 @@ def test_breaker_counts_only_consecutive_failures(client_factory):
     with LoopbackServer(lambda p, b: Reply(next(outcomes), {"matches": []})) as server:
         client = client_factory(server.url, breaker_threshold=3)
         for i in range(5):
-            client.submit_match(f"r{i}", TOKENS, NS)
-            wait_result(client, f"r{i}")
+            client.submit(f"r{i}", TOKENS, NS)
+            take_when_done(client, f"r{i}")
         assert client.breaker_state == "closed"
         assert len(server.requests) == 5
 
@@ -219,11 +218,10 @@ def test_caller_errors_and_bad_replies_do_not_count_toward_the_breaker(status, b
     with LoopbackServer(lambda p, b: Reply(status, body)) as server:
         client = client_factory(server.url, breaker_threshold=2)
         for i in range(4):
-            assert client.submit_match(f"r{i}", TOKENS, NS)
-            result = wait_result(client, f"r{i}")
-            assert result == [] and result.ok is False
+            assert client.submit(f"r{i}", TOKENS, NS)
+            assert take_when_done(client, f"r{i}") == FAILED
         assert client.breaker_state == "closed"
-        assert client.stats()["failed"] == 4 and len(server.requests) == 4
+        assert client.stats().failed == 4 and len(server.requests) == 4
 
 
 def test_a_caller_error_between_outages_does_not_reset_the_count(client_factory):
@@ -231,8 +229,8 @@ def test_a_caller_error_between_outages_does_not_reset_the_count(client_factory)
     with LoopbackServer(lambda p, b: Reply(next(outcomes), "x")) as server:
         client = client_factory(server.url, breaker_threshold=2)
         for i in range(3):
-            client.submit_match(f"r{i}", TOKENS, NS)
-            wait_result(client, f"r{i}")
+            client.submit(f"r{i}", TOKENS, NS)
+            take_when_done(client, f"r{i}")
         assert client.breaker_state == "open"
 
 
@@ -243,64 +241,71 @@ def test_a_trickling_coordinator_cannot_hold_a_round_trip_past_its_budget(part, 
     with TricklingServer(part, interval_s=0.05) as server:
         client = client_factory(server.url, timeout=budget, breaker_threshold=1)
         started = time.monotonic()
-        assert client.submit_match("r1", TOKENS, NS)
-        assert wait_until(lambda: client.poll_match("r1") is not PENDING, budget + 5.0)
+        assert client.submit("r1", TOKENS, NS)
+        assert take_when_done(client, "r1", timeout=budget + 5.0) == FAILED
         elapsed = time.monotonic() - started
-        result = client.poll_match("r1")
-        assert result == [] and result.ok is False
         assert elapsed < budget + 1.0, elapsed  # bounded, not hung
-        assert client.stats()["failed"] == 1
+        assert client.stats().failed == 1
         assert client.breaker_state == "open"  # a timeout counts toward the breaker
-        assert client.stats()["in_flight"] == 0  # the worker is free again
+        assert client.stats().in_flight == 0  # the worker is free again
 
 
 def test_results_nobody_takes_expire(client_factory):
     with LoopbackServer() as server:
         client = client_factory(server.url, result_ttl_s=0.1)
-        client.submit_match("forgotten", TOKENS, NS)
-        wait_result(client, "forgotten")
+        client.submit("forgotten", TOKENS, NS)
+        assert wait_until(lambda: client.stats().succeeded == 1)  # done, never taken
         time.sleep(0.15)
-        client.submit_match("next", TOKENS, NS)  # housekeeping runs on submit
-        assert client.poll_match("forgotten") is None
-        assert client.stats()["expired"] >= 1
+        client.submit("next", TOKENS, NS)  # housekeeping runs on submit
+        assert client.take("forgotten").state is MatchState.UNKNOWN
+        assert client.stats().expired >= 1
 
 
 def test_tracking_map_is_bounded(client_factory):
     with LoopbackServer() as server:
         client = client_factory(server.url, max_tracked=3)
         for i in range(10):
-            assert client.submit_match(f"r{i}", TOKENS, NS)
-            wait_result(client, f"r{i}")
+            assert client.submit(f"r{i}", TOKENS, NS)
+            assert wait_until(lambda: client.stats().succeeded == i + 1)  # done, never taken
         # Unclaimed finished results made room for the newest ones.
-        assert client.stats()["tracked"] <= 3
-        assert client.poll_match("r9") == []
-        assert client.poll_match("r0") is None
+        assert client.stats().tracked <= 3
+        assert client.take("r9") == DONE_EMPTY
+        assert client.take("r0").state is MatchState.UNKNOWN
     with HangingServer() as hanging:
         client = client_factory(hanging.url, max_tracked=2, timeout=2.0)
-        assert client.submit_match("a", TOKENS, NS)
-        assert client.submit_match("b", TOKENS, NS)
-        assert not client.submit_match("c", TOKENS, NS)  # all in flight: declined, not queued
-        assert client.stats()["tracked"] == 2
+        assert client.submit("a", TOKENS, NS)
+        assert client.submit("b", TOKENS, NS)
+        assert not client.submit("c", TOKENS, NS)  # all in flight: declined, not queued
+        assert client.stats().tracked == 2 and client.stats().declined_full == 1
 
 
-def test_reply_after_take_is_discarded(client_factory):
+def test_reply_after_cancel_is_discarded(client_factory):
     with LoopbackServer(lambda p, b: Reply(200, {"matches": [
             {"chunk_hash": "aa", "old_st": 0, "cur_st": 0}]}, delay_s=0.15)) as server:
         client = client_factory(server.url)
-        client.submit_match("r1", TOKENS, NS)
+        client.submit("r1", TOKENS, NS)
         assert wait_until(lambda: len(server.requests) == 1)  # in flight now
-        assert client.take_match("r1") is None  # still pending: cancelled
-        assert wait_until(lambda: client.stats().get("late_discarded", 0) == 1)
-        assert client.poll_match("r1") is None
+        client.cancel("r1")
+        assert client.stats().cancelled == 1
+        assert wait_until(lambda: client.stats().late_discarded == 1)
+        assert client.take("r1").state is MatchState.UNKNOWN
         # The id can be used again afterwards.
-        assert client.submit_match("r1", TOKENS, NS)
-        assert wait_result(client, "r1") == [BlendMatch(b"\xaa", 0, 0)]
+        assert client.submit("r1", TOKENS, NS)
+        assert take_when_done(client, "r1") == done(seg(b"\xaa", 0, 0))
 
 
-def test_close_stops_workers_and_declines_afterwards():
-    with LoopbackServer() as server:
+def _match_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("blend-match") and t.is_alive()]
+
+
+def test_close_waits_for_the_round_trip_in_flight_stops_workers_and_declines_afterwards():
+    before = _match_threads()
+    with LoopbackServer(lambda p, b: Reply(delay_s=0.2)) as server:
         client = make_client(server.url)
+        assert client.submit("r1", TOKENS, NS)
+        assert wait_until(lambda: client.stats().in_flight == 1)
         client.close()
-        assert not client.submit_match("r1", TOKENS, NS)
-        assert not any(t.name.startswith("blend-match") and t.is_alive()
-                       for t in client._workers)
+        assert client.stats().in_flight == 0 and client.stats().late_discarded == 1
+        assert not client.submit("r1", TOKENS, NS)
+        assert client.stats().declined_closed == 1
+        assert _match_threads() == before

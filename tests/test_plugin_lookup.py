@@ -14,11 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from plugin import (BlendMatch, BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost,
-                    LookupKey, PluginConfig, ServingHost)
-from plugin.lookup import BOTH, FLEET, LOCAL, Candidate, merge_candidates, resolve_overlaps
 from blend_wire import BLEND_LOOKUP_PATH, decode_tokens
-from test_plugin_loopback import LoopbackServer, Reply, closed_port_url, wait_until
+from helpers import (FakeClock, LoopbackServer, Reply, closed_port_url, poll_lookup, store,
+                     wait_until)
+from plugin import (BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost, LookupKey,
+                    MatchState, PluginConfig, Source)
+from plugin.lookup import Candidate, merge_candidates, resolve_overlaps
+
+LOCAL, FLEET, BOTH = Source.LOCAL, Source.FLEET, Source.BOTH
 
 C = 16
 MODEL = "m"
@@ -29,19 +32,19 @@ def fresh(n: int) -> np.ndarray:
     return rng.integers(1000, 60000, n, dtype=np.uint32)
 
 
-def make_plugin(host, url=None, **overrides) -> BlendPlugin:
+def make_plugin(host, url=None, clock=time.monotonic, **overrides) -> BlendPlugin:
     options = dict(chunk_size=C, coordinator_url=url, event_reporting=url is not None,
                    blend_timeout=0.3, event_flush_interval=0.05, breaker_cooldown_s=30.0)
     options.update(overrides)
-    return BlendPlugin(PluginConfig(**options), host)
+    return BlendPlugin(PluginConfig(**options), host, clock=clock)
 
 
 @pytest.fixture
 def plugins():
     made = []
 
-    def factory(host, url=None, **overrides):
-        made.append(make_plugin(host, url, **overrides))
+    def factory(host, url=None, clock=time.monotonic, **overrides):
+        made.append(make_plugin(host, url, clock, **overrides))
         return made[-1]
 
     yield factory
@@ -49,27 +52,12 @@ def plugins():
         plugin.close()
 
 
-def run(plugin, key, tp_size=1, timeout=3.0):
-    """Poll like a scheduler until the lookup completes; returns (result, seconds, calls)."""
-    started, calls = time.monotonic(), 0
-    while time.monotonic() - started < timeout:
-        calls += 1
-        result = plugin.cb_unified_lookup(key, tp_size)
-        if result is not None:
-            return result, time.monotonic() - started, calls
-        time.sleep(0.002)
-    raise AssertionError("lookup did not complete")
-
-
-def store(plugin, host, tokens, request_id="store", start=0, count=None):
-    """What the engine does: save chunks of `tokens` at `start`, then tell the plugin."""
-    key = LookupKey(request_id, tokens, MODEL)
-    count = (len(tokens) - start) // C if count is None else count
+def save(plugin, host, tokens, start=0):
+    """Store every full chunk of `tokens` from `start` under made-up hashes, as an engine would."""
+    count = (len(tokens) - start) // C
     hashes = [bytes([len(host.store_map) % 256, i % 256]) + tokens[start + i * C:start + i * C + 2].tobytes()
               for i in range(count)]
-    host.store(key, hashes, start)
-    plugin.on_store(key, hashes, start)
-    return hashes
+    return store(plugin, host, LookupKey("store", tokens, MODEL), hashes, start)
 
 
 def fleet_reply(*matches, delay_s=0.0):
@@ -87,7 +75,7 @@ def seg(old_st, cur_st, chunk_hash):
 def test_prefix_covered_match_is_dropped_before_overlaps_are_resolved():
     covered = seg(0, 8, b"p")       # starts inside the 16-token prefix, ends at 24
     usable = seg(100, 20, b"u")     # overlaps the covered one
-    candidates = merge_candidates([covered, usable], [], prefix_coverage_tokens=16, chunk_size=C)
+    candidates = merge_candidates([covered, usable], [], prefix_coverage_tokens=16)
     assert [c.segment for c in resolve_overlaps(candidates)] == [usable]
     # Resolving first would have let the covered match shadow the usable one.
     assert [c.segment for c in resolve_overlaps([Candidate(covered, LOCAL), Candidate(usable, LOCAL)])] == [covered]
@@ -95,31 +83,33 @@ def test_prefix_covered_match_is_dropped_before_overlaps_are_resolved():
 
 def test_overlaps_resolve_leftmost_greedy_and_ascending():
     a, b, c, d = seg(0, 40, b"a"), seg(0, 0, b"b"), seg(0, 10, b"c"), seg(0, 16, b"d")
-    kept = resolve_overlaps(merge_candidates([a, c], [BlendMatch(b"b", 0, 0), BlendMatch(b"d", 0, 16)],
-                                             0, C))
+    kept = resolve_overlaps(merge_candidates([a, c], [b, d], 0))
     assert [k.segment for k in kept] == [b, d, a]  # 0 wins over 10; 16 starts where 0 ends
+    assert [k.source for k in kept] == [FLEET, FLEET, LOCAL]
 
 
 def test_chunk_from_both_sources_collapses_to_one():
     local = seg(32, 48, b"x")
-    merged = merge_candidates([local], [BlendMatch(b"x", 32, 48)], 0, C)
-    assert merged == [Candidate(local, BOTH)]
-
-
-def test_fleet_matches_become_cbmatchresults_with_chunk_sized_ranges():
-    merged = merge_candidates([], [BlendMatch(b"f", 512, 40)], 0, C)
-    assert merged == [Candidate(CBMatchResult(512, 512 + C, 40, 40 + C, b"f"), FLEET)]
+    assert merge_candidates([local], [seg(32, 48, b"x")], 0) == [Candidate(local, BOTH)]
+    # At two positions: the earlier one is kept.
+    assert merge_candidates([local], [seg(32, 20, b"x")], 0) == [Candidate(seg(32, 20, b"x"), BOTH)]
 
 
 # --- the state machine --------------------------------------------------------------------------
 
 
 def test_first_call_starts_prefix_local_and_coordinator(plugins):
-    with LoopbackServer(fleet_reply(delay_s=0.2)) as server:
+    answer = threading.Event()  # the coordinator answers only once the test has looked
+
+    def behave(path, body):
+        answer.wait(5.0)
+        return Reply(200, {"matches": []})
+
+    with LoopbackServer(behave) as server:
         host = InMemoryHost(C)
         plugin = plugins(host, server.url, blend_timeout=2.0)
         doc = fresh(2 * C)
-        hashes = store(plugin, host, doc)
+        hashes = save(plugin, host, doc)
         query = np.concatenate([fresh(5), doc, fresh(3)])
         assert plugin.cb_unified_lookup(LookupKey("r1", query, MODEL), 2) is None
         assert host.prefix_requests == [("r1", 2)]
@@ -130,7 +120,8 @@ def test_first_call_starts_prefix_local_and_coordinator(plugins):
         assert wait_until(lambda: len(server.bodies(BLEND_LOOKUP_PATH)) == 1, 1.0)
         sent = server.bodies(BLEND_LOOKUP_PATH)[0]
         assert list(decode_tokens(sent["tokens_b64"])) == query.tolist()
-        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+        answer.set()
+        result, _, _ = poll_lookup(plugin, LookupKey("r1", query, MODEL))
         trace = plugin.trace("r1")
         assert trace.local_matches == 2 and trace.fleet_status == "ok"
         assert [s.cur_st for s in result.non_prefix_segments] == [5, 5 + C]
@@ -140,9 +131,9 @@ def test_no_coordinator_query_below_one_chunk(plugins):
     with LoopbackServer(fleet_reply()) as server:
         host = InMemoryHost(C)
         plugin = plugins(host, server.url)
-        result, _, calls = run(plugin, LookupKey("short", fresh(C - 1), MODEL))
+        result, _, calls = poll_lookup(plugin, LookupKey("short", fresh(C - 1), MODEL))
         assert result == CBUnifiedLookupResult(0, []) and calls == 1
-        assert plugin.client.stats()["submitted"] == 0
+        assert plugin.client.stats().submitted == 0
         assert plugin.trace("short").fleet_status == "short"
         assert server.requests == []
 
@@ -165,11 +156,11 @@ def test_pending_prefetch_returns_none(plugins):
     host = InMemoryHost(C, prefetch_delay_s=0.1)
     plugin = plugins(host)
     doc = fresh(C)
-    store(plugin, host, doc)
+    save(plugin, host, doc)
     key = LookupKey("r1", np.concatenate([fresh(3), doc]), MODEL)
     assert plugin.cb_unified_lookup(key) is None
     assert len(host.prefetch_requests) == 1
-    result, _, _ = run(plugin, key)
+    result, _, _ = poll_lookup(plugin, key)
     assert [s.cur_st for s in result.non_prefix_segments] == [3]
     assert len(host.prefetch_requests) == 1  # polled, not re-submitted
 
@@ -182,7 +173,7 @@ def test_pending_coordinator_before_the_deadline_returns_none(plugins):
         plugin = plugins(InMemoryHost(C, shared_l2=l2), server.url, blend_timeout=2.0)
         key = LookupKey("r1", fresh(4 * C), MODEL)
         assert plugin.cb_unified_lookup(key) is None
-        result, elapsed, calls = run(plugin, key)
+        result, elapsed, calls = poll_lookup(plugin, key)
         assert elapsed >= 0.08 and calls > 1
         assert result.non_prefix_segments == [seg(64, 2 * C, fleet_chunk)]
 
@@ -196,8 +187,8 @@ def test_union_of_local_and_fleet_rides_one_prefetch(plugins):
     query = np.concatenate([fresh(C), doc_local, fresh(C)])
     with LoopbackServer(fleet_reply((fleet_chunk, 320, 2 * C))) as server:
         plugin = plugins(host, server.url)
-        local_hash, = store(plugin, host, doc_local)
-        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+        local_hash, = save(plugin, host, doc_local)
+        result, _, _ = poll_lookup(plugin, LookupKey("r1", query, MODEL))
     expected = [seg(0, C, local_hash), seg(320, 2 * C, fleet_chunk)]
     assert result.non_prefix_segments == expected  # ascending by cur_st
     assert host.prefetch_requests == [("r1", expected)]
@@ -216,8 +207,8 @@ def test_prefix_covered_fleet_match_does_not_shadow_a_local_one(plugins):
     host.store_map[shadow] = np.zeros(C, dtype=np.uint32)
     with LoopbackServer(fleet_reply((shadow, 0, 8))) as server:  # starts inside the prefix
         plugin = plugins(host, server.url)
-        local_hash, = store(plugin, host, tail)
-        result, _, _ = run(plugin, key)
+        local_hash, = save(plugin, host, tail)
+        result, _, _ = poll_lookup(plugin, key)
     assert result.prefix_coverage_tokens == C
     assert result.non_prefix_segments == [seg(0, C + 4, local_hash)]
 
@@ -229,9 +220,9 @@ def test_chunk_reported_by_both_sources_appears_once(plugins, monkeypatch):
     server = LoopbackServer()
     try:
         plugin = plugins(host, server.url)
-        chunk, = store(plugin, host, doc)
+        chunk, = save(plugin, host, doc)
         server.behave = fleet_reply((chunk, 0, 7))
-        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+        result, _, _ = poll_lookup(plugin, LookupKey("r1", query, MODEL))
     finally:
         server.close()
     assert result.non_prefix_segments == [seg(0, 7, chunk)]
@@ -243,14 +234,14 @@ def test_overlapping_fleet_matches_resolve_leftmost_greedy(plugins):
     l2 = {h: np.zeros(C, dtype=np.uint32) for h in (b"a", b"b", b"c")}
     with LoopbackServer(fleet_reply((b"a", 0, 0), (b"b", 0, 8), (b"c", 0, C))) as server:
         plugin = plugins(InMemoryHost(C, shared_l2=l2), server.url)
-        result, _, _ = run(plugin, LookupKey("r1", fresh(3 * C), MODEL))
+        result, _, _ = poll_lookup(plugin, LookupKey("r1", fresh(3 * C), MODEL))
     assert result.non_prefix_segments == [seg(0, 0, b"a"), seg(0, C, b"c")]
 
 
 def test_no_prefetch_when_nothing_to_fetch(plugins):
     host = InMemoryHost(C)
     plugin = plugins(host)
-    result, _, calls = run(plugin, LookupKey("r1", fresh(3 * C), MODEL))
+    result, _, calls = poll_lookup(plugin, LookupKey("r1", fresh(3 * C), MODEL))
     assert result == CBUnifiedLookupResult(0, []) and calls == 1
     assert host.prefetch_requests == []
 
@@ -260,9 +251,9 @@ def test_only_chunks_the_prefetch_found_are_returned(plugins):
     doc = fresh(C)
     with LoopbackServer(fleet_reply((b"\xee\xee", 0, 2 * C))) as server:
         plugin = plugins(host, server.url)
-        local_hash, = store(plugin, host, doc)
+        local_hash, = save(plugin, host, doc)
         query = np.concatenate([doc, fresh(C), fresh(C)])
-        result, _, _ = run(plugin, LookupKey("r1", query, MODEL))
+        result, _, _ = poll_lookup(plugin, LookupKey("r1", query, MODEL))
     assert result.non_prefix_segments == [seg(0, 0, local_hash)]
     trace = plugin.trace("r1")
     assert trace.prefetched == 2 and trace.fleet_matches == 1
@@ -276,34 +267,39 @@ def test_past_the_deadline_the_lookup_goes_local_only(plugins):
     # the lookup did not wait for it, with room for a loaded machine.
     with LoopbackServer(fleet_reply((b"\x0f", 0, 2 * C), delay_s=3.0)) as server:
         plugin = plugins(host, server.url, blend_timeout=0.2)
-        local_hash, = store(plugin, host, doc)
+        local_hash, = save(plugin, host, doc)
         query = np.concatenate([doc, fresh(2 * C)])
-        result, elapsed, _ = run(plugin, LookupKey("r1", query, MODEL))
+        result, elapsed, _ = poll_lookup(plugin, LookupKey("r1", query, MODEL))
         assert 0.18 <= elapsed < 0.2 + 1.0
         assert result.non_prefix_segments == [seg(0, 0, local_hash)]
         # The HTTP timeout is the same budget, so the client may give up a hair before the
         # lookup's own deadline check: either way the lookup went local-only on time.
         assert plugin.trace("r1").fleet_status in ("timeout", "failed")
         # Whatever arrives later is discarded, not kept for anyone.
-        assert wait_until(lambda: plugin.client.stats()["late_discarded"]
-                          + plugin.client.stats()["failed"] >= 1, 2.0)
-        assert plugin.client.poll_match("r1") is None
-        assert plugin.client.stats()["tracked"] == 0
+        assert wait_until(lambda: plugin.client.stats().late_discarded
+                          + plugin.client.stats().failed >= 1, 2.0)
+        assert plugin.client.take("r1").state is MatchState.UNKNOWN
+        assert plugin.client.stats().tracked == 0
 
 
 def test_a_late_coordinator_reply_is_discarded(plugins):
-    # The client's query may take 5 s; the lookup's own deadline is cut to 0.05 s so it fires
-    # first, long before the reply (at 1 s) reaches a client that no longer tracks the request.
+    # The budget is 5 s and the reply comes 1 s in; the plugin's clock jumps past the budget
+    # first, so the lookup completes local-only and the reply reaches a client that no longer
+    # tracks the request.
+    clock = FakeClock()
     with LoopbackServer(fleet_reply((b"\x0f", 0, 0), delay_s=1.0)) as server:
-        plugin = plugins(InMemoryHost(C), server.url, blend_timeout=5.0)
+        plugin = plugins(InMemoryHost(C), server.url, clock, blend_timeout=5.0)
         key = LookupKey("r1", fresh(2 * C), MODEL)
         assert plugin.cb_unified_lookup(key) is None
-        plugin._lookups["r1"].deadline = time.monotonic() + 0.05  # the lookup's own budget
-        result, elapsed, _ = run(plugin, key)
-        assert elapsed < 1.0 and result == CBUnifiedLookupResult(0, [])
+        assert wait_until(lambda: plugin.client.stats().in_flight == 1)
+        assert plugin.cb_unified_lookup(key) is None  # pending, within the budget
+        clock.advance(5.0)
+        started = time.monotonic()
+        assert plugin.cb_unified_lookup(key) == CBUnifiedLookupResult(0, [])
+        assert time.monotonic() - started < 1.0
         assert plugin.trace("r1").fleet_status == "timeout"
-        assert wait_until(lambda: plugin.client.stats()["late_discarded"] == 1, 5.0)
-        assert plugin.client.stats()["tracked"] == 0
+        assert wait_until(lambda: plugin.client.stats().late_discarded == 1, 5.0)
+        assert plugin.client.stats().tracked == 0
 
 
 def test_state_is_released_when_the_lookup_completes(plugins):
@@ -312,19 +308,20 @@ def test_state_is_released_when_the_lookup_completes(plugins):
     key = LookupKey("r1", fresh(2 * C), MODEL)
     assert plugin.cb_unified_lookup(key) is None
     assert plugin.active_lookups == 1
-    run(plugin, key)
+    poll_lookup(plugin, key)
     assert plugin.active_lookups == 0
-    run(plugin, key)  # the same id again is a new lookup
+    poll_lookup(plugin, key)  # the same id again is a new lookup
     assert [rid for rid, _ in host.prefix_requests] == ["r1", "r1"]
 
 
 def test_abandoned_lookups_are_released(plugins):
-    host = InMemoryHost(C, prefix_delay_s=60.0)
-    plugin = plugins(host, abandoned_lookup_s=0.05)
+    clock = FakeClock()
+    host = InMemoryHost(C, prefix_delay_s=60.0, clock=clock)
+    plugin = plugins(host, clock=clock, abandoned_lookup_s=0.05)
     assert plugin.cb_unified_lookup(LookupKey("abandoned", fresh(C), MODEL)) is None
-    time.sleep(0.1)
-    plugin.cb_unified_lookup(LookupKey("next", fresh(C), MODEL))
-    assert plugin.stats()["abandoned"] == 1 and plugin.active_lookups == 1
+    clock.advance(0.1)
+    assert plugin.cb_unified_lookup(LookupKey("next", fresh(C), MODEL)) is None
+    assert plugin.stats().abandoned == 1 and plugin.active_lookups == 1
 
 
 class BrokenHost(InMemoryHost):
@@ -335,10 +332,35 @@ class BrokenHost(InMemoryHost):
 def test_errors_never_reach_the_serving_path(plugins, caplog):
     plugin = plugins(BrokenHost(C))
     assert plugin.cb_unified_lookup(LookupKey("r1", fresh(2 * C), MODEL)) == CBUnifiedLookupResult(0, [])
-    assert plugin.active_lookups == 0
+    assert plugin.active_lookups == 0 and plugin.stats().errors == 1
     assert "engine hiccup" in caplog.text
-    plugin.on_store(LookupKey("bad", fresh(C), MODEL), [b"1", b"2"], 0)  # does not fit: logged
-    plugin.on_evict([b"never stored"])
+
+
+def test_a_range_that_does_not_fit_is_logged_and_not_indexed(plugins, caplog):
+    host = InMemoryHost(C)
+    plugin = plugins(host)
+    doc = fresh(C)
+    key = LookupKey("bad", doc, MODEL)
+    host.store(key, [b"1"], 0)
+    plugin.on_store(key, [b"1", b"2"], 0)  # two chunks in one chunk of tokens: never raises
+    assert "do not fit" in caplog.text
+    assert poll_lookup(plugin, LookupKey("q", np.concatenate([fresh(3), doc]), MODEL))[0] == \
+        CBUnifiedLookupResult(0, [])
+
+
+@pytest.mark.parametrize("bad_tokens", [[-1] * (2 * C), [2**32] * (2 * C), [0.5] * (2 * C)])
+def test_token_ids_outside_uint32_are_refused_at_the_edge(bad_tokens, plugins, caplog):
+    with LoopbackServer() as server:
+        host = InMemoryHost(C)
+        plugin = plugins(host, server.url)
+        plugin.on_store(LookupKey("s", bad_tokens, MODEL), [b"\x01"], 0)  # never raises
+        assert "not indexed" in caplog.text
+        # A lookup answers "no reuse" rather than matching wrapped ids, and asks no one.
+        assert plugin.cb_unified_lookup(LookupKey("q", bad_tokens, MODEL)) == \
+            CBUnifiedLookupResult(0, [])
+        assert plugin.stats().errors == 1 and plugin.active_lookups == 0
+        plugin.close()
+        assert server.requests == []  # nothing reported, nothing asked
 
 
 def test_an_error_releases_only_the_lookup_it_worked_on(plugins):
@@ -378,7 +400,7 @@ def test_chunk_hashes_must_be_bytes(bad, caplog):
         assert len(errors) == 2 and all(type(bad).__name__ in e for e in errors), errors
         plugin.on_store(key, [b"\x02"], C)  # a good range afterwards is unaffected
         host.store(key, [b"\x01", b"\x02"], 0)
-        result = run(plugin, LookupKey("q", doc, MODEL))[0]
+        result = poll_lookup(plugin, LookupKey("q", doc, MODEL))[0]
         assert [s.hash for s in result.non_prefix_segments] == [b"\x02"]  # the bad range skipped
         plugin.close()  # flushes
         sent = [e["key"]["chunk_hash_hex"] for body in server.bodies("/events")
@@ -406,13 +428,12 @@ def test_a_namespace_the_coordinator_must_reject_is_not_asked(model, world_size,
         plugin = plugins(host, server.url)
         doc = fresh(C)
         key = LookupKey("s", doc, model, world_size)
-        host.store(key, [b"\x01"], 0)
-        plugin.on_store(key, [b"\x01"], 0)
-        result, _, calls = run(plugin, LookupKey("r1", np.concatenate([fresh(3), doc]), model,
+        store(plugin, host, key, [b"\x01"])
+        result, _, calls = poll_lookup(plugin, LookupKey("r1", np.concatenate([fresh(3), doc]), model,
                                                  world_size))
         assert [s.hash for s in result.non_prefix_segments] == [b"\x01"]  # local-only
         assert plugin.trace("r1").fleet_status == "not_asked" and calls == 1
-        assert plugin.client.stats()["submitted"] == 0
+        assert plugin.client.stats().submitted == 0
         assert server.bodies(BLEND_LOOKUP_PATH) == []
 
 
@@ -432,11 +453,10 @@ def test_one_local_matcher_serves_every_namespace(plugins, monkeypatch):
     doc = fresh(C)
     for tenant in range(5):
         key = LookupKey(f"s{tenant}", doc, MODEL, cache_salt=f"tenant-{tenant}")
-        host.store(key, [bytes([tenant])], 0)
-        plugin.on_store(key, [bytes([tenant])], 0)
+        store(plugin, host, key, [bytes([tenant])])
     assert len(made) == 1
     for tenant in range(5):  # still one tenant's chunk per tenant
-        result = run(plugin, LookupKey(f"q{tenant}", doc, MODEL, cache_salt=f"tenant-{tenant}"))[0]
+        result = poll_lookup(plugin, LookupKey(f"q{tenant}", doc, MODEL, cache_salt=f"tenant-{tenant}"))[0]
         assert [s.hash for s in result.non_prefix_segments] == [bytes([tenant])]
 
 
@@ -448,17 +468,17 @@ def test_resolve_after_prefetch_lets_an_available_chunk_through(plugins):
         plain = plugins(InMemoryHost(C, shared_l2=l2), server.url)
         better = plugins(InMemoryHost(C, shared_l2=l2), server.url, resolve_after_prefetch=True)
         query = fresh(2 * C)
-        assert run(plain, LookupKey("r1", query, MODEL))[0].non_prefix_segments == []
-        assert run(better, LookupKey("r1", query, MODEL))[0].non_prefix_segments == [seg(0, 8, b"there")]
+        assert poll_lookup(plain, LookupKey("r1", query, MODEL))[0].non_prefix_segments == []
+        assert poll_lookup(better, LookupKey("r1", query, MODEL))[0].non_prefix_segments == [seg(0, 8, b"there")]
         assert len(better.host.prefetch_requests) == 1
 
 
 def test_breaker_open_lookups_complete_in_one_call(plugins):
     host = InMemoryHost(C)
     plugin = plugins(host, closed_port_url(), breaker_threshold=1)
-    run(plugin, LookupKey("first", fresh(2 * C), MODEL))  # refused: opens the breaker
+    poll_lookup(plugin, LookupKey("first", fresh(2 * C), MODEL))  # refused: opens the breaker
     assert plugin.client.breaker_state == "open"
-    result, elapsed, calls = run(plugin, LookupKey("second", fresh(2 * C), MODEL))
+    result, elapsed, calls = poll_lookup(plugin, LookupKey("second", fresh(2 * C), MODEL))
     assert calls == 1 and plugin.trace("second").fleet_status == "declined"
 
 
@@ -468,24 +488,23 @@ def test_local_matches_stay_in_their_namespace(plugins):
     doc = fresh(C)
     hashes = [b"\x01\x02"]
     stored = LookupKey("s", doc, MODEL, world_size=1, cache_salt="tenant-a")
-    host.store(stored, hashes, 0)
-    plugin.on_store(stored, hashes, 0)
+    store(plugin, host, stored, hashes)
     query = np.concatenate([fresh(3), doc])
-    same = run(plugin, LookupKey("a", query, MODEL, 1, "tenant-a"))[0]
+    same = poll_lookup(plugin, LookupKey("a", query, MODEL, 1, "tenant-a"))[0]
     assert len(same.non_prefix_segments) == 1
     for other in (LookupKey("b", query, MODEL, 1, "tenant-b"), LookupKey("c", query, "other", 1, "tenant-a"),
                   LookupKey("d", query, MODEL, 2, "tenant-a")):
-        assert run(plugin, other)[0].non_prefix_segments == []
+        assert poll_lookup(plugin, other)[0].non_prefix_segments == []
 
 
 def test_evicted_chunks_are_no_longer_found_locally(plugins):
     host = InMemoryHost(C)
     plugin = plugins(host)
     doc = fresh(2 * C)
-    hashes = store(plugin, host, doc)
+    hashes = save(plugin, host, doc)
     host.evict(hashes[:1])
     plugin.on_evict(hashes[:1])
-    result = run(plugin, LookupKey("r1", doc, MODEL))[0]
+    result = poll_lookup(plugin, LookupKey("r1", doc, MODEL))[0]
     assert result.non_prefix_segments == [seg(C, C, hashes[1])]
     assert plugin.trace("r1").local_matches == 1
 
@@ -498,11 +517,10 @@ def test_evicting_a_hash_two_namespaces_stored_removes_it_from_both():
         hashes = [b"\x09\x09"]
         tenants = [LookupKey(f"s-{salt}", doc, MODEL, 1, salt) for salt in ("a", "b")]
         for key in tenants:
-            host.store(key, hashes, 0)
-            plugin.on_store(key, hashes, 0)
+            store(plugin, host, key, hashes)
         plugin.on_evict(hashes)
         for key in tenants:
-            assert run(plugin, LookupKey(f"q-{key.cache_salt}", doc, MODEL, 1,
+            assert poll_lookup(plugin, LookupKey(f"q-{key.cache_salt}", doc, MODEL, 1,
                                          key.cache_salt))[0].non_prefix_segments == []
         plugin.close()  # flushes
         deleted = sorted(e["key"]["cache_salt"] for body in server.bodies("/events")
@@ -516,7 +534,7 @@ def test_store_and_evict_are_reported_with_offsets():
         host = InMemoryHost(C)
         plugin = make_plugin(host, server.url)
         tokens = fresh(3 * C)
-        hashes = store(plugin, host, tokens, start=C)  # chunks at 16 and 32
+        hashes = save(plugin, host, tokens, start=C)  # chunks at 16 and 32
         plugin.on_evict(hashes[:1])
         plugin.close()  # flushes
         batches = [b for body in server.bodies("/events") for b in body["batches"]]
@@ -531,7 +549,7 @@ def test_store_and_evict_are_reported_with_offsets():
 
 
 def _plugin_threads():
-    return [t for t in threading.enumerate() if t.name.startswith(("blend-match", "blend-events"))]
+    return [t for t in threading.enumerate() if t.name.startswith("blend-") and t.is_alive()]
 
 
 def test_no_url_means_local_only_and_no_threads(plugins):
@@ -539,7 +557,7 @@ def test_no_url_means_local_only_and_no_threads(plugins):
     plugin = plugins(InMemoryHost(C))
     assert plugin.client is None and plugin.reporter is None
     assert len(_plugin_threads()) == before
-    assert run(plugin, LookupKey("r1", fresh(2 * C), MODEL))[0] == CBUnifiedLookupResult(0, [])
+    assert poll_lookup(plugin, LookupKey("r1", fresh(2 * C), MODEL))[0] == CBUnifiedLookupResult(0, [])
     assert plugin.trace("r1").fleet_status == "off"
 
 
@@ -551,7 +569,7 @@ def test_url_without_event_reporting_warns_once_and_creates_no_client(plugins, c
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert plugin.client is None and plugin.reporter is None
     assert len(_plugin_threads()) == before
-    run(plugin, LookupKey("r1", fresh(2 * C), MODEL))
+    poll_lookup(plugin, LookupKey("r1", fresh(2 * C), MODEL))
     assert len([r for r in caplog.records if "EVENT_REPORTING" in r.getMessage()]) == 1
 
 
@@ -564,7 +582,7 @@ def test_default_instance_id_with_the_fleet_leg_warns_once(caplog):
     with LoopbackServer() as server:
         plugin = make_plugin(InMemoryHost(C), server.url)  # instance_id defaulted
         for i in range(3):
-            run(plugin, LookupKey(f"r{i}", fresh(2 * C), MODEL))
+            poll_lookup(plugin, LookupKey(f"r{i}", fresh(2 * C), MODEL))
         plugin.close()
         assert len(warnings()) == 1 and warnings()[0].levelno == logging.WARNING
         assert plugin.config.instance_id in warnings()[0].getMessage()
@@ -574,14 +592,13 @@ def test_default_instance_id_with_the_fleet_leg_warns_once(caplog):
         assert warnings() == []
 
 
-def test_close_stops_plugin_threads():
-    with LoopbackServer() as server:
+def test_close_stops_every_plugin_thread():
+    before = _plugin_threads()
+    with LoopbackServer(fleet_reply(delay_s=0.1)) as server:
         plugin = make_plugin(InMemoryHost(C), server.url)
-        assert plugin.client is not None and plugin.reporter is not None
+        save(plugin, plugin.host, fresh(C))
+        poll_lookup(plugin, LookupKey("r1", fresh(2 * C), MODEL))  # a round-trip ran
+        assert len(_plugin_threads()) > len(before)
         plugin.close()
-        assert not any(t.is_alive() for t in plugin.client._workers)
-        assert not plugin.reporter._thread.is_alive()
-
-
-def test_in_memory_host_is_a_serving_host():
-    assert isinstance(InMemoryHost(C), ServingHost)
+        assert _plugin_threads() == before
+        assert len(server.bodies("/events")) == 1  # the queued store was flushed on the way

@@ -8,12 +8,18 @@ import time
 import numpy as np
 import pytest
 
+from blend_wire import EventsRequest, WireError, decode, pack_kv_rank
+from helpers import (HangingServer, LoopbackServer, Reply, TricklingServer, closed_port_url,
+                     ok_reply, wait_until)
 from plugin import BlendNamespace, CacheEventReporter
-from blend_wire import CacheEventBatch, EventsRequest, WireError, decode, pack_kv_rank
-from test_plugin_loopback import HangingServer, LoopbackServer, Reply, closed_port_url, ok_reply, wait_until
 
 NS = BlendNamespace("llama", "tenant-a", 4)
 EVENTS = "/events"
+
+
+def tok(*ids: int) -> np.ndarray:
+    """One chunk's tokens as the plugin hands them over: a uint32 array."""
+    return np.array(ids, dtype=np.uint32)
 
 
 def reporter_for(url, **kwargs) -> CacheEventReporter:
@@ -64,12 +70,12 @@ def test_delete_batches_carry_keys_only():
 def test_seq_counts_from_one_and_event_order_is_kept():
     with LoopbackServer() as server:
         reporter = reporter_for(server.url)
-        tok = [np.zeros(4, dtype=np.uint32)]
-        reporter.report_store(NS, [b"\x01"], tok, [0])
+        chunk = [tok(0, 0, 0, 0)]
+        reporter.report_store(NS, [b"\x01"], chunk, [0])
         reporter.report_delete(NS, [b"\x01"])
-        reporter.report_store(NS, [b"\x02"], tok, [0])
+        reporter.report_store(NS, [b"\x02"], chunk, [0])
         reporter.flush()
-        reporter.report_store(NS, [b"\x03"], tok, [0])
+        reporter.report_store(NS, [b"\x03"], chunk, [0])
         reporter.close()
         batches = sent_batches(server)
         assert [(b["seq"], b["event_type"], b["entries"][0]["key"]["chunk_hash_hex"]) for b in batches] == [
@@ -89,7 +95,7 @@ def test_flushes_in_the_background_every_interval():
     with LoopbackServer() as server:
         reporter = reporter_for(server.url, flush_interval=0.05)
         try:
-            reporter.report_store(NS, [b"\x01"], [[1, 2]], [0])
+            reporter.report_store(NS, [b"\x01"], [tok(1, 2)], [0])
             assert wait_until(lambda: len(sent_batches(server)) == 1, timeout=2.0)
             reporter.report_delete(NS, [b"\x01"])
             assert wait_until(lambda: len(sent_batches(server)) == 2, timeout=2.0)
@@ -100,11 +106,12 @@ def test_flushes_in_the_background_every_interval():
 def test_close_flushes_what_is_queued():
     with LoopbackServer() as server:
         reporter = reporter_for(server.url, flush_interval=30.0)
-        reporter.report_store(NS, [b"\x01"], [[1]], [0])
+        reporter.report_store(NS, [b"\x01"], [tok(1)], [0])
         assert server.requests == []
         reporter.close()
         assert len(sent_batches(server)) == 1
-        assert not any(t.name == "blend-events" and t.is_alive() for t in threading.enumerate())
+        assert not any(t.name.startswith("blend-events") and t.is_alive()
+                       for t in threading.enumerate())
 
 
 def test_the_store_path_only_enqueues():
@@ -115,21 +122,21 @@ def test_the_store_path_only_enqueues():
         # Structural: a hanging coordinator would block any call that touched the network.
         assert server.accepted == []  # nothing touched the network
         assert reporter.pending == 200
-        reporter.close(timeout=0.1)
+        reporter.close()
 
 
 def test_a_bad_event_is_refused_when_queued_and_never_takes_the_queue_down():
     with LoopbackServer() as server:
         reporter = reporter_for(server.url)
-        reporter.report_store(NS, [b"\x01"], [[1, 2]], [0])
+        reporter.report_store(NS, [b"\x01"], [tok(1, 2)], [0])
         with pytest.raises(TypeError, match="str"):
-            reporter.report_store(NS, ["01"], [[3]], [0])  # a hash must be bytes
+            reporter.report_store(NS, ["01"], [tok(3)], [0])  # a hash must be bytes
         with pytest.raises(TypeError, match="int"):
             reporter.report_delete(NS, [b"\x02", 7])  # nothing of this call is queued
         with pytest.raises(WireError, match="world_size"):
-            reporter.report_store(NS._replace(world_size=300), [b"\x03"], [[4]], [0])
+            reporter.report_store(NS._replace(world_size=300), [b"\x03"], [tok(4)], [0])
         with pytest.raises(ValueError, match="token_offset"):
-            reporter.report_store(NS, [b"\x04"], [[5]], [-5])
+            reporter.report_store(NS, [b"\x04"], [tok(5)], [-5])
         reporter.report_delete(NS, [b"\x01"])
         assert reporter.pending == 2
         assert reporter.flush()
@@ -166,9 +173,9 @@ def _block_batch_building(reporter):
 def test_the_store_path_never_waits_for_batch_building():
     with LoopbackServer() as server:
         reporter = reporter_for(server.url)
-        tok = np.arange(256, dtype=np.uint32)
+        chunk = np.arange(256, dtype=np.uint32)
         for i in range(100):
-            reporter.report_store(NS, [bytes([i])], [tok], [i])
+            reporter.report_store(NS, [bytes([i])], [chunk], [i])
         building, release = _block_batch_building(reporter)
         flusher = threading.Thread(target=reporter.flush)
         flusher.start()
@@ -178,7 +185,7 @@ def test_the_store_path_never_waits_for_batch_building():
             assert reporter._lock.acquire(blocking=False)
             reporter._lock.release()
             storer = threading.Thread(target=reporter.report_store,
-                                      args=(NS, [b"\xff"], [tok], [999]))
+                                      args=(NS, [b"\xff"], [chunk], [999]))
             storer.start()
             storer.join(10.0)
             assert not storer.is_alive()
@@ -195,14 +202,14 @@ def test_the_bound_applies_to_events_being_built_oldest_first():
     with LoopbackServer() as server:
         reporter = reporter_for(server.url, max_events=3)
         for i in range(3):
-            reporter.report_store(NS, [bytes([i])], [[i]], [i])
+            reporter.report_store(NS, [bytes([i])], [tok(i)], [i])
         building, release = _block_batch_building(reporter)
         flusher = threading.Thread(target=reporter.flush)
         flusher.start()
         try:
             assert building.wait(10.0)
             for i in range(3, 5):  # two more than the bound: the two oldest go
-                reporter.report_store(NS, [bytes([i])], [[i]], [i])
+                reporter.report_store(NS, [bytes([i])], [tok(i)], [i])
             assert reporter.pending == 3
         finally:
             release.set()
@@ -210,7 +217,7 @@ def test_the_bound_applies_to_events_being_built_oldest_first():
         reporter.close()
         offsets = [e["token_offset"] for b in sent_batches(server) for e in b["entries"]]
         assert offsets == [2, 3, 4]
-        assert reporter.stats()["dropped_events"] == 2
+        assert reporter.stats().dropped_events == 2
 
 
 def test_bounded_queue_drops_oldest_and_counts_them():
@@ -223,13 +230,13 @@ def test_bounded_queue_drops_oldest_and_counts_them():
     with LoopbackServer(behave) as server:
         reporter = reporter_for(server.url, max_events=5)
         for i in range(3):
-            reporter.report_store(NS, [bytes([i])], [[i]], [i])
+            reporter.report_store(NS, [bytes([i])], [tok(i)], [i])
         assert not reporter.flush()  # coordinator down: kept, numbered
         for i in range(3, 8):
-            reporter.report_store(NS, [bytes([i])], [[i]], [i])
+            reporter.report_store(NS, [bytes([i])], [tok(i)], [i])
         assert not reporter.flush()
         assert reporter.pending == 5
-        assert reporter.stats()["dropped_events"] == 3
+        assert reporter.stats().dropped_events == 3
         down.clear()
         assert reporter.flush()
         reporter.close()
@@ -246,7 +253,7 @@ def test_failed_flush_is_retried_without_reordering():
 
     with LoopbackServer(behave) as server:
         reporter = reporter_for(server.url)
-        reporter.report_store(NS, [b"\x0a"], [[1]], [0])
+        reporter.report_store(NS, [b"\x0a"], [tok(1)], [0])
         assert not reporter.flush()
         reporter.report_delete(NS, [b"\x0a"])
         assert not reporter.flush()
@@ -256,35 +263,51 @@ def test_failed_flush_is_retried_without_reordering():
         # The first batch keeps seq 1 on every retry, and the delete stays behind it.
         assert attempts == [[(1, "store")], [(1, "store"), (2, "delete")],
                             [(1, "store"), (2, "delete")]]
-        assert reporter.stats()["failed_flushes"] == 2
+        assert reporter.stats().failed_flushes == 2
 
 
 def test_rejected_batches_are_dropped_not_retried_forever(caplog):
     with LoopbackServer(lambda p, b: Reply(422, "seq: Expected int >= 1")) as server:
         reporter = reporter_for(server.url)
-        reporter.report_store(NS, [b"\x01"], [[1]], [0])
+        reporter.report_store(NS, [b"\x01"], [tok(1)], [0])
         assert reporter.flush()
         assert reporter.pending == 0
-        assert reporter.stats()["rejected_batches"] == 1
+        assert reporter.stats().rejected_batches == 1
         assert "rejected" in caplog.text
         reporter.close()
 
 
 def test_unreachable_coordinator_never_raises_and_warns_once(caplog):
     reporter = reporter_for(closed_port_url())
-    reporter.report_store(NS, [b"\x01"], [[1]], [0])
+    reporter.report_store(NS, [b"\x01"], [tok(1)], [0])
     assert not reporter.flush()
     assert not reporter.flush()
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "cannot deliver" in r.getMessage()]
     assert len(warnings) == 1
-    reporter.close(timeout=0.1)
+    reporter.close()
 
 
-def test_sent_batches_validate_against_the_wire_shape():
+def test_a_store_without_tokens_is_sent_with_an_unknown_offset():
     with LoopbackServer() as server:
         reporter = reporter_for(server.url)
         reporter.report_store(NS, [b"\x01"], [None], [-1])  # tokens no longer held, offset unknown
         reporter.close()
-        batch = decode(server.requests[0][1], EventsRequest).batches[0]
-        assert isinstance(batch, CacheEventBatch)
+        batch, = decode(server.requests[0][1], EventsRequest).batches
+        assert (batch.event_type, batch.entries[0].key.chunk_hash_hex) == ("store", "01")
         assert batch.entries[0].token_ids == [] and batch.entries[0].token_offset == -1
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_trickling_coordinator_cannot_hold_flush_or_close_past_the_timeout(part):
+    # httpx's timeouts are per read: a byte every 50 ms never trips a 0.3 s read timeout.
+    budget = 0.3
+    with TricklingServer(part, interval_s=0.05) as server:
+        reporter = reporter_for(server.url, timeout=budget)
+        reporter.report_store(NS, [b"\x01"], [np.arange(4, dtype=np.uint32)], [0])
+        started = time.monotonic()
+        assert not reporter.flush()  # failed: the events stay queued
+        assert time.monotonic() - started < budget + 1.0
+        assert reporter.pending == 1 and reporter.stats().failed_flushes == 1
+        started = time.monotonic()
+        reporter.close()  # its last flush is bounded the same way
+        assert time.monotonic() - started < budget + 1.0

@@ -103,5 +103,10 @@ def test_store_batch_needs_a_backend():
 def test_base64_of_stdlib_decodes():
     tokens = np.arange(1000, dtype="<u4")
     assert decode_tokens(base64.b64encode(tokens.tobytes()).decode()).tolist() == tokens.tolist()
-    assert isinstance(decode(b'{"instance_id":"i","seq":1,"event_type":"access","tier":"l2"}',
-                             CacheEventBatch), CacheEventBatch)
+
+
+def test_an_access_batch_needs_no_backend_and_takes_the_defaults():
+    batch = decode(b'{"instance_id":"i","seq":1,"event_type":"access","tier":"l2"}',
+                   CacheEventBatch)
+    assert (batch.event_type, batch.tier, batch.backend, batch.entries) == ("access", "l2", "", [])
+    assert (batch.incarnation, batch.shared, batch.ts, batch.capacity_bytes) == (0, False, 0.0, 0)

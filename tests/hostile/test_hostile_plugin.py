@@ -16,8 +16,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from plugin import BlendPlugin, CBUnifiedLookupResult, InMemoryHost, LookupKey, PluginConfig
-from test_plugin_loopback import LoopbackServer, Reply
+from helpers import LoopbackServer, Reply
+from plugin import (BlendPlugin, CBUnifiedLookupResult, InMemoryHost, LookupKey, MatchState,
+                    PluginConfig)
 
 C = 16
 MODEL = "m"
@@ -41,7 +42,7 @@ def test_cancel_releases_the_lookup_and_the_hosts_operations():
         assert plugin.cancel("r1") is True
         assert plugin.active_lookups == 0 and host.pending_ops == 0
         assert plugin.cancel("r1") is False  # idempotent
-        assert plugin.stats()["cancelled"] == 1
+        assert plugin.stats().cancelled == 1
         # The same id later is a fresh lookup that completes normally.
         host.prefix_delay_s = 0.0
         assert plugin.cb_unified_lookup(_key("r1", 64)) == CBUnifiedLookupResult(0, [])
@@ -54,10 +55,10 @@ def test_cancel_withdraws_the_coordinator_query():
         with _plugin(host, coordinator_url=server.url, event_reporting=True,
                      blend_timeout=2.0) as plugin:
             assert plugin.cb_unified_lookup(_key("r1", 4 * C)) is None  # fleet pending
-            assert plugin.client.stats()["submitted"] == 1
+            assert plugin.client.stats().submitted == 1
             assert plugin.cancel("r1")
             # The client forgot it: nothing is tracked, and a late reply is discarded.
-            assert plugin.client.poll_match("r1") is None
+            assert plugin.client.take("r1").state is MatchState.UNKNOWN
     finally:
         server.close()
 
@@ -75,7 +76,7 @@ def test_an_abandoned_lookup_is_released_after_a_few_budgets_without_another_loo
         key = LookupKey("s", list(range(C)), MODEL)
         plugin.on_store(key, [b"\x01" * 16], 0)
         assert plugin.active_lookups == 0 and host.pending_ops == 0
-        assert plugin.stats()["abandoned"] == 1
+        assert plugin.stats().abandoned == 1
 
 
 def test_a_polled_lookup_is_not_abandoned():
@@ -91,7 +92,7 @@ def test_a_polled_lookup_is_not_abandoned():
         # Polled all along, so never released and restarted: one prefix lookup, many polls.
         assert [rid for rid, _ in host.prefix_requests].count("slow") == 1
         assert plugin.trace("slow").calls > 10
-        assert plugin.stats()["abandoned"] > 0  # the others, polled once, were let go
+        assert plugin.stats().abandoned > 0  # the others, polled once, were let go
 
 
 def test_tracked_lookups_are_capped_releasing_the_least_recently_polled():
@@ -100,7 +101,7 @@ def test_tracked_lookups_are_capped_releasing_the_least_recently_polled():
         for i in range(25):
             assert plugin.cb_unified_lookup(_key(f"r{i}", 64)) is None
         assert plugin.active_lookups == 10
-        assert plugin.stats()["evicted"] == 15
+        assert plugin.stats().evicted == 15
         assert host.pending_ops == 10  # the host forgot the evicted ones as well
 
 

@@ -1,0 +1,240 @@
+"""Helpers shared by the plugin tests (one place; test modules never import each other).
+
+- Real loopback HTTP servers that misbehave on purpose: `LoopbackServer(behave)` serves
+  HTTP/1.1 on 127.0.0.1 with a thread per connection; `behave(path, body) -> Reply` decides
+  each answer (status, body, delay before answering), and every request is recorded with the
+  peak number answered concurrently. `HangingServer` accepts connections and never answers;
+  `TricklingServer` answers one byte at a time, forever. `closed_port_url()` names a port
+  nothing listens on.
+- `wait_until(predicate)`: poll a condition with a timeout.
+- `poll_lookup(plugin, key)`: call `cb_unified_lookup` as a scheduler does until it answers.
+- `take_when_done(client, request_id)`: poll the client's hand-over until it is not pending.
+- `store(plugin, host, key, hashes, start)`: what the engine does after saving a range: keep
+  it in the host, then tell the plugin.
+- `FakeClock`: a clock that moves only when the test says so (inject it instead of editing
+  private deadlines).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from plugin import MatchState
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: bytes | str | dict = b'{"matches": []}'
+    delay_s: float = 0.0
+
+    def payload(self) -> bytes:
+        if isinstance(self.body, dict):
+            return json.dumps(self.body).encode()
+        return self.body.encode() if isinstance(self.body, str) else self.body
+
+
+def ok_reply(path: str, body: bytes) -> Reply:
+    if path.endswith("/events"):
+        batches = len(json.loads(body)["batches"])
+        return Reply(200, {"applied": batches, "duplicates": 0, "stale": 0})
+    return Reply(200, {"matches": []})
+
+
+class LoopbackServer:
+    """A real HTTP server on a free loopback port; `behave` may be swapped at any time."""
+
+    def __init__(self, behave: Callable[[str, bytes], Reply] = ok_reply) -> None:
+        self.behave = behave
+        self.requests: list[tuple[str, bytes]] = []
+        self.active = 0
+        self.peak_active = 0
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # keep test output quiet
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with server._lock:
+                    server.requests.append((self.path, body))
+                    server.active += 1
+                    server.peak_active = max(server.peak_active, server.active)
+                try:
+                    reply = server.behave(self.path, body)
+                    if reply.delay_s:
+                        time.sleep(reply.delay_s)
+                    payload = reply.payload()
+                    self.send_response(reply.status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                finally:
+                    with server._lock:
+                        server.active -= 1
+
+            do_GET = do_POST
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.02,), daemon=True)
+        self._thread.start()
+
+    def bodies(self, path: str) -> list[dict]:
+        with self._lock:
+            return [json.loads(b) for p, b in self.requests if p == path]
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> "LoopbackServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class HangingServer:
+    """Accepts TCP connections and never sends a byte back."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        return len(self.accepted)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+            self._handle(conn)
+
+    def _handle(self, conn: socket.socket) -> None:
+        pass  # held open, never answered
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TricklingServer(HangingServer):
+    """Answers every connection one byte per `interval_s`, never finishing: the status line
+    and headers (`part="headers"`), or a complete header then an endless body (`"body"`)."""
+
+    def __init__(self, part: str = "headers", interval_s: float = 0.05) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        if part == "headers":
+            self._prefix, self._trickle = b"", head + b"x-padding: " + b"a" * 10**6
+        else:
+            self._prefix = head + b"content-length: 1000000\r\n\r\n"
+            self._trickle = b'{"matches": [' + b" " * 10**6
+        self.interval_s = interval_s
+        super().__init__()
+
+    def _handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.recv(65536)  # the request (small enough for one read here)
+            conn.sendall(self._prefix)
+            for i in range(len(self._trickle)):
+                if self._closed.wait(self.interval_s):
+                    return
+                conn.sendall(self._trickle[i:i + 1])
+        except OSError:
+            return  # the client gave up and closed the connection
+
+
+def closed_port_url() -> str:
+    """A loopback URL nothing listens on (the port was just released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def poll_lookup(plugin, key, tp_size: int = 1, timeout: float = 5.0, interval: float = 0.001):
+    """Poll like a scheduler until the lookup completes: (result, seconds, calls)."""
+    started, calls = time.monotonic(), 0
+    while True:
+        calls += 1
+        result = plugin.cb_unified_lookup(key, tp_size)
+        if result is not None:
+            return result, time.monotonic() - started, calls
+        assert time.monotonic() - started < timeout, f"lookup {key.request_id} did not complete"
+        time.sleep(interval)
+
+
+def take_when_done(client, request_id: str, timeout: float = 3.0):
+    """The client's hand-over for `request_id` once it is no longer pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = client.take(request_id)
+        if reply.state is not MatchState.PENDING:
+            return reply
+        assert time.monotonic() < deadline, f"query {request_id} still pending"
+        time.sleep(0.005)
+
+
+def store(plugin, host, key, hashes, start: int = 0) -> list[bytes]:
+    """What the engine does after saving a range: keep it in the host, then tell the plugin."""
+    host.store(key, hashes, start)
+    plugin.on_store(key, hashes, start)
+    return list(hashes)
+
+
+class FakeClock:
+    """A monotonic clock that moves only by `advance`."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -1,0 +1,57 @@
+"""The plugin's one HTTP policy (plugin.http) against real loopback servers."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from helpers import HangingServer, LoopbackServer, Reply, TricklingServer, closed_port_url
+from plugin.http import coordinator_http
+
+BUDGET = 0.3
+MARGIN = 1.0  # "bounded, not hung": generous for a loaded machine
+
+
+def test_a_round_trip_answers_and_keeps_its_connection():
+    with LoopbackServer(lambda p, b: Reply(201, {"ok": True})) as server:
+        with coordinator_http(server.url, timeout=BUDGET) as http:
+            for _ in range(3):
+                response = http.post("/x", content=b"{}")
+                assert (response.status_code, response.json()) == (201, {"ok": True})
+        assert [path for path, _ in server.requests] == ["/x"] * 3
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_the_timeout_bounds_the_whole_round_trip(part):
+    # A byte every 50 ms: httpx's per-read timeout alone would never fire.
+    with TricklingServer(part, interval_s=0.05) as server:
+        with coordinator_http(server.url, timeout=BUDGET) as http:
+            started = time.monotonic()
+            with pytest.raises(httpx.TimeoutException):
+                http.post("/x", content=b"{}")
+            assert time.monotonic() - started < BUDGET + MARGIN
+
+
+def test_a_per_call_timeout_is_the_budget_of_that_call():
+    with HangingServer() as server:
+        with coordinator_http(server.url, timeout=30.0) as http:
+            started = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/x", content=b"{}", timeout=BUDGET)
+            assert time.monotonic() - started < BUDGET + MARGIN
+
+
+def test_errors_are_httpx_errors():
+    with coordinator_http(closed_port_url(), timeout=BUDGET) as http:
+        with pytest.raises(httpx.ConnectError):
+            http.post("/x", content=b"{}")
+
+
+def test_no_proxy_from_the_environment(monkeypatch):
+    # A proxy between a server and its coordinator would also swallow our deadline.
+    monkeypatch.setenv("HTTP_PROXY", closed_port_url())
+    monkeypatch.setenv("ALL_PROXY", closed_port_url())
+    with LoopbackServer() as server, coordinator_http(server.url, timeout=BUDGET) as http:
+        assert http.post("/x", content=b"{}").status_code == 200
