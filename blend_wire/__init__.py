@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit
 
 from local_matcher.index import as_tokens
-from local_matcher.types import MAX_TOKEN_ID, UNKNOWN_TOKEN_OFFSET
+from local_matcher.types import UNKNOWN_TOKEN_OFFSET
 
 BLEND_LOOKUP_PATH = "/directory/blend-lookup"
 EVENTS_PATH = "/events"
@@ -61,7 +61,6 @@ MAX_NAME_CHARS = 1024
 MAX_WORLD_SIZE = 2**32 - 1
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 TokenOffset = Annotated[int, msgspec.Meta(ge=UNKNOWN_TOKEN_OFFSET, le=MAX_TOKEN_OFFSET)]
 ChunkHashHex = Annotated[str, msgspec.Meta(min_length=2, max_length=MAX_CHUNK_HASH_HEX_CHARS,
                                            pattern=r"^(?:[0-9a-fA-F]{2})+\Z")]
@@ -240,10 +239,6 @@ class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
         check_cache_salt(self.cache_salt)
 
     @property
-    def chunk_hash(self) -> bytes:
-        return bytes.fromhex(self.chunk_hash_hex)
-
-    @property
     def namespace(self) -> BlendNamespace:
         return BlendNamespace(self.model_name, self.cache_salt, world_size_of(self.kv_rank))
 
@@ -251,7 +246,9 @@ class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
 class CacheEventEntry(msgspec.Struct, kw_only=True):
     key: EncodedObjectKey
     size_bytes: NonNegative = 0
-    token_ids: list[TokenId] = msgspec.field(default_factory=list)
+    # Any integers: an id outside uint32 is not a validation error (LMCache answers 200);
+    # the coordinator records the placement and treats the content as unknown (WIRE.md).
+    token_ids: list[int] = msgspec.field(default_factory=list)
     token_offset: TokenOffset = UNKNOWN_TOKEN_OFFSET
 
     def __post_init__(self) -> None:

@@ -259,18 +259,62 @@ async def test_unknown_offset_fills_the_binding_but_is_not_matchable(coord):
 
 
 @pytest.mark.parametrize("with_tokens", [True, False], ids=["stamped", "tokenless"])
-async def test_a_later_store_with_an_offset_makes_it_matchable(coord, with_tokens):
+async def test_only_a_later_store_with_tokens_and_an_offset_makes_it_matchable(
+        coord, with_tokens):
     await coord.post_events(batch(entry("aa01", A, offset=-1)))
-    # A token-less store can only make it matchable if the first store filled the binding.
     later = entry("aa01", A if with_tokens else (), offset=12, salt="")
     await coord.post_events(batch(later, seq=2, tier="l2", backend="disk"))
-    assert await coord.lookup(FILL + A) == [("aa01", 12, 3)]
+    assert await coord.lookup(FILL + A) == ([("aa01", 12, 3)] if with_tokens else [])
 
 
-async def test_an_unreported_offset_does_not_erase_a_known_one(coord):
+async def test_the_offset_is_the_one_of_the_latest_store_with_tokens(coord):
     await coord.post_events(batch(entry("aa01", A, offset=12)))
-    await coord.post_events(batch(entry("aa01", A, offset=-1), seq=2, tier="l2"))
-    assert await coord.lookup(A) == [("aa01", 12, 0)]
+    await coord.post_events(batch(entry("aa01", (), offset=40, salt="t1"), seq=2))
+    assert await coord.lookup(A) == [("aa01", 12, 0)]  # token-less: offset unchanged
+    assert await coord.lookup(A, salt="t1") == [("aa01", 12, 0)]  # ... but claimed
+    await coord.post_events(batch(entry("aa01", A, offset=20), seq=3, tier="l2"))
+    assert await coord.lookup(A) == [("aa01", 20, 0)]
+    assert await coord.lookup(A, salt="t1") == [("aa01", 20, 0)]
+    await coord.post_events(batch(entry("aa01", A, offset=-1), seq=4))
+    assert await coord.lookup(A) == [] and await coord.lookup(A, salt="t1") == []
+    assert (await coord.stats())["blend"]["num_chunks"] == 0
+    await coord.post_events(batch(entry("aa01", A, offset=4), seq=5))
+    assert await coord.lookup(A, salt="t1") == [("aa01", 4, 0)]
+
+
+async def test_tokenless_at_0_then_tokens_at_minus_1_is_not_indexed(coord):
+    await coord.post_events(batch(entry("aa01", (), offset=0)))
+    await coord.post_events(batch(entry("aa01", A, offset=-1), seq=2))
+    assert await coord.lookup(A) == []
+    stats = await coord.stats()
+    assert stats["num_keys"] == 1 and stats["blend"]["num_chunks"] == 0
+
+
+# --- token ids outside uint32: a miss, not a failed batch ----------------------------------
+
+
+@pytest.mark.parametrize("bad", [2**32, -1, 10**30], ids=["2^32", "negative", "huge"])
+async def test_a_token_id_outside_uint32_records_the_placement_as_unknown_content(coord, bad):
+    reply = await coord.post_events(batch(entry("aa01", [1, 2, 3, bad], offset=0),
+                                          entry("bb02", B, offset=4)))
+    assert reply == {"applied": 1, "duplicates": 0, "stale": 0}
+    stats = await coord.stats()
+    assert (stats["num_keys"], stats["num_placements"]) == (2, 2)
+    assert stats["blend"]["num_chunks"] == 1
+    assert await coord.lookup(B) == [("bb02", 4, 0)]
+    # A later good STORE fills the content in.
+    await coord.post_events(batch(entry("aa01", A, offset=8), seq=2))
+    assert await coord.lookup(A) == [("aa01", 8, 0)]
+
+
+async def test_a_token_id_outside_uint32_leaves_a_known_binding_as_it_was(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=8)))
+    await coord.post_events(batch(entry("aa01", [1, 2, 3, 2**32], offset=0, salt="t1"),
+                                  seq=2))
+    # Like a token-less store: content and offset unchanged, the new namespace claims it.
+    assert await coord.lookup(A) == [("aa01", 8, 0)]
+    assert await coord.lookup(A, salt="t1") == [("aa01", 8, 0)]
+    assert (await coord.stats())["counters"]["token_lists_out_of_range"] == 1
 
 
 # --- the ingest gate ------------------------------------------------------------------
@@ -423,8 +467,6 @@ BAD_EVENTS = {
     "negative incarnation": ([batch(GOOD, incarnation=-1)], "incarnation"),
     "unknown event type": ([batch(GOOD, event_type="evict")], "event_type"),
     "store without backend": ([batch(GOOD, backend="")], "backend"),
-    "token id beyond uint32": ([batch(entry("bb02", [1, 2, 3, 2**32], offset=0))],
-                               "token_ids"),
     "token ids of the wrong JSON type": ([batch(_with(GOOD, token_ids="1,2,3,4"))],
                                          "token_ids"),
     "only the last entry is bad": (

@@ -28,6 +28,7 @@ CONTENTS = [(1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)]
 SPACES = [("m", "t0", 1, 0), ("m", "t1", 1, 0), ("m", "t0", 2, 0), ("m", "t0", 2, 1)]
 INSTANCES = ["i0", "i1"]
 TIERS = [("l1", "dram"), ("l2", "disk")]
+GROUPS = [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
 class Reference:
@@ -41,12 +42,10 @@ class Reference:
 
     def store(self, inst, tier, h, space, tokens, offset):
         self.places.setdefault((h, *space), set()).add((inst, tier))
-        if self.blend_on and len(tokens) == C:
-            if self.content.get(h, tokens) != tokens:
-                # New text under a known hash: the old position belonged to the old text.
-                self.offset.pop(h, None)
+        # Only a STORE with usable tokens sets content and offset (-1 included); one
+        # without (none, the wrong length, an id outside uint32) leaves both as they were.
+        if self.blend_on and len(tokens) == C and all(0 <= t < 2**32 for t in tokens):
             self.content[h] = tokens
-        if offset >= 0:
             self.offset[h] = offset
 
     def delete(self, inst, tier, h, space):
@@ -84,9 +83,9 @@ def _batch(inst, incarnation, seq, kind, tier, entries) -> CacheEventBatch:
 
 
 def _entry(h, space, tokens=(), offset=-1) -> CacheEventEntry:
-    model, salt, ws, rank = space
+    model, salt, ws, rank, *group = space
     key = EncodedObjectKey(chunk_hash_hex=h, model_name=model, cache_salt=salt,
-                           kv_rank=pack_kv_rank(ws, rank))
+                           kv_rank=pack_kv_rank(ws, rank), object_group_id=sum(group))
     return CacheEventEntry(key=key, token_ids=list(tokens), token_offset=offset)
 
 
@@ -97,7 +96,7 @@ def test_index_is_the_derived_view_of_the_directory(seed, enable_at):
     directory = KeyDirectory(chunk_size=C, enable_blend_lookup=enable_at == 0)
     reference = Reference(blend_on=enable_at == 0)
     cursors = {inst: [0, 0] for inst in INSTANCES}  # incarnation, seq
-    for step in range(200):
+    for step in range(400):
         if step == enable_at and step:
             directory.enable_blend_lookup()
             reference.blend_on = True
@@ -110,9 +109,12 @@ def test_index_is_the_derived_view_of_the_directory(seed, enable_at):
             reference.fence(inst)
         cursor[1] += 1
         tier = rng.choice(TIERS)
-        h, space = rng.choice(HASHES), rng.choice(SPACES)
+        # Object groups make keys of one hash many: past a few placements the directory
+        # changes representation, and back again as they go.
+        h, space = rng.choice(HASHES), rng.choice(SPACES) + (rng.choice(GROUPS),)
         if roll < 0.65:
-            tokens = rng.choice([(), (), rng.choice(CONTENTS), rng.choice(CONTENTS)[:3]])
+            tokens = rng.choice([(), (), rng.choice(CONTENTS), rng.choice(CONTENTS)[:3],
+                                 (1, 2, 3, 2**32)])
             offset = rng.choice([-1, 0, 4, 8])
             entries = [_entry(h, space, tokens, offset)]
             reference.store(inst, tier[0], h, space, tokens, offset)
@@ -153,3 +155,83 @@ def test_indexed_tokens_are_kept_once_and_fetched_back_when_claiming():
     directory.ingest([_batch("i0", 0, 2, "store", TIERS[0], [_entry("a1", t1, (), 0)])])
     found = directory.match(np.array(CONTENTS[0], dtype=np.uint32), BlendNamespace("m", "t1", 1))
     assert [(m.chunk_hash, m.old_st) for m in found] == [(bytes.fromhex("a1"), 0)]
+
+
+# --- one chunk hash, many keys ---------------------------------------------------------------
+
+
+def _store_groups(directory, groups, seq, salt="t0", tokens=CONTENTS[0], inst="i0",
+                  kind="store"):
+    entries = [_entry("a1", ("m", salt, 1, 0, g), tokens if kind == "store" else (), 0)
+               for g in groups]
+    reply = directory.ingest([_batch(inst, 0, seq, kind, TIERS[0], entries)])
+    assert reply.applied == 1
+
+
+def test_a_chunk_hash_with_many_keys_matches_until_its_namespaces_last_key_goes():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    query = np.array(CONTENTS[0], dtype=np.uint32)
+    t0, t1 = BlendNamespace("m", "t0", 1), BlendNamespace("m", "t1", 1)
+    _store_groups(directory, range(100), seq=1, salt="t0")
+    _store_groups(directory, range(50), seq=2, salt="t1", tokens=())
+    stats = directory.stats()
+    assert (stats["num_keys"], stats["num_placements"]) == (150, 150)
+    assert (stats["blend"]["num_chunks"], stats["blend"]["num_claims"]) == (1, 2)
+    _store_groups(directory, range(99), seq=3, salt="t0", kind="delete")
+    assert [m.old_st for m in directory.match(query, t0)] == [0]
+    _store_groups(directory, [99], seq=4, salt="t0", kind="delete")
+    assert directory.match(query, t0) == []
+    assert [m.old_st for m in directory.match(query, t1)] == [0]
+    _store_groups(directory, range(50), seq=5, salt="t1", kind="delete")
+    stats = directory.stats()
+    assert (stats["num_keys"], stats["num_placements"], stats["num_bindings"]) == (0, 0, 0)
+    assert stats["blend"]["num_chunks"] == 0
+
+
+def test_fencing_an_instance_drops_its_many_keys_of_one_hash_and_keeps_the_others():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store_groups(directory, range(40), seq=1, inst="i0")
+    _store_groups(directory, range(30, 60), seq=1, inst="i1")
+    restart = _entry("a2", SPACES[0], CONTENTS[1], 0)
+    directory.ingest([_batch("i0", 1, 1, "store", TIERS[0], [restart])])
+    stats = directory.stats()
+    assert (stats["num_keys"], stats["num_placements"]) == (31, 31)
+    found = directory.match(np.array(CONTENTS[0], dtype=np.uint32), BlendNamespace("m", "t0", 1))
+    assert [m.chunk_hash for m in found] == [bytes.fromhex("a1")]
+
+
+def _python_lines(action) -> int:
+    """Python lines run in the directory and the index during `action()` (deterministic)."""
+    import sys
+
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        return local if "/coordinator_stub/" in name or "/local_matcher/" in name else None
+
+    sys.settrace(tracer)
+    try:
+        action()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+@pytest.mark.parametrize("blend", [True, False], ids=["blend-on", "blend-off"])
+def test_storing_and_deleting_n_keys_of_one_hash_is_linear_work(blend):
+    work = {}
+    for n in (250, 2000):
+        directory = KeyDirectory(chunk_size=C, enable_blend_lookup=blend)
+        stored = _python_lines(lambda: _store_groups(directory, range(n), seq=1))
+        deleted = _python_lines(lambda: _store_groups(directory, range(n), seq=2,
+                                                      kind="delete"))
+        assert directory.stats()["num_keys"] == 0
+        work[n] = (stored, deleted)
+    assert work[2000][0] < 9 * work[250][0], work  # linear: 8x; quadratic: 64x
+    assert work[2000][1] < 9 * work[250][1], work
