@@ -5,9 +5,11 @@ Contract:
   (tests use it to reach the directory, e.g. to enable blend lookup mid-life).
 - The event loop only moves bytes. Every blocking step (validation, the directory lock,
   matching) runs on a worker thread:
-  * ingest on ONE dedicated thread: requests are applied in the order their bodies
-    arrived, so batches of an instance apply in order, and a slow ingest never takes a
-    thread a lookup could use;
+  * ingest on ONE scheduler thread (`coordinator_stub.ingest`): bodies are validated and
+    applied a batch at a time, emitters taking turns, so one client's flood delays
+    another's batch by at most one batch's work; per instance, batches apply in order.
+    Request bytes in flight are bounded: a body that does not fit is answered 503 with
+    `Retry-After` before it is read;
   * lookups on `match_workers` threads (one by default: the index serialises matches
     under its own lock, so a second matcher only adds lock and GIL hand-offs), so a long
     query stalls neither ingest nor `/healthz` (which never leaves the loop). A lookup
@@ -40,13 +42,20 @@ from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 #: Caps open connections when the app is served through it (`python -m coordinator_stub`).
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
-_INGEST_POOL = web.AppKey("ingest_pool", concurrent.futures.ThreadPoolExecutor)
 _MATCH_POOL = web.AppKey("match_pool", concurrent.futures.ThreadPoolExecutor)
 
 _JSON = "application/json"
 #: Lookup bodies up to this size (about 48k tokens) are parsed on the loop.
 _INLINE_PARSE_BYTES = 256 * 1024
 _HEALTHY = encode({"status": "ok"})
+
+
+#: Seconds a client refused for load should wait before retrying.
+RETRY_AFTER_S = 1
+
+
+class _Busy(Exception):
+    """Too much in flight right now (-> 503 with Retry-After)."""
 
 
 class _Unreadable(Exception):
@@ -98,6 +107,10 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
             return _error(413, str(exc))
         except _Unreadable as exc:
             return _error(exc.status, str(exc))
+        except _Busy as exc:
+            response = _error(503, str(exc))
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         return web.Response(body=reply, content_type=_JSON)
     return respond
 
@@ -110,8 +123,24 @@ def _run(request: web.Request, pool: web.AppKey | None, work: Callable[..., byte
 
 @_answers_errors
 async def _events(request: web.Request) -> bytes:
-    body = await _read_body(request)
-    return await _run(request, _INGEST_POOL, request.app[COORDINATOR].ingest, body)
+    coordinator = request.app[COORDINATOR]
+    config = coordinator.config
+    # Reserve before reading: a body that does not fit is never buffered. Without a
+    # declared length, or compressed, it may grow to the body limit.
+    declared = request.content_length
+    if declared is not None and declared > config.max_body_bytes:
+        await _read_body(request)  # refuses it (413) on the declared length, unread
+    size = (declared if declared is not None and not request.headers.get("Content-Encoding")
+            else config.max_body_bytes)
+    release = coordinator.ingest_budget.try_reserve(size)
+    if release is None:
+        raise _Busy(f"ingest is saturated ({config.max_ingest_bytes} request bytes in "
+                    f"flight, --max-ingest-bytes); retry after {RETRY_AFTER_S} s")
+    try:
+        body = await _read_body(request)
+        return await asyncio.wrap_future(coordinator.submit_events(body))
+    finally:
+        release()
 
 
 @_answers_errors
@@ -139,12 +168,12 @@ async def _health(request: web.Request) -> web.Response:
 async def _worker_pools(app: web.Application) -> AsyncIterator[None]:
     """Threads live exactly as long as the running app."""
     config = app[COORDINATOR].config
-    app[_INGEST_POOL] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ingest")
+    app[COORDINATOR].ingest_queue.start()
     app[_MATCH_POOL] = concurrent.futures.ThreadPoolExecutor(
         config.match_workers, thread_name_prefix="match")
     yield
-    for key in (_INGEST_POOL, _MATCH_POOL):
-        app[key].shutdown(wait=True, cancel_futures=True)
+    app[_MATCH_POOL].shutdown(wait=True, cancel_futures=True)
+    app[COORDINATOR].ingest_queue.close()
 
 
 def create_app(config: CoordinatorConfig | None = None) -> web.Application:

@@ -21,6 +21,8 @@ DEFAULT_PORT = 9300
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_QUERY_TOKENS = 1 << 20
+#: `/events` request bytes being read or waiting to be applied, all clients together.
+DEFAULT_MAX_INGEST_BYTES = 2 * DEFAULT_MAX_BODY_BYTES
 #: A connection that has not sent a complete request head this long after it opened, or
 #: after its previous response, is closed (aiohttp's keep-alive timer covers both).
 DEFAULT_IDLE_TIMEOUT_S = 30.0
@@ -39,6 +41,7 @@ class CoordinatorConfig:
     blend_probe_stride: int = 1
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_query_tokens: int = DEFAULT_MAX_QUERY_TOKENS
+    max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES
     # The index serialises matches under its lock: more matcher threads only add lock
     # and GIL hand-offs (measured: ~10% fewer lookups/s with two than with one).
     match_workers: int = 1
@@ -48,10 +51,15 @@ class CoordinatorConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        for name in ("chunk_size", "blend_probe_stride", "max_body_bytes", "max_query_tokens"):
+        for name in ("chunk_size", "blend_probe_stride", "max_body_bytes", "max_query_tokens",
+                     "max_ingest_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_ingest_bytes < self.max_body_bytes:
+            raise ValueError(f"max_ingest_bytes ({self.max_ingest_bytes}) must be at least "
+                             f"max_body_bytes ({self.max_body_bytes}), or the largest "
+                             "accepted body could never be admitted")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not isinstance(self.match_workers, int) or self.match_workers < 1:
@@ -109,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted; larger ones are answered 413 "
                              "(default: %(default)s = 64 MiB)")
+    parser.add_argument("--max-ingest-bytes", type=_positive_int,
+                        default=DEFAULT_MAX_INGEST_BYTES,
+                        help="/events request bytes in flight (being read or waiting to be "
+                             "applied), all clients together; beyond it a body is answered "
+                             "503 with Retry-After, without being read. Bodies up to 1 MiB "
+                             "have a reserve of their own (default: %(default)s = 128 MiB)")
     parser.add_argument("--max-query-tokens", type=_positive_int,
                         default=DEFAULT_MAX_QUERY_TOKENS,
                         help="longest blend-lookup query in tokens; longer ones are answered "
@@ -146,6 +160,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CoordinatorConfig:
             host=args.host, port=args.port, enable_blend_lookup=args.enable_blend_lookup,
             chunk_size=args.chunk_size, blend_probe_stride=args.blend_probe_stride,
             max_body_bytes=args.max_body_bytes, max_query_tokens=args.max_query_tokens,
+            max_ingest_bytes=args.max_ingest_bytes,
             match_workers=args.match_workers, idle_timeout_s=args.idle_timeout,
             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
             log_level=args.log_level)

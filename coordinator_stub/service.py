@@ -1,9 +1,12 @@
 """The coordinator's request logic, free of HTTP: body in, reply body out.
 
 Contract:
-- `ingest(body)`: validate the whole `/events` body with `blend_wire.decode` first; a
-  body that fails raises `WireError` (-> 422) and nothing of it is applied. Then the
-  directory gates and applies the batches in order.
+- `submit_events(body)`: queue an `/events` body with the fair ingest scheduler
+  (`coordinator_stub.ingest`); the future resolves to the reply body. Every batch is
+  validated before the first is applied: a body that fails raises `WireError` (-> 422)
+  and nothing of it is applied. Then the directory gates and applies the batches in
+  order, one at a time, taking turns with other emitters. `ingest_budget` bounds the
+  request bytes in flight (the HTTP layer reserves before reading a body).
 - `lookup(body)`: validate, refuse queries over `max_query_tokens` with `TooLarge`
   (-> 413) before decoding them, and match in the caller's namespace. With blend lookup
   off, or a query shorter than one chunk, the answer is `{"matches": []}`.
@@ -18,12 +21,15 @@ bodies are encoded with `blend_wire.encode`, the one owner of the wire shapes.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.ingest import ByteBudget, FairIngest
 from blend_wire import (
     BlendLookupReply,
     BlendLookupRequest,
-    EventsRequest,
+    CacheEventBatch,
     WireBlendMatch,
     decode,
     decode_tokens,
@@ -44,11 +50,26 @@ class Coordinator:
         self.directory = KeyDirectory(chunk_size=config.chunk_size,
                                       probe_stride=config.blend_probe_stride,
                                       enable_blend_lookup=config.enable_blend_lookup)
+        self.ingest_queue = FairIngest(self._apply_batch)
+        self.ingest_budget = ByteBudget(config.max_ingest_bytes)
         decode_tokens("AAAAAA==")  # compile (or load) the codec kernel before any request
 
-    def ingest(self, body: bytes) -> bytes:
-        request = decode(body, EventsRequest)  # whole body, before anything is applied
-        return encode(self.directory.ingest(request.batches))
+    def submit_events(self, body: bytes) -> concurrent.futures.Future:
+        """Queue an `/events` body; the future's result is the reply body (`bytes`)."""
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(job: concurrent.futures.Future) -> None:
+            error = job.exception()
+            if error is not None:
+                reply.set_exception(error)
+            else:
+                reply.set_result(encode(job.result()))
+        self.ingest_queue.submit(body).add_done_callback(done)
+        return reply
+
+    def _apply_batch(self, batch: CacheEventBatch) -> str:
+        reply = self.directory.ingest([batch])
+        return "applied" if reply.applied else "duplicate" if reply.duplicates else "stale"
 
     def lookup(self, body: bytes) -> bytes:
         return self.answer(self.parse_lookup(body))

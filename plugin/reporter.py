@@ -25,6 +25,9 @@ Contract:
   oldest events are dropped first and counted in `stats().dropped_events`.
 - A batch the coordinator rejects as invalid (422) can never succeed: it is dropped, counted
   and logged, so it cannot wedge the queue.
+- A coordinator that sheds load (503 or 429) is honoured: nothing is posted again until its
+  `Retry-After` (seconds, capped at `MAX_RETRY_AFTER_S`; 1 s when absent or unreadable) has
+  passed; the events stay queued, in order.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class ReporterStats:
     stale: int = 0
     pending: int = 0
     incarnation: int = 0
+
+#: The longest `Retry-After` honoured: a coordinator cannot silence a reporter for longer.
+MAX_RETRY_AFTER_S = 60.0
 
 _incarnation_lock = threading.Lock()
 _last_incarnation = 0
@@ -135,6 +141,7 @@ class CacheEventReporter:
         self._seq = itertools.count(1)
         self._stats = ReporterStats(incarnation=self.incarnation)
         self._failing = False
+        self._retry_at = 0.0  # time.monotonic() before which nothing is posted (Retry-After)
         self._closed = False
         self._stop = threading.Event()
         self._owns_executor = executor is None and start
@@ -212,6 +219,8 @@ class CacheEventReporter:
         """One delivery attempt of everything queued; True when nothing is left undelivered."""
         with self._flush_lock:
             self._form_batches()
+            if time.monotonic() < self._retry_at:
+                return not self._outbox  # the coordinator asked for a pause
             while True:
                 with self._lock:
                     to_send, entries = [], 0
@@ -279,6 +288,13 @@ class CacheEventReporter:
             logger.error("coordinator rejected %d event batch(es) as invalid and they were "
                          "dropped: %s", len(batches), response.text[:300])
             return True
+        if response.status_code in (429, 503):
+            delay = _retry_after_s(response.headers.get("retry-after"))
+            self._retry_at = time.monotonic() + delay
+            with self._lock:
+                self._stats["throttled"] += 1
+            return self._failed(f"HTTP {response.status_code}, retrying after {delay:g} s: "
+                                f"{response.text[:200]!r}")
         if response.status_code != 200:
             return self._failed(f"HTTP {response.status_code}: {response.text[:200]!r}")
         self._remove_sent(batches)
@@ -354,3 +370,14 @@ class CacheEventReporter:
             if self._owns_executor:
                 self._executor.shutdown(wait=True)
             self._http.close()
+
+
+def _retry_after_s(value: str | None) -> float:
+    """`Retry-After` in seconds (the delay form; an HTTP date or garbage counts as 1 s)."""
+    try:
+        delay = float(value) if value is not None else 1.0
+    except ValueError:
+        delay = 1.0
+    if not delay >= 0:  # NaN, negative
+        delay = 1.0
+    return min(delay, MAX_RETRY_AFTER_S)

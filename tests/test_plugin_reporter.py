@@ -225,7 +225,7 @@ def test_bounded_queue_drops_oldest_and_counts_them():
     down.set()
 
     def behave(path, body):
-        return Reply(503, "down") if down.is_set() else ok_reply(path, body)
+        return Reply(500, "down") if down.is_set() else ok_reply(path, body)
 
     with LoopbackServer(behave) as server:
         reporter = reporter_for(server.url, max_events=5)
@@ -245,11 +245,11 @@ def test_bounded_queue_drops_oldest_and_counts_them():
 
 
 def test_failed_flush_is_retried_without_reordering():
-    outcomes = iter([503, 503])
+    outcomes = iter([500, 500])
 
     def behave(path, body):
         status = next(outcomes, 200)
-        return Reply(503, "down") if status != 200 else ok_reply(path, body)
+        return Reply(500, "down") if status != 200 else ok_reply(path, body)
 
     with LoopbackServer(behave) as server:
         reporter = reporter_for(server.url)

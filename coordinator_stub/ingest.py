@@ -1,0 +1,286 @@
+"""Fair, bounded ingest: `/events` bodies are validated and applied one batch at a time,
+taking turns across emitters, so a flood from one cannot stall the others.
+
+Contract:
+- `FairIngest(apply_batch)`; `start()` runs its one scheduler thread, `close()` stops it
+  (pending bodies fail with `IngestClosed`). `submit(body)` returns at once with a
+  `concurrent.futures.Future` of `EventsReply`, or of the `WireError` that rejects the body
+  (nothing of it applied), or of whatever `apply_batch` raised.
+- Work is cut into steps, each about one batch's work: scanning a body's outline (its
+  batches as raw JSON, cheap: no objects built), validating one batch, applying one batch.
+  Every emitter (the `instance_id` of a body's first batch) has its own FIFO of bodies,
+  and emitters take turns a step at a time, as does the queue of bodies not yet scanned.
+  So a small body waits for at most one step of each other busy emitter, never for
+  another emitter's whole body.
+- All or nothing per body: every batch is validated before the first is applied. A body
+  that breaks the contract anywhere is rejected whole, its message naming the field as
+  `$.batches[i]...` like a whole-body decode would. Per emitter, bodies apply in the order
+  they arrived (one scan queue, FIFO), and a body's batches in their order.
+- Memory: the decoded objects of a batch are several times its JSON. Decoded batches are
+  kept from validation to application only while the bodies keeping them total at most
+  `keep_decoded_bytes`; a larger body is decoded again batch by batch when applied, so
+  whatever the burst, at most a batch of decoded objects per busy emitter is alive.
+- `ByteBudget` bounds request bytes in flight (the HTTP layer reserves before reading a
+  body and answers 503 + Retry-After when it cannot); bodies up to `small_body_bytes`
+  draw on a reserve of their own, so large bodies cannot crowd out ordinary batches.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import re
+import threading
+from typing import Callable
+
+import msgspec
+
+from blend_wire import CacheEventBatch, EventsReply, WireError, decode
+
+log = logging.getLogger(__name__)
+
+
+class IngestClosed(RuntimeError):
+    """The coordinator is shutting down; the body was not (fully) applied."""
+
+
+class _Outline(msgspec.Struct):
+    """A body's shape without its contents: the batches stay raw JSON until their turn."""
+
+    batches: list[msgspec.Raw]
+
+
+class _Route(msgspec.Struct):
+    instance_id: object = ""
+
+
+_PATH = re.compile(r"`\$")
+_SCAN, _VALIDATE, _APPLY = "scan", "validate", "apply"
+_NOBODY = object()  # `_running` when no participant's step is running
+
+
+class _Job:
+    __slots__ = ("body", "future", "raws", "decoded", "kept", "phase", "next", "counts")
+
+    def __init__(self, body: bytes) -> None:
+        self.body: bytes | None = body
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.raws: list[msgspec.Raw] = []
+        self.decoded: list[CacheEventBatch] = []
+        self.kept = 0  # bytes counted against keep_decoded_bytes
+        self.phase = _SCAN
+        self.next = 0
+        self.counts = [0, 0, 0]  # applied, duplicates, stale
+
+
+class FairIngest:
+    """One scheduler thread running validation and application steps round-robin."""
+
+    def __init__(self, apply_batch: Callable[[CacheEventBatch], str], *,
+                 keep_decoded_bytes: int = 16 << 20) -> None:
+        self._apply_batch = apply_batch
+        self.keep_decoded_bytes = keep_decoded_bytes
+        self._kept = 0
+        self._cond = threading.Condition()
+        # Participants in turn order; None is the queue of bodies not yet scanned.
+        self._ready: collections.OrderedDict[object, None] = collections.OrderedDict()
+        self._queues: dict[object, collections.deque[_Job]] = {}
+        self._running: object = _NOBODY
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="ingest", daemon=True)
+                self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cond:
+            for queue in self._queues.values():
+                for job in queue:
+                    _fail(job, IngestClosed("the coordinator is shutting down"))
+            self._queues.clear()
+            self._ready.clear()
+
+    # --- submitting ------------------------------------------------------------------------
+
+    def submit(self, body: bytes) -> concurrent.futures.Future:
+        """Queue a body; the future resolves to its `EventsReply` (or its error)."""
+        job = _Job(body)
+        with self._cond:
+            if self._closed:
+                _fail(job, IngestClosed("the coordinator is shutting down"))
+                return job.future
+            self._enqueue_locked(None, job)
+        return job.future
+
+    @property
+    def pending(self) -> int:
+        """Bodies queued or in progress."""
+        with self._cond:
+            return sum(len(queue) for queue in self._queues.values())
+
+    def _enqueue_locked(self, key: object, job: _Job) -> None:
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = collections.deque()
+        queue.append(job)
+        if key != self._running and key not in self._ready:
+            self._ready[key] = None
+            self._cond.notify()
+
+    # --- the scheduler -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ready and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                key, _ = self._ready.popitem(last=False)
+                self._running = key
+                job = self._queues[key][0]
+            try:
+                done = self._step(job)
+            except Exception as exc:  # an internal error fails this body, never the thread
+                log.exception("ingest step failed; the body is answered with an error")
+                _fail(job, exc)
+                done = True
+            self.steps += 1
+            with self._cond:
+                self._running = _NOBODY
+                queue = self._queues[key]
+                if done:
+                    queue.popleft()
+                    self._kept -= job.kept
+                    job.kept = 0
+                elif key is None:  # scanned: now it queues behind its emitter's bodies
+                    queue.popleft()
+                    self._enqueue_locked(_route(job), job)
+                if queue:
+                    self._ready[key] = None
+                else:
+                    del self._queues[key]
+
+    def _step(self, job: _Job) -> bool:
+        """One step of `job`; True when it is finished (future resolved)."""
+        if job.phase == _SCAN:
+            try:
+                job.raws = decode(job.body, _Outline).batches
+            except WireError as exc:
+                _fail(job, exc)
+                return True
+            keep = len(job.body) <= self.keep_decoded_bytes
+            with self._cond:
+                if keep and self._kept + len(job.body) <= self.keep_decoded_bytes:
+                    job.kept = len(job.body)
+                    self._kept += job.kept
+            job.body = None  # the raws are views of it; nothing else needs it
+            job.phase = _VALIDATE
+            if not job.raws:
+                return _finish(job)
+            return False
+        if job.phase == _VALIDATE:
+            try:
+                batch = _decode_batch(job.raws[job.next], job.next)
+            except WireError as exc:
+                _fail(job, exc)
+                return True
+            if job.kept:
+                job.decoded.append(batch)
+            job.next += 1
+            if job.next == len(job.raws):
+                job.phase, job.next = _APPLY, 0
+            return False
+        # _APPLY
+        i = job.next
+        batch = job.decoded[i] if job.kept else _decode_batch(job.raws[i], i)
+        if job.kept:
+            job.decoded[i] = None  # its objects go as soon as it is applied
+        verdict = self._apply_batch(batch)
+        job.counts[_COUNT_OF[verdict]] += 1
+        job.next += 1
+        return _finish(job) if job.next == len(job.raws) else False
+
+
+
+def _route(job: _Job) -> str:
+    """The emitter whose turns a body takes: its first batch's instance id. Not validated
+    yet: anything that is not a string queues as "" and fails validation in its turn."""
+    try:
+        instance_id = msgspec.json.decode(job.raws[0], type=_Route).instance_id
+    except msgspec.MsgspecError:
+        return ""
+    return instance_id if isinstance(instance_id, str) else ""
+
+
+_COUNT_OF = {"applied": 0, "duplicate": 1, "stale": 2}
+
+
+def _decode_batch(raw: msgspec.Raw, index: int) -> CacheEventBatch:
+    try:
+        return decode(raw, CacheEventBatch)
+    except WireError as exc:
+        # Name the field as a whole-body decode would: `$.batches[3].seq`, not `$.seq`.
+        message = str(exc)
+        if "`$" in message:
+            raise WireError(_PATH.sub(f"`$.batches[{index}]", message)) from None
+        raise WireError(f"{message} - at `$.batches[{index}]`") from None
+
+
+def _finish(job: _Job) -> bool:
+    applied, duplicates, stale = job.counts
+    if not job.future.done():
+        job.future.set_result(EventsReply(applied=applied, duplicates=duplicates, stale=stale))
+    job.raws, job.decoded = [], []
+    return True
+
+
+def _fail(job: _Job, exc: BaseException) -> None:
+    if not job.future.done():
+        job.future.set_exception(exc)
+    job.raws, job.decoded, job.body = [], [], None
+
+
+class ByteBudget:
+    """Request bytes in flight, bounded. Used from the event loop only (no lock).
+
+    `try_reserve(size)` returns a release callable, or None when `size` does not fit.
+    """
+
+    def __init__(self, limit: int, *, small_body_bytes: int = 1 << 20,
+                 small_reserve: int = 32 << 20) -> None:
+        self.limit = limit
+        self.small_body_bytes = small_body_bytes
+        self.small_reserve = small_reserve
+        self.in_flight = 0
+        self.small_in_flight = 0
+        self.refused = 0
+
+    def try_reserve(self, size: int) -> Callable[[], None] | None:
+        if self.in_flight + size <= self.limit:
+            self.in_flight += size
+            return lambda: self._release(size, small=False)
+        if size <= self.small_body_bytes and self.small_in_flight + size <= self.small_reserve:
+            self.small_in_flight += size
+            return lambda: self._release(size, small=True)
+        self.refused += 1
+        return None
+
+    def _release(self, size: int, *, small: bool) -> None:
+        if small:
+            self.small_in_flight -= size
+        else:
+            self.in_flight -= size
