@@ -63,6 +63,7 @@ class ReporterStats:
     dropped_after_close: int = 0
     sent_batches: int = 0
     failed_flushes: int = 0
+    throttled: int = 0      # 503/429 answers: nothing posted until their Retry-After passed
     rejected_batches: int = 0
     applied: int = 0       # batches, as the coordinator counted them
     duplicates: int = 0
@@ -292,7 +293,7 @@ class CacheEventReporter:
             delay = _retry_after_s(response.headers.get("retry-after"))
             self._retry_at = time.monotonic() + delay
             with self._lock:
-                self._stats["throttled"] += 1
+                self._stats.throttled += 1
             return self._failed(f"HTTP {response.status_code}, retrying after {delay:g} s: "
                                 f"{response.text[:200]!r}")
         if response.status_code != 200:

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from blend_wire import EVENTS_PATH, encode
+from blend_wire import EVENTS_PATH, BlendNamespace, encode
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.ingest import ByteBudget, FairIngest
 from coordinator_stub.process import launch_coordinator
@@ -147,16 +147,16 @@ def test_bytes_in_flight_are_bounded_503_retry_after_and_the_reporter_honours_it
         try:
             tokens = rng.integers(0, 2**31, (count, 4))
             hashes = [i.to_bytes(8, "big") for i in range(count)]
-            reporter.report_store(("m", "", 1), hashes, list(tokens), [0] * count)
+            reporter.report_store(BlendNamespace("m", "", 1), hashes, list(tokens), [0] * count)
             assert not reporter.flush()
-            assert reporter.stats()["throttled"] == 1
+            assert reporter.stats().throttled == 1
             assert not reporter.flush()  # within Retry-After: not even tried
-            assert reporter.stats()["throttled"] == 1
-            assert reporter.stats()["failed_flushes"] == 1
+            assert reporter.stats().throttled == 1
+            assert reporter.stats().failed_flushes == 1
             assert hog.recv(4096).startswith(b"HTTP/1.1 408")  # the hog's body timed out
             time.sleep(1.1)  # Retry-After: 1
             assert reporter.flush()
-            assert reporter.stats()["applied"] >= 1
+            assert reporter.stats().applied >= 1
         finally:
             reporter.close()
             hog.close()
