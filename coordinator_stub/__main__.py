@@ -1,6 +1,7 @@
 """`python -m coordinator_stub`: run the bundled coordinator until SIGINT/SIGTERM.
 
-Contract (tests/conftest.py relies on it): once the socket is bound, exactly one line
+Contract (`coordinator_stub.process` relies on it; tests, the demo and benchmarks start
+the coordinator through that module): once the socket is bound, exactly one line
 ``listening on http://HOST:PORT`` is written to stdout and flushed, with the real port
 when `--port 0` asked for a free one. Logs go to stderr. On SIGINT or SIGTERM the server
 stops accepting, finishes in-flight requests, stops its worker threads and exits 0.
