@@ -10,13 +10,11 @@ lookup ran; there was no way to cancel and no cap (10k abandoned 8k-token lookup
 from __future__ import annotations
 
 import gc
-import time
 import tracemalloc
 
-import numpy as np
 import pytest
 
-from helpers import LoopbackServer, Reply
+from helpers import FakeClock, LoopbackServer, Reply
 from plugin import (BlendPlugin, CBUnifiedLookupResult, InMemoryHost, LookupKey, MatchState,
                     PluginConfig)
 
@@ -64,14 +62,15 @@ def test_cancel_withdraws_the_coordinator_query():
 
 
 def test_an_abandoned_lookup_is_released_after_a_few_budgets_without_another_lookup():
-    host = InMemoryHost(C, prefix_delay_s=60.0)
-    with _plugin(host, blend_timeout=0.05) as plugin:
+    clock = FakeClock()
+    host = InMemoryHost(C, prefix_delay_s=60.0, clock=clock)
+    with BlendPlugin(PluginConfig(chunk_size=C, blend_timeout=0.05), host, clock=clock) as plugin:
         assert plugin.config.abandon_after_s == pytest.approx(0.2)  # 4 budgets
         plugin.cb_unified_lookup(_key("gone", 64))
-        time.sleep(0.1)
+        clock.advance(0.1)
         plugin.sweep()
         assert plugin.active_lookups == 1  # still within its budgets
-        time.sleep(0.15)
+        clock.advance(0.15)
         # The store path sweeps too: no later lookup is needed to let it go.
         key = LookupKey("s", list(range(C)), MODEL)
         plugin.on_store(key, [b"\x01" * 16], 0)
@@ -80,14 +79,16 @@ def test_an_abandoned_lookup_is_released_after_a_few_budgets_without_another_loo
 
 
 def test_a_polled_lookup_is_not_abandoned():
-    host = InMemoryHost(C, prefix_delay_s=0.4)
-    with _plugin(host, blend_timeout=0.05) as plugin:
-        started = time.monotonic()
+    clock = FakeClock()  # scheduler steps 10 ms apart, however loaded the machine
+    host = InMemoryHost(C, prefix_delay_s=0.4, clock=clock)
+    with BlendPlugin(PluginConfig(chunk_size=C, blend_timeout=0.05), host, clock=clock) as plugin:
         result = None
-        while result is None and time.monotonic() - started < 3:
+        for step in range(300):
             result = plugin.cb_unified_lookup(_key("slow", 64))
-            plugin.cb_unified_lookup(_key(f"other-{time.monotonic()}", 8))  # runs sweeps
-            time.sleep(0.01)
+            if result is not None:
+                break
+            plugin.cb_unified_lookup(_key(f"other-{step}", 8))  # runs sweeps
+            clock.advance(0.01)
         assert result == CBUnifiedLookupResult(0, [])
         # Polled all along, so never released and restarted: one prefix lookup, many polls.
         assert [rid for rid, _ in host.prefix_requests].count("slow") == 1
