@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
 from coordinator_stub.process import start_coordinator  # noqa: E402
-from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig  # noqa: E402
+from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig, Source  # noqa: E402
 
 C = 256
 MODEL = "demo-llama-8b"
@@ -122,8 +122,8 @@ def main() -> int:
             result, seconds = lookup(server.fleet, key)
             trace = server.fleet.trace(key.request_id)
             alone, _ = lookup(server.local_only, LookupKey(f"req-{r}-local", tokens, MODEL))
-            local_tokens = trace.tokens_from("local", "both")
-            fleet_tokens = trace.tokens_from("fleet")
+            local_tokens = trace.tokens_from(Source.LOCAL, Source.BOTH)
+            fleet_tokens = trace.tokens_from(Source.FLEET)
             n = len(tokens)
             print(f"{r:>4} {server.name:>8} {','.join(map(str, sorted(picked))):>9} {n:>6} "
                   f"{result.prefix_coverage_tokens:>6} {local_tokens:>6} {fleet_tokens:>6} "

@@ -51,7 +51,7 @@ from blend_wire import (BLEND_LOOKUP_PATH, BlendLookupReply, BlendLookupRequest,
 from plugin.http import coordinator_http
 from plugin.types import BreakerState, CBMatchResult, FleetReply, MatchState
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # A round-trip with less time than this left cannot come back in time: treat the query as
 # past its deadline instead of sending it (and counting the sure timeout against the breaker).
@@ -170,7 +170,7 @@ class BlendCoordinatorClient:
                     return False
                 if not self._make_room_locked(now):
                     self._stats.declined_full += 1
-                    logger.warning("coordinator client tracks %d queries (max_tracked); request "
+                    log.warning("coordinator client tracks %d queries (max_tracked); request "
                                    "%s goes local-only. Take results with take().",
                                    len(self._tracked), request_id)
                     return False
@@ -186,7 +186,7 @@ class BlendCoordinatorClient:
                     self._executor.submit(self._drain)
             return True
         except Exception:  # never into the serving path
-            logger.exception("submit failed for request %s; going local-only", request_id)
+            log.exception("submit failed for request %s; going local-only", request_id)
             return False
 
     def take(self, request_id: str) -> FleetReply:
@@ -261,7 +261,7 @@ class BlendCoordinatorClient:
         stats = self._stats
         if failure is None:
             if self._breaker is not BreakerState.CLOSED:
-                logger.info("coordinator at %s answers again; fleet lookups resume", self.base_url)
+                log.info("coordinator at %s answers again; fleet lookups resume", self.base_url)
             self._breaker, self._probe_out, self._failures = BreakerState.CLOSED, False, 0
             return
         if not failure.unhealthy:
@@ -269,23 +269,23 @@ class BlendCoordinatorClient:
             # it was (a failed probe just lets the next query probe instead).
             if query.is_probe:
                 self._probe_out = False
-            logger.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
+            log.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
                            failure)
             return
         self._failures += 1
         if self._breaker is BreakerState.HALF_OPEN and query.is_probe:
             self._breaker, self._opened_at, self._probe_out = BreakerState.OPEN, now, False
-            logger.warning("coordinator probe failed (%s); fleet leg stays off for %.1f s",
+            log.warning("coordinator probe failed (%s); fleet leg stays off for %.1f s",
                            failure, self.breaker_cooldown_s)
         elif self._breaker is BreakerState.CLOSED:
             if self._failures >= self.breaker_threshold:
                 self._breaker, self._opened_at = BreakerState.OPEN, now
                 stats.breaker_opened += 1
-                logger.warning("coordinator blend-lookup failed %d times in a row (last: %s); "
+                log.warning("coordinator blend-lookup failed %d times in a row (last: %s); "
                                "circuit breaker open, lookups go local-only for %.1f s",
                                self._failures, failure, self.breaker_cooldown_s)
             else:
-                logger.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
+                log.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
                                failure)
 
     # --- bookkeeping, guarded by _lock ----------------------------------------------------------
@@ -325,7 +325,7 @@ class BlendCoordinatorClient:
             try:
                 self._serve(query)
             except Exception:  # keep draining whatever happens
-                logger.exception("coordinator query failed on request %s", query.request_id)
+                log.exception("coordinator query failed on request %s", query.request_id)
 
     def _serve(self, query: _Query) -> None:
         with self._lock:
@@ -417,7 +417,7 @@ class BlendCoordinatorClient:
         if dropped:
             with self._lock:
                 self._stats.dropped_entries += dropped
-            logger.warning("dropped %d invalid match(es) from the coordinator reply (first: %s)",
+            log.warning("dropped %d invalid match(es) from the coordinator reply (first: %s)",
                            dropped, first_reason)
         kept.sort(key=lambda s: s.cur_st)
         return tuple(kept)

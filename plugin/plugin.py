@@ -64,7 +64,7 @@ from plugin.reporter import CacheEventReporter, ReporterStats
 from plugin.types import (CBMatchResult, CBUnifiedLookupResult, FleetStatus, LookupKey,
                           MatchState, Source, tokens_of)
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -137,11 +137,11 @@ class BlendPlugin:
         self.reporter: CacheEventReporter | None = None
         self._workers: ThreadPoolExecutor | None = None
         if config.coordinator_url and not config.event_reporting:
-            logger.warning("%s is set but %s is off: the coordinator would hold no cache state "
+            log.warning("%s is set but %s is off: the coordinator would hold no cache state "
                            "to match, so the fleet leg stays off. Set %s=1 to enable it.",
                            ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_EVENT_REPORTING)
         if config.fleet_enabled and config.instance_id_is_default:
-            logger.warning("instance id defaulted to %r (hostname:pid), which changes when this "
+            log.warning("instance id defaulted to %r (hostname:pid), which changes when this "
                            "process restarts, so the coordinator cannot fence what the previous "
                            "process reported. Set %s to a stable per-server name.",
                            config.instance_id, ENV_INSTANCE_ID)
@@ -211,7 +211,7 @@ class BlendPlugin:
                 self.reporter.report_store(namespace, hashes,
                                            [tokens[o:o + size] for o in offsets], offsets)
         except Exception:
-            logger.exception("on_store failed for request %s; the range is not indexed",
+            log.exception("on_store failed for request %s; the range is not indexed",
                              getattr(key, "request_id", "?"))
 
     def on_evict(self, chunk_hashes: Sequence[bytes]) -> None:
@@ -234,7 +234,7 @@ class BlendPlugin:
                 for namespace, owned in by_namespace.items():
                     self.reporter.report_delete(namespace, owned)
         except Exception:
-            logger.exception("on_evict failed; some chunks may stay indexed")
+            log.exception("on_evict failed; some chunks may stay indexed")
 
     @staticmethod
     def _all_bytes(hashes: list, caller: str) -> bool:
@@ -243,7 +243,7 @@ class BlendPlugin:
         bad = [h for h in hashes if not isinstance(h, bytes)]
         if not bad:
             return True
-        logger.error("%s: chunk hashes must be bytes, got %s; the whole call (%d chunk(s)) is "
+        log.error("%s: chunk hashes must be bytes, got %s; the whole call (%d chunk(s)) is "
                      "skipped", caller, type(bad[0]).__name__, len(hashes))
         return False
 
@@ -283,7 +283,7 @@ class BlendPlugin:
                 self._release(request_id, state)
             return result
         except Exception:
-            logger.exception("unified lookup failed for request %s; answering no reuse", request_id)
+            log.exception("unified lookup failed for request %s; answering no reuse", request_id)
             with self._lock:
                 self._stats.errors += 1
             # Only the state this call worked on: the map may by now hold a new lookup that
@@ -309,7 +309,7 @@ class BlendPlugin:
             state.fleet_status = FleetStatus.NOT_ASKED
             if not self._warned_not_asked:
                 self._warned_not_asked = True
-                logger.warning("lookup %s has model_name=%r, world_size=%r, cache_salt=%r: "
+                log.warning("lookup %s has model_name=%r, world_size=%r, cache_salt=%r: "
                                "the coordinator cannot answer that, so such lookups go "
                                "local-only", state.request_id, namespace.model_name,
                                namespace.world_size, namespace.cache_salt[:40])
@@ -393,7 +393,7 @@ class BlendPlugin:
             self._let_go([state])
             return True
         except Exception:
-            logger.exception("cancel failed for request %s", request_id)
+            log.exception("cancel failed for request %s", request_id)
             return False
 
     def _sweep_locked(self, now: float, released: list[_Lookup]) -> None:
@@ -419,7 +419,7 @@ class BlendPlugin:
                 if host_cancel is not None:
                     host_cancel(state.request_id)
             except Exception:
-                logger.exception("could not cancel what lookup %s left in flight",
+                log.exception("could not cancel what lookup %s left in flight",
                                  state.request_id)
 
     # --- introspection and lifecycle -------------------------------------------------------------
@@ -459,7 +459,7 @@ class BlendPlugin:
         try:
             return self.reporter.flush()
         except Exception:
-            logger.exception("cache-event flush failed")
+            log.exception("cache-event flush failed")
             return False
 
     def close(self) -> None:
@@ -478,7 +478,7 @@ class BlendPlugin:
             try:
                 closer()
             except Exception:
-                logger.exception("error while closing the blend plugin")
+                log.exception("error while closing the blend plugin")
 
     def __enter__(self) -> "BlendPlugin":
         return self

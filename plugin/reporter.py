@@ -50,7 +50,7 @@ from blend_wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, Cache
                         check_token_offset, decode, encode, pack_kv_rank)
 from plugin.http import coordinator_http
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 
 
@@ -286,7 +286,7 @@ class CacheEventReporter:
             self._remove_sent(batches)
             with self._lock:
                 self._stats.rejected_batches += len(batches)
-            logger.error("coordinator rejected %d event batch(es) as invalid and they were "
+            log.error("coordinator rejected %d event batch(es) as invalid and they were "
                          "dropped: %s", len(batches), response.text[:300])
             return True
         if response.status_code in (429, 503):
@@ -303,7 +303,7 @@ class CacheEventReporter:
             reply: EventsReply | None = decode(response.content, EventsReply)
         except WireError:
             reply = None
-            logger.debug("events reply is not {applied, duplicates, stale}: %r", response.text[:200])
+            log.debug("events reply is not {applied, duplicates, stale}: %r", response.text[:200])
         with self._lock:
             self._stats.sent_batches += len(batches)
             if reply is not None:
@@ -311,7 +311,7 @@ class CacheEventReporter:
                 self._stats.duplicates += reply.duplicates
                 self._stats.stale += reply.stale
             if self._failing:
-                logger.info("coordinator at %s accepts events again", self.base_url)
+                log.info("coordinator at %s accepts events again", self.base_url)
             self._failing = False
         return True
 
@@ -329,9 +329,9 @@ class CacheEventReporter:
             self._failing = True
             pending = self._pending_locked()
         # One warning per outage, not one per flush interval.
-        log = logger.warning if first else logger.debug
-        log("cannot deliver cache events to %s (%s); %d event(s) kept and retried in order",
-            self.base_url, reason, pending)
+        emit = log.warning if first else log.debug
+        emit("cannot deliver cache events to %s (%s); %d event(s) kept and retried in order",
+             self.base_url, reason, pending)
         return False
 
     def _run(self) -> None:
@@ -339,7 +339,7 @@ class CacheEventReporter:
             try:
                 self.flush()
             except Exception:  # the flusher must outlive any surprise
-                logger.exception("cache-event flush failed")
+                log.exception("cache-event flush failed")
 
     # --- lifecycle and introspection -------------------------------------------------------------
 
@@ -364,7 +364,7 @@ class CacheEventReporter:
         try:
             self.flush()  # waits for a flush in progress, then delivers what is left
         except Exception:
-            logger.exception("final cache-event flush failed")
+            log.exception("final cache-event flush failed")
         finally:
             if self._flusher is not None:
                 self._flusher.result()  # it saw _stop; at most its last POST remains
