@@ -2,7 +2,8 @@
 
 Contract (`coordinator_stub.process` relies on it; tests, the demo and benchmarks start
 the coordinator through that module): once the socket is bound, exactly one line
-``listening on http://HOST:PORT`` is written to stdout and flushed, with the real port
+``listening on http://HOST:PORT`` (``https://`` with `--tls-cert`) is written to stdout
+and flushed, with the real port
 when `--port 0` asked for a free one. Logs go to stderr. On SIGINT or SIGTERM the server
 stops accepting, finishes in-flight requests, stops its worker threads and exits 0.
 
@@ -19,6 +20,7 @@ import asyncio
 import gc
 import logging
 import signal
+import ssl
 import sys
 from typing import Sequence
 
@@ -53,8 +55,16 @@ def _tune_runtime() -> None:
 _BACKLOG = 1024
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
+    if not config.tls_cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    return context
 
 
 async def serve(config: CoordinatorConfig) -> None:
@@ -74,9 +84,14 @@ async def serve(config: CoordinatorConfig) -> None:
         # the guard, which counts them and makes room at the cap.
         guard = app[CONNECTIONS]
         server = await loop.create_server(guard.protocol_factory(runner.server), config.host,
-                                          config.port, backlog=_BACKLOG)
+                                          config.port, backlog=_BACKLOG,
+                                          ssl=_tls_context(config))
         host, port = server.sockets[0].getsockname()[:2]
-        print(f"listening on {_url(host, port)}", flush=True)
+        scheme = "https" if config.tls_cert_file else "http"
+        print(f"listening on {_url(host, port, scheme)}", flush=True)
+        log.info("access control %s, TLS %s",
+                 f"on ({len(config.access_tokens)} tokens)" if config.access_tokens else "off",
+                 "on" if config.tls_cert_file else "off")
         log.info("at most %d connections; idle timeout %g s, body timeout %g s",
                  guard.max_connections, config.idle_timeout_s, config.body_timeout_s)
         log.info("blend lookup %s, chunk size %d, probe stride %d",

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from coordinator_stub.access import access_middleware
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.connections import ConnectionGuard, connection_cap
 from coordinator_stub.service import Coordinator, TooLarge
@@ -183,6 +184,8 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     app[COORDINATOR] = Coordinator(config)
     app[CONNECTIONS] = ConnectionGuard(connection_cap(config.max_connections))
     app.middlewares.append(app[CONNECTIONS].middleware)
+    if config.access_tokens:  # opt-in; checked before any handler reads a body
+        app.middlewares.insert(0, access_middleware(config.access_tokens))
     app.cleanup_ctx.append(_worker_pools)
     app.router.add_post(EVENTS_PATH, _events)
     app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)

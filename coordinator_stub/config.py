@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
+
+from coordinator_stub.access import tokens_from
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9300
@@ -48,6 +50,11 @@ class CoordinatorConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Opt-in access control (coordinator_stub.access): (role, token) pairs; empty = off.
+    access_tokens: tuple[tuple[str, str], ...] = ()
+    # TLS: both or neither (PEM files); off = plain HTTP.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -67,6 +74,8 @@ class CoordinatorConfig:
         if not isinstance(self.max_connections, int) or self.max_connections < 1:
             raise ValueError(f"max_connections must be an integer >= 1, got "
                              f"{self.max_connections!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both a certificate and its key (--tls-cert, --tls-key)")
         for name in ("idle_timeout_s", "body_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -147,15 +156,26 @@ def build_parser() -> argparse.ArgumentParser:
                              "longest-idle connection, or is refused when every connection "
                              "has a request in progress. Also kept below the process's "
                              "descriptor limit (default: %(default)s)")
+    parser.add_argument("--auth-token-file", metavar="PATH",
+                        help="turn access control on: a file of 'ROLE TOKEN' lines (roles: "
+                             "emitter, reader, admin). The variables COORDINATOR_EMITTER_TOKEN, "
+                             "COORDINATOR_READER_TOKEN and COORDINATOR_ADMIN_TOKEN add tokens "
+                             "(and turn it on) too. Off by default: LMCache servers send no "
+                             "token")
+    parser.add_argument("--tls-cert", metavar="PEM",
+                        help="serve HTTPS with this certificate (chain); needs --tls-key")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level on stderr (default: %(default)s)")
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> CoordinatorConfig:
+def parse_args(argv: Sequence[str] | None = None,
+               environ: Mapping[str, str] | None = None) -> CoordinatorConfig:
     args = build_parser().parse_args(argv)
     try:
+        access_tokens = tokens_from(args.auth_token_file, environ)
         return CoordinatorConfig(
             host=args.host, port=args.port, enable_blend_lookup=args.enable_blend_lookup,
             chunk_size=args.chunk_size, blend_probe_stride=args.blend_probe_stride,
@@ -163,6 +183,8 @@ def parse_args(argv: Sequence[str] | None = None) -> CoordinatorConfig:
             max_ingest_bytes=args.max_ingest_bytes,
             match_workers=args.match_workers, idle_timeout_s=args.idle_timeout,
             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+            access_tokens=access_tokens, tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
             log_level=args.log_level)
     except ValueError as exc:
         build_parser().error(str(exc))

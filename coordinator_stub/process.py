@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import IO, Iterator
 from urllib.parse import urlsplit
 
-_LISTENING = re.compile(r"listening on (http://\S+)")
+_LISTENING = re.compile(r"listening on (https?://\S+)")
 
 
 @dataclass

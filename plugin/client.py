@@ -114,7 +114,8 @@ class BlendCoordinatorClient:
                  match_concurrency: int = 8, breaker_threshold: int = 3,
                  breaker_cooldown_s: float = 5.0, result_ttl_s: float = 30.0,
                  max_tracked: int = 4096, executor: Executor | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, token: str | None = None,
+                 ca_file: str | None = None) -> None:
         if match_concurrency < 1:
             raise ValueError(f"match_concurrency={match_concurrency} must be >= 1")
         self.base_url = base_url.rstrip("/")
@@ -128,7 +129,8 @@ class BlendCoordinatorClient:
         self._clock = clock
         # One connection per round-trip in flight, so none waits for a connection.
         self._http = coordinator_http(self.base_url, timeout=timeout,
-                                      connections=match_concurrency)
+                                      connections=match_concurrency, token=token,
+                                      ca_file=ca_file)
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(match_concurrency,
                                                         thread_name_prefix="blend-match")

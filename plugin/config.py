@@ -2,8 +2,9 @@
 
 Contract:
 - `PluginConfig.from_env(**overrides)` reads the `LMCACHE_COORDINATOR_*` names of WIRE.md
-  (plus `LMCACHE_CHUNK_SIZE` and `LMCACHE_COORDINATOR_INSTANCE_ID`, this project's additions),
-  then applies keyword overrides, which win over the environment.
+  (plus `LMCACHE_CHUNK_SIZE`, `LMCACHE_COORDINATOR_INSTANCE_ID`, `LMCACHE_COORDINATOR_TOKEN`
+  and `LMCACHE_COORDINATOR_CA_FILE`, this project's additions), then applies keyword
+  overrides, which win over the environment.
 - A bad value is a `ConfigError` at start-up whose message names the environment variable
   (or the field, for an override) and says what is accepted. Nothing is clamped silently.
   The exception is `LMCACHE_COORDINATOR_EVENT_REPORTING`: `1`, `true` or `yes` (any case)
@@ -32,6 +33,10 @@ ENV_MATCH_CONCURRENCY = "LMCACHE_COORDINATOR_BLEND_MATCH_CONCURRENCY"
 # Not in WIRE.md: LMCache's own chunk-size name, and an id for this serving process.
 ENV_CHUNK_SIZE = "LMCACHE_CHUNK_SIZE"
 ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
+# Not in WIRE.md either: a bearer token for a coordinator with access control on (it needs
+# the emitter and reader roles), and a CA file for an https:// coordinator.
+ENV_COORDINATOR_TOKEN = "LMCACHE_COORDINATOR_TOKEN"
+ENV_COORDINATOR_CA_FILE = "LMCACHE_COORDINATOR_CA_FILE"
 
 #: Default `abandon_after_s`, in match budgets.
 ABANDON_AFTER_BUDGETS = 4
@@ -61,6 +66,10 @@ class PluginConfig:
     match_concurrency: int = 8
     chunk_size: int = 256
     instance_id: str = field(default_factory=default_instance_id)
+    # Bearer token sent with every coordinator request (access control on; needs the
+    # emitter and reader roles), and a CA file to check an https:// coordinator against.
+    coordinator_token: str | None = field(default=None, repr=False)
+    coordinator_ca_file: str | None = None
     # Incarnation of this emitter; None derives one from the start time (time.time_ns()), so
     # a restarted process always outranks its predecessor and the coordinator fences it.
     incarnation: int | None = None
@@ -113,6 +122,9 @@ class PluginConfig:
         if self.abandoned_lookup_s is not None:
             _check_positive("abandoned_lookup_s", self.abandoned_lookup_s)
         _check_int_at_least("max_tracked_lookups", self.max_tracked_lookups, 1)
+        if self.coordinator_ca_file is not None and not os.path.isfile(self.coordinator_ca_file):
+            raise ConfigError(f"coordinator_ca_file={self.coordinator_ca_file!r} is not a file "
+                              f"({ENV_COORDINATOR_CA_FILE}: a PEM file of CA certificates)")
 
     @property
     def match_budget_s(self) -> float:
@@ -167,6 +179,10 @@ class PluginConfig:
             values["chunk_size"] = _parse_int(ENV_CHUNK_SIZE, env[ENV_CHUNK_SIZE], minimum=1)
         if env.get(ENV_INSTANCE_ID):
             values["instance_id"] = env[ENV_INSTANCE_ID]
+        if env.get(ENV_COORDINATOR_TOKEN, "").strip():
+            values["coordinator_token"] = env[ENV_COORDINATOR_TOKEN].strip()
+        if env.get(ENV_COORDINATOR_CA_FILE, "").strip():
+            values["coordinator_ca_file"] = env[ENV_COORDINATOR_CA_FILE].strip()
         values.update(overrides)
         return cls(**values)
 

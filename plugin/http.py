@@ -1,10 +1,13 @@
 """The plugin's one HTTP policy: how the coordinator client and the reporter talk to it.
 
 Contract:
-- `coordinator_http(base_url, timeout=..., connections=...)` is the only way the plugin makes
-  an `httpx.Client`: no proxy from the environment (one must not sit between a server and
-  its coordinator, nor swallow our timeouts), a pool of `connections` keep-alive connections,
-  and `DeadlineTransport` underneath.
+- `coordinator_http(base_url, timeout=..., connections=..., token=..., ca_file=...)` is the
+  only way the plugin makes an `httpx.Client`: no proxy from the environment (one must not
+  sit between a server and its coordinator, nor swallow our timeouts), a pool of
+  `connections` keep-alive connections, and `DeadlineTransport` underneath. With a `token`,
+  every request carries `Authorization: Bearer <token>` (a coordinator with access control
+  on); with a `ca_file`, an `https://` coordinator's certificate is checked against it
+  instead of the system's trust store.
 - `DeadlineTransport` makes a request's timeout a *total* deadline for the round-trip:
   connecting, sending and every read of the status line, headers and body, together.
   httpx applies its timeouts per phase and per read (a read that returns one byte restarts
@@ -22,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import ssl
 import threading
 import time
 from typing import Iterable, Iterator
@@ -32,11 +36,14 @@ import httpx
 __all__ = ["DeadlineTransport", "coordinator_http"]
 
 
-def coordinator_http(base_url: str, *, timeout: float, connections: int = 1) -> httpx.Client:
+def coordinator_http(base_url: str, *, timeout: float, connections: int = 1,
+                     token: str | None = None, ca_file: str | None = None) -> httpx.Client:
     """An `httpx.Client` for a coordinator: total deadline per round-trip, no env proxy."""
-    transport = DeadlineTransport(max_connections=connections)
+    ssl_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+    transport = DeadlineTransport(max_connections=connections, ssl_context=ssl_context)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     return httpx.Client(base_url=base_url, timeout=timeout, transport=transport,
-                        trust_env=False)
+                        headers=headers, trust_env=False)
 
 
 # The absolute deadline (time.monotonic) of the round-trip the current thread is making. A
@@ -145,10 +152,11 @@ class _Body(httpx.SyncByteStream):
 class DeadlineTransport(httpx.BaseTransport):
     """An httpx transport whose request timeout bounds the whole round-trip; see module doc."""
 
-    def __init__(self, *, max_connections: int = 1) -> None:
+    def __init__(self, *, max_connections: int = 1,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self._pool = httpcore.ConnectionPool(
-            max_connections=max_connections, max_keepalive_connections=max_connections,
-            network_backend=_DeadlineBackend())
+            ssl_context=ssl_context, max_connections=max_connections,
+            max_keepalive_connections=max_connections, network_backend=_DeadlineBackend())
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         timeouts = request.extensions.get("timeout", {})

@@ -154,12 +154,14 @@ class BlendPlugin:
                 match_concurrency=config.match_concurrency,
                 breaker_threshold=config.breaker_threshold,
                 breaker_cooldown_s=config.breaker_cooldown_s, result_ttl_s=config.result_ttl_s,
-                max_tracked=config.max_tracked_queries, executor=self._workers, clock=clock)
+                max_tracked=config.max_tracked_queries, executor=self._workers, clock=clock,
+                token=config.coordinator_token, ca_file=config.coordinator_ca_file)
             self.reporter = CacheEventReporter(
                 config.coordinator_url, instance_id=config.instance_id,
                 incarnation=config.incarnation, flush_interval=config.event_flush_interval,
                 timeout=config.blend_timeout, max_events=config.event_queue_limit,
-                tier=config.event_tier, backend=config.event_backend, executor=self._workers)
+                tier=config.event_tier, backend=config.event_backend, executor=self._workers,
+                token=config.coordinator_token, ca_file=config.coordinator_ca_file)
         self._lock = threading.Lock()
         # One matcher for every namespace: it registers and matches under `key.namespace`.
         self._matcher = LocalMatcher(chunk_size=config.chunk_size)

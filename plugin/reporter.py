@@ -118,7 +118,8 @@ class CacheEventReporter:
                  flush_interval: float = 1.0, timeout: float = 1.0, max_events: int = 100_000,
                  tier: str = "l1", backend: str = "dram", max_entries_per_batch: int = 1024,
                  max_entries_per_post: int = 4096, executor: Executor | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, token: str | None = None,
+                 ca_file: str | None = None) -> None:
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
         self.base_url = base_url.rstrip("/")
@@ -129,7 +130,8 @@ class CacheEventReporter:
         self.tier, self.backend = tier, backend
         self.max_entries_per_batch = max_entries_per_batch
         self.max_entries_per_post = max_entries_per_post
-        self._http = coordinator_http(self.base_url, timeout=timeout)
+        self._http = coordinator_http(self.base_url, timeout=timeout, token=token,
+                                      ca_file=ca_file)
         self._lock = threading.Lock()         # guards the queue, the outbox and the stats
         self._flush_lock = threading.Lock()   # one flush at a time keeps the order
         self._events: collections.deque[_Event] = collections.deque()
