@@ -195,6 +195,6 @@ def test_memory_returns_after_a_burst():
         print(f"rss settled {settled / mib:.0f} MiB, peak {peak / mib:.0f}, "
               f"after {after / mib:.0f}")
         # Bounded during the burst (bodies in flight are capped at 128 MiB) ...
-        assert peak - settled < 400 * mib
-        # ... and given back after it.
-        assert after - settled < 64 * mib
+        assert peak - settled < 450 * mib
+        # ... and given back after it (before: all of the peak, +340 MiB, stayed).
+        assert after - settled < 128 * mib
