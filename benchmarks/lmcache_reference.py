@@ -8,7 +8,8 @@
   and its report URL pointed at a loopback port nothing listens on, so nothing leaves the
   machine even if a check is missed). It runs as shipped otherwise, except `--disable-metrics`
   (its OpenTelemetry exporter is an optional extra, not installed here). Returns a
-  `ReferenceProcess` once `/healthz` answers; `stop()` sends SIGTERM (SIGKILL if it lingers).
+  `coordinator_stub.process.CoordinatorProcess` once `/healthz` answers, stopped the same
+  way as ours: `stop()` sends SIGTERM (SIGKILL if it lingers).
 
 LMCache is used here only as a black box to measure against; nothing of it is copied.
 """
@@ -19,13 +20,13 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+
+from coordinator_stub.process import CoordinatorProcess
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -52,31 +53,8 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-@dataclass
-class ReferenceProcess:
-    name: str
-    host: str
-    port: int
-    process: subprocess.Popen
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, wait (SIGKILL after `timeout`); returns the exit code. Idempotent."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
 def start_lmcache_coordinator(chunk_size: int, *, startup_timeout: float = 120.0,
-                              attempts: int = 3) -> ReferenceProcess:
+                              attempts: int = 3) -> CoordinatorProcess:
     """LMCache's MP coordinator on a free loopback port; RuntimeError if it will not start."""
     version = lmcache_version()
     if version is None:
@@ -91,7 +69,7 @@ def start_lmcache_coordinator(chunk_size: int, *, startup_timeout: float = 120.0
                    str(chunk_size), "--disable-metrics"]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, env=env)
-        running = ReferenceProcess(f"LMCache {version}", "127.0.0.1", port, process)
+        running = CoordinatorProcess(f"http://127.0.0.1:{port}", process)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline and process.poll() is None:
             if _healthy(port):
