@@ -19,13 +19,20 @@ them (and a little stricter): `chunk_hash_hex` is non-empty, even-length hex and
 else (no whitespace, so `"ab cd"` and `"abcd"` cannot name one chunk twice);
 `model_name` has no `@`; `cache_salt` has none of `@ / \\ NUL` and at most 128
 characters (`check_cache_salt`, shared with the blend-lookup request).
+
+A `WireError` also carries the error in FastAPI's shape (`WireError.detail`: a list of
+`{"type", "loc", "msg", "input"}`), which is how LMCache's coordinator answers a 422.
+
+Submodules, each re-exported here: `blend_wire.fleet` (instance registry and directory
+query shapes) and `blend_wire.chunk_keys` (LMCache's prefix-chained chunk hashes and
+per-rank key fan-out).
 """
 
 from __future__ import annotations
 
 import base64
 import re
-from typing import Annotated, Literal, NamedTuple, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -38,6 +45,10 @@ BLEND_LOOKUP_PATH = "/directory/blend-lookup"
 EVENTS_PATH = "/events"
 STATS_PATH = "/directory/stats"
 HEALTH_PATH = "/healthz"
+DIRECTORY_LOOKUP_PATH = "/directory/lookup"
+DIRECTORY_KEYS_PATH = "/directory/keys"
+INSTANCES_PATH = "/instances"
+METRICS_PATH = "/metrics"
 
 
 # --- ranges: what the directory and the index can hold ----------------------------------
@@ -68,7 +79,20 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 
 class WireError(ValueError):
-    """A body that breaks the wire contract. The message says which field and why."""
+    """A request that breaks the wire contract. The message says which field and why.
+
+    `detail` is the same error in FastAPI's 422 shape: `[{"type", "loc", "msg",
+    "input"}]`, `loc` a path like `["body", "batches", 0, "seq"]`.
+    """
+
+    def __init__(self, message: str, *, loc: tuple = ("body",), kind: str = "value_error",
+                 input: Any = None) -> None:
+        super().__init__(message)
+        self.loc, self.kind, self.input = loc, kind, input
+
+    @property
+    def detail(self) -> list[dict]:
+        return [{"type": self.kind, "loc": list(self.loc), "msg": str(self), "input": self.input}]
 
 
 def check_cache_salt(cache_salt: str) -> None:
@@ -79,6 +103,12 @@ def check_cache_salt(cache_salt: str) -> None:
     if not CACHE_SALT_FORBIDDEN.isdisjoint(cache_salt):
         bad = sorted(CACHE_SALT_FORBIDDEN.intersection(cache_salt))
         raise ValueError(f"cache_salt must not contain {bad!r} (got {cache_salt[:40]!r})")
+
+
+def check_model_name(model_name: str) -> None:
+    """Raise `ValueError` unless `model_name` follows LMCache's `ObjectKey` rule (no `@`)."""
+    if "@" in model_name:
+        raise ValueError(f"model_name must not contain '@' (got {model_name[:40]!r})")
 
 
 def check_chunk_hash_hex(text: str) -> None:
@@ -146,21 +176,27 @@ def _b64_decode(text, values):
     return out[: out.shape[0] - pad], -1
 
 
+def _bad_tokens(message: str, text: str) -> WireError:
+    return WireError(message, loc=("body", "tokens_b64"), input=text[:64])
+
+
 def decode_tokens(text: str) -> np.ndarray:
     """Inverse of `encode_tokens`: a native uint32 array, or `WireError` saying why not."""
     try:
         raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     except UnicodeEncodeError:
-        raise WireError("tokens_b64 is not valid base64: it has non-ASCII characters") from None
+        raise _bad_tokens("tokens_b64 is not valid base64: it has non-ASCII characters",
+                          text) from None
     if raw.size % 4:
-        raise WireError(f"tokens_b64 is not valid base64: its length {raw.size} is not a "
-                        "multiple of 4 (padding missing?)")
+        raise _bad_tokens(f"tokens_b64 is not valid base64: its length {raw.size} is not a "
+                          "multiple of 4 (padding missing?)", text)
     decoded, bad_at = _b64_decode(raw, _B64_VALUES)
     if bad_at >= 0:
-        raise WireError(f"tokens_b64 is not valid base64: character {chr(raw[bad_at])!r} "
-                        f"at position {bad_at}")
+        raise _bad_tokens(f"tokens_b64 is not valid base64: character {chr(raw[bad_at])!r} "
+                          f"at position {bad_at}", text)
     if decoded.size % 4:
-        raise WireError(f"tokens_b64 decodes to {decoded.size} bytes, not a multiple of 4")
+        raise _bad_tokens(f"tokens_b64 decodes to {decoded.size} bytes, not a multiple of 4",
+                          text)
     return decoded.view("<u4").astype(np.uint32, copy=False)
 
 
@@ -230,8 +266,7 @@ class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         check_chunk_hash_hex(self.chunk_hash_hex)
-        if "@" in self.model_name:
-            raise ValueError(f"model_name must not contain '@' (got {self.model_name[:40]!r})")
+        check_model_name(self.model_name)
         if not 0 <= self.kv_rank <= MAX_KV_RANK:
             raise ValueError(f"kv_rank {self.kv_rank} is outside [0, 2^32)")
         if not 0 <= self.object_group_id <= MAX_OBJECT_GROUP_ID:
@@ -311,10 +346,92 @@ def decode(body: bytes | str, shape: type[T]) -> T:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise WireError(str(exc)) from None
+        raise _validation_error(exc, "body", body) from None
     except msgspec.DecodeError as exc:
-        raise WireError(f"body is not valid JSON: {exc}") from None
+        raise WireError(f"body is not valid JSON: {exc}", kind="json_invalid") from None
     except RecursionError:
         # msgspec skips unknown fields recursively: a value nested ~100k deep runs out of
         # stack. No wire shape nests more than a few levels, so such a body is malformed.
-        raise WireError("body is nested too deeply to be any wire shape") from None
+        raise WireError("body is nested too deeply to be any wire shape",
+                        kind="json_invalid") from None
+
+
+def convert_query(params: dict[str, str], shape: type[T]) -> T:
+    """Validate URL query parameters as `shape` (numbers given as text are converted)."""
+    try:
+        return msgspec.convert(params, shape, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc, "query", params) from None
+
+
+# --- validation errors in FastAPI's shape (cold path: only a rejected request gets here) ---
+
+_AT = re.compile(r" - at `\$(.*)`$")
+_STEP = re.compile(r"\.([^.\[]+)|\[(-?\d+)\]|\[([^\]]*)\]")
+_TYPE_NAMES = {"int": "int_type", "str": "string_type", "float": "float_type",
+               "bool": "bool_type", "array": "list_type", "object": "dict_type"}
+
+
+def _validation_error(exc: msgspec.ValidationError, where: str, raw: Any) -> WireError:
+    message = str(exc)
+    path: list = []
+    at = _AT.search(message)
+    if at:
+        for name, index, other in _STEP.findall(at.group(1)):
+            path.append(name if name else int(index) if index else other)
+    missing = re.match(r"Object missing required field `([^`]+)`", message)
+    if missing:
+        kind = "missing"
+        path.append(missing.group(1))
+    elif message.startswith("Invalid enum value"):
+        kind = "literal_error"
+    elif re.match(r"Expected `\w+` >=", message):
+        kind = "greater_than_equal"
+    elif re.match(r"Expected `\w+` <=", message):
+        kind = "less_than_equal"
+    elif re.match(r"Expected `str` of length", message):
+        kind = "string_too_short" if ">=" in message else "string_too_long"
+    elif re.match(r"Expected `str` matching regex", message):
+        kind = "string_pattern_mismatch"
+    elif (typed := re.match(r"Expected `(\w+)`(?: \| `\w+`)*, got", message)):
+        kind = _TYPE_NAMES.get(typed.group(1), "type_error")
+    else:
+        kind = "value_error"  # a rule of the shape (`__post_init__`)
+    return WireError(message, loc=(where, *path), kind=kind,
+                     input=_value_at(raw, path, missing is not None))
+
+
+def _value_at(raw: Any, path: list, parent: bool) -> Any:
+    """The offending value, found by walking the request again (None if not found)."""
+    try:
+        value = msgspec.json.decode(raw) if isinstance(raw, (bytes, str)) else raw
+        for step in path[:-1] if parent else path:
+            value = value[step]
+    except Exception:  # the input is illustration only: never fail the error path
+        return None
+    if isinstance(value, str) and len(value) > 256:
+        return value[:256]
+    if isinstance(value, (list, dict)) and len(value) > 16:
+        return None  # FastAPI echoes it; we spare the reply a copy of a huge body
+    return value
+
+
+# The rest of the contract, one module per concern (imported last: they build on the above).
+from blend_wire.chunk_keys import MAX_TOKEN_IDS, lookup_kv_ranks, prefix_chunk_hashes  # noqa: E402
+from blend_wire.fleet import (  # noqa: E402
+    BlendIndexStats,
+    DirectoryKeyInfo,
+    DirectoryKeysQuery,
+    DirectoryKeysReply,
+    DirectoryLookupReply,
+    DirectoryLookupRequest,
+    DirectoryStats,
+    HealthReply,
+    HeartbeatReply,
+    InstanceInfo,
+    InstancesReply,
+    KeyPlacements,
+    RegisterReply,
+    RegisterRequest,
+    WirePlacement,
+)

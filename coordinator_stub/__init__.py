@@ -4,7 +4,9 @@
 (see `coordinator_stub.__main__`). Modules, each with one job:
 `config` (flags -> `CoordinatorConfig`), `gate` (per-instance ingest cursor),
 `directory` (placements, token bindings, and the blend index derived from them),
-`service` (request bodies in, reply bodies out), `app` (HTTP and worker threads).
+`instances` (the instance registry), `metrics` (Prometheus series),
+`service` (request bodies in, reply bodies out), `app` (HTTP, worker threads, reaper),
+`process` (run it as a child process).
 """
 
 from coordinator_stub.app import COORDINATOR, create_app

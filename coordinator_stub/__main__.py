@@ -1,10 +1,11 @@
 """`python -m coordinator_stub`: run the bundled coordinator until SIGINT/SIGTERM.
 
 Contract (`coordinator_stub.process` relies on it; tests, the demo and benchmarks start
-the coordinator through that module): once the socket is bound, exactly one line
-``listening on http://HOST:PORT`` (``https://`` with `--tls-cert`) is written to stdout
-and flushed, with the real port
-when `--port 0` asked for a free one. Logs go to stderr. On SIGINT or SIGTERM the server
+the coordinator through that module): once the coordinator is ready (every numba kernel
+it uses compiled, see `coordinator_stub.service`) and the socket is bound, exactly one
+line ``listening on http://HOST:PORT`` (``https://`` with `--tls-cert`) is written to
+stdout and flushed, with the real port when `--port 0` asked for a free one. Logs go to
+stderr. On SIGINT or SIGTERM the server
 stops accepting, finishes in-flight requests, stops its worker threads and exits 0.
 
 Connection hygiene (a client may hold sockets and send nothing): the listening socket
@@ -72,6 +73,8 @@ async def serve(config: CoordinatorConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    # Building the app compiles every kernel first (seconds on a cold numba cache), so the
+    # socket opens, and /healthz answers, only once the coordinator is ready.
     app = create_app(config)
     # No access log: a line per request would cost more than serving a lookup.
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
@@ -94,9 +97,12 @@ async def serve(config: CoordinatorConfig) -> None:
                  "on" if config.tls_cert_file else "off")
         log.info("at most %d connections; idle timeout %g s, body timeout %g s",
                  guard.max_connections, config.idle_timeout_s, config.body_timeout_s)
-        log.info("blend lookup %s, chunk size %d, probe stride %d",
+        log.info("blend lookup %s, chunk size %d, probe stride %d; reaper %s; metrics %s",
                  "on" if config.enable_blend_lookup else "off", config.chunk_size,
-                 config.blend_probe_stride)
+                 config.blend_probe_stride,
+                 f"every {config.health_check_interval:g} s, timeout "
+                 f"{config.instance_timeout:g} s" if config.health_check_interval else "off",
+                 "on" if config.enable_metrics else "off")
         await stop.wait()
         log.info("shutting down")
     finally:

@@ -3,52 +3,83 @@
 Contract:
 - `create_app(config)` builds the application; `app[COORDINATOR]` is its `Coordinator`
   (tests use it to reach the directory, e.g. to enable blend lookup mid-life).
-- The event loop only moves bytes. Every blocking step (validation, the directory lock,
+- The event loop only moves bytes and runs O(1) bookkeeping (the instance registry,
+  `/healthz`). Every blocking step (validation of large bodies, the directory lock,
   matching) runs on a worker thread:
   * ingest on ONE scheduler thread (`coordinator_stub.ingest`): bodies are validated and
     applied a batch at a time, emitters taking turns, so one client's flood delays
     another's batch by at most one batch's work; per instance, batches apply in order.
     Request bytes in flight are bounded: a body that does not fit is answered 503 with
     `Retry-After` before it is read;
-  * lookups on `match_workers` threads (one by default: the index serialises matches
-    under its own lock, so a second matcher only adds lock and GIL hand-offs), so a long
-    query stalls neither ingest nor `/healthz` (which never leaves the loop). A lookup
-    body of at most 256 KiB (~48k tokens) has its JSON shape validated on the loop first;
-    the matcher thread decodes its tokens (a GIL-free kernel) and matches. Larger bodies
-    are validated on the matcher thread too;
-  * stats on asyncio's default pool: they wait for the directory lock, never a match.
-- Errors: a body breaking the wire contract -> 422 `{"error": "<what and where>"}`; a body
-  over `max_body_bytes` or a query over `max_query_tokens` -> 413; a body that cannot be
-  read (corrupt gzip/deflate, unknown content encoding, broken chunking) -> 400; a body
-  not complete within `body_timeout_s` of its headers -> 408. None affects other
-  requests or the state, and none is a 500.
+  * blend lookups on `match_workers` threads (one by default: the index serialises
+    matches under its own lock, so a second matcher only adds lock and GIL hand-offs),
+    so a long query stalls neither ingest nor `/healthz`. A lookup body of at most
+    256 KiB (~48k tokens) has its JSON shape validated on the loop first; the matcher
+    thread decodes its tokens (a GIL-free kernel) and matches. Larger bodies are
+    validated on the matcher thread too;
+  * stats, directory queries, metrics scrapes and fencing a departed instance on
+    asyncio's default pool: they never wait for a match (fencing takes the directory
+    lock between two batches, like a batch).
+- Background work is one pattern: an asyncio task owned by the app's lifecycle
+  (`cleanup_ctx`), cancelled on shutdown. The only one is the reaper: every
+  `health_check_interval` seconds (0: never) it deregisters instances silent for more
+  than `instance_timeout` and fences their L1 placements, as `DELETE /instances/{id}`.
+- Errors, in LMCache's shapes: a request breaking the wire contract -> 422
+  `{"detail": [{"type", "loc", "msg", "input"}]}`; a token lookup naming what no key can
+  carry -> 400 `{"detail": "<why>"}`; a body over `max_body_bytes` or a query over
+  `max_query_tokens` -> 413; a body that cannot be read (corrupt gzip/deflate, unknown
+  content encoding, broken chunking) -> 400; a body not complete within `body_timeout_s`
+  of its headers -> 408; ingest saturated -> 503 with `Retry-After` (these
+  `{"detail": "<why>"}`); a heartbeat of an unknown id -> 404
+  `{"error": "unknown instance <id>; re-register"}`. None changes any state, and none
+  is a 500.
+- `/metrics` (Prometheus text) unless `enable_metrics` is off (then 404).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import AsyncIterator, Awaitable, Callable
+import contextlib
+import logging
+import time
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from coordinator_stub.access import access_middleware
+from blend_wire import (
+    BLEND_LOOKUP_PATH,
+    DIRECTORY_KEYS_PATH,
+    DIRECTORY_LOOKUP_PATH,
+    EVENTS_PATH,
+    HEALTH_PATH,
+    INSTANCES_PATH,
+    METRICS_PATH,
+    STATS_PATH,
+    HealthReply,
+    WireError,
+    encode,
+)
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.connections import ConnectionGuard, connection_cap
-from coordinator_stub.service import Coordinator, TooLarge
-from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, WireError, encode
+from coordinator_stub.metrics import CONTENT_TYPE, CoordinatorMetrics
+from coordinator_stub.service import BadRequest, Coordinator, TooLarge
 
+log = logging.getLogger(__name__)
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
+METRICS = web.AppKey("metrics", CoordinatorMetrics)  # absent with metrics off
 #: Caps open connections when the app is served through it (`python -m coordinator_stub`).
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 _MATCH_POOL = web.AppKey("match_pool", concurrent.futures.ThreadPoolExecutor)
 
+T = TypeVar("T")
 _JSON = "application/json"
 #: Lookup bodies up to this size (about 48k tokens) are parsed on the loop.
 _INLINE_PARSE_BYTES = 256 * 1024
-_HEALTHY = encode({"status": "ok"})
+_HEALTHY = encode(HealthReply())
 
 
 #: Seconds a client refused for load should wait before retrying.
@@ -67,8 +98,11 @@ class _Unreadable(Exception):
         self.status = 408 if timed_out else 400
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, body=encode({"error": message}), content_type=_JSON)
+def _detail(status: int, detail, reason: str, request: web.Request) -> web.Response:
+    metrics = request.app.get(METRICS)
+    if metrics is not None:
+        metrics.rejected(reason)
+    return web.Response(status=status, body=encode({"detail": detail}), content_type=_JSON)
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -103,23 +137,28 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
         try:
             reply = await handler(request)
         except WireError as exc:
-            return _error(422, str(exc))
+            return _detail(422, exc.detail, "validation", request)
+        except BadRequest as exc:
+            return _detail(400, str(exc), "bad_request", request)
         except TooLarge as exc:
-            return _error(413, str(exc))
+            return _detail(413, str(exc), "too_large", request)
         except _Unreadable as exc:
-            return _error(exc.status, str(exc))
+            return _detail(exc.status, str(exc), "unreadable", request)
         except _Busy as exc:
-            response = _error(503, str(exc))
+            response = _detail(503, str(exc), "busy", request)
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
             return response
         return web.Response(body=reply, content_type=_JSON)
     return respond
 
 
-def _run(request: web.Request, pool: web.AppKey | None, work: Callable[..., bytes],
-         *args) -> Awaitable[bytes]:
+def _run(request: web.Request, pool: web.AppKey | None, work: Callable[..., T],
+         *args) -> Awaitable[T]:
     executor = request.app[pool] if pool is not None else None  # None: asyncio's default
     return asyncio.get_running_loop().run_in_executor(executor, work, *args)
+
+
+# --- events and lookups ------------------------------------------------------------------
 
 
 @_answers_errors
@@ -147,23 +186,94 @@ async def _events(request: web.Request) -> bytes:
 @_answers_errors
 async def _blend_lookup(request: web.Request) -> bytes:
     coordinator = request.app[COORDINATOR]
+    started = time.perf_counter()
     body = await _read_body(request)
     if len(body) > _INLINE_PARSE_BYTES:
-        return await _run(request, _MATCH_POOL, coordinator.lookup, body)
-    # A small body's shape is validated right here (microseconds); the matcher thread
-    # decodes its tokens without the GIL and matches, so the loop keeps serving.
-    return await _run(request, _MATCH_POOL, coordinator.answer,
-                      coordinator.parse_lookup(body))
+        reply = await _run(request, _MATCH_POOL, coordinator.lookup, body)
+    else:
+        # A small body's shape is validated right here (microseconds); the matcher thread
+        # decodes its tokens without the GIL and matches, so the loop keeps serving.
+        reply = await _run(request, _MATCH_POOL, coordinator.matches,
+                           coordinator.parse_lookup(body))
+    metrics = request.app.get(METRICS)
+    if metrics is not None:
+        metrics.observe_lookup("blend-lookup", time.perf_counter() - started,
+                               len(reply.matches))
+    return encode(reply)
+
+
+@_answers_errors
+async def _directory_lookup(request: web.Request) -> bytes:
+    started = time.perf_counter()
+    body = await _read_body(request)
+    reply = await _run(request, None, request.app[COORDINATOR].directory_lookup, body)
+    metrics = request.app.get(METRICS)
+    if metrics is not None:
+        metrics.observe_lookup("directory-lookup", time.perf_counter() - started)
+    return reply
+
+
+@_answers_errors
+async def _directory_keys(request: web.Request) -> bytes:
+    return await _run(request, None, request.app[COORDINATOR].directory_keys,
+                      dict(request.query))
 
 
 @_answers_errors
 async def _stats(request: web.Request) -> bytes:
-    # asyncio's default pool: stats wait for the directory lock, never for a match.
     return await _run(request, None, request.app[COORDINATOR].stats)
 
 
 async def _health(request: web.Request) -> web.Response:
     return web.Response(body=_HEALTHY, content_type=_JSON)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = request.app.get(METRICS)
+    if metrics is None:
+        raise web.HTTPNotFound(text="metrics are disabled (--disable-metrics)")
+    body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+# --- the instance registry -----------------------------------------------------------------
+
+
+@_answers_errors
+async def _register(request: web.Request) -> bytes:
+    return request.app[COORDINATOR].register(await _read_body(request))
+
+
+async def _heartbeat(request: web.Request) -> web.Response:
+    instance_id = request.match_info["instance_id"]
+    reply = request.app[COORDINATOR].heartbeat(instance_id)
+    if reply is None:
+        return web.Response(status=404, content_type=_JSON, body=encode(
+            {"error": f"unknown instance {instance_id}; re-register"}))
+    return web.Response(body=reply, content_type=_JSON)
+
+
+async def _deregister(request: web.Request) -> web.Response:
+    instance_id = request.match_info["instance_id"]
+    await _drop(request.app, instance_id)
+    return web.Response(status=204)
+
+
+async def _instances(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[COORDINATOR].instances_listing(), content_type=_JSON)
+
+
+async def _drop(app: web.Application, instance_id: str) -> None:
+    """Deregister, then fence the instance's L1 and forget its cursor (off the loop: it
+    takes the directory lock, between two batches). A client that waits for its last
+    `/events` reply before deregistering (LMCache's servers do) has it applied first."""
+    coordinator = app[COORDINATOR]
+    coordinator.deregister(instance_id)
+    await asyncio.get_running_loop().run_in_executor(
+        None, coordinator.drop_instance, instance_id)
+
+
+# --- lifecycle -------------------------------------------------------------------------------
 
 
 async def _worker_pools(app: web.Application) -> AsyncIterator[None]:
@@ -177,18 +287,60 @@ async def _worker_pools(app: web.Application) -> AsyncIterator[None]:
     app[COORDINATOR].ingest_queue.close()
 
 
+async def _reaper(app: web.Application) -> AsyncIterator[None]:
+    """The background task that reaps silent instances, for the life of the app."""
+    config = app[COORDINATOR].config
+    task = None
+    if config.health_check_interval > 0:
+        task = asyncio.create_task(_reap_forever(app, config.health_check_interval,
+                                                 config.instance_timeout))
+    yield
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _reap_forever(app: web.Application, interval: float, timeout: float) -> None:
+    coordinator = app[COORDINATOR]
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            for instance_id in coordinator.instances.silent(timeout):
+                log.info("instance %s silent for over %.0f s: deregistered, L1 fenced",
+                         instance_id, timeout)
+                await _drop(app, instance_id)
+                metrics = app.get(METRICS)
+                if metrics is not None:
+                    metrics.reaped()
+        except Exception:  # never let one bad sweep end the reaper
+            log.exception("reaping silent instances failed; retrying next interval")
+
+
 def create_app(config: CoordinatorConfig | None = None) -> web.Application:
-    """The coordinator as an aiohttp application (not yet started)."""
+    """The coordinator as an aiohttp application (not yet started). With blend lookup on,
+    this compiles every kernel first (see `Coordinator`), so a started app is ready."""
     config = config or CoordinatorConfig()
     app = web.Application(client_max_size=config.max_body_bytes)
-    app[COORDINATOR] = Coordinator(config)
+    coordinator = app[COORDINATOR] = Coordinator(config)
     app[CONNECTIONS] = ConnectionGuard(connection_cap(config.max_connections))
     app.middlewares.append(app[CONNECTIONS].middleware)
     if config.access_tokens:  # opt-in; checked before any handler reads a body
         app.middlewares.insert(0, access_middleware(config.access_tokens))
+    if config.enable_metrics:
+        app[METRICS] = CoordinatorMetrics(coordinator.directory,
+                                          lambda: len(coordinator.instances))
     app.cleanup_ctx.append(_worker_pools)
+    app.cleanup_ctx.append(_reaper)
     app.router.add_post(EVENTS_PATH, _events)
     app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)
+    app.router.add_post(DIRECTORY_LOOKUP_PATH, _directory_lookup)
+    app.router.add_get(DIRECTORY_KEYS_PATH, _directory_keys)
     app.router.add_get(STATS_PATH, _stats)
     app.router.add_get(HEALTH_PATH, _health)
+    app.router.add_get(METRICS_PATH, _metrics)
+    app.router.add_post(INSTANCES_PATH, _register)
+    app.router.add_get(INSTANCES_PATH, _instances)
+    app.router.add_put(INSTANCES_PATH + "/{instance_id}/heartbeat", _heartbeat)
+    app.router.add_delete(INSTANCES_PATH + "/{instance_id}", _deregister)
     return app

@@ -5,7 +5,8 @@ Contract:
   it from the command line (WIRE.md, "Coordinator command line") and `--help` explains
   every flag. Tests build it directly and pass it to `create_app`.
 - Limits are checked here once, so the rest of the package can trust them:
-  `chunk_size >= 1`, `blend_probe_stride >= 1`, both caps >= 1, `match_workers >= 1`.
+  `chunk_size >= 1`, `blend_probe_stride >= 1`, both caps >= 1, `match_workers >= 1`,
+  `instance_timeout > 0`, `health_check_interval >= 0` (0: no reaper).
 - `enable_blend_lookup` is the value at start-up only; enabling later is a runtime act on
   the running coordinator (`KeyDirectory.enable_blend_lookup`), never a config change.
 """
@@ -32,6 +33,9 @@ DEFAULT_IDLE_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 #: Open connections beyond this make room by closing the longest-idle one.
 DEFAULT_MAX_CONNECTIONS = 4096
+# LMCache's defaults: servers heartbeat every 5 s.
+DEFAULT_INSTANCE_TIMEOUT = 30.0
+DEFAULT_HEALTH_CHECK_INTERVAL = 10.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ class CoordinatorConfig:
     # TLS: both or neither (PEM files); off = plain HTTP.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    instance_timeout: float = DEFAULT_INSTANCE_TIMEOUT
+    health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL  # 0: never reap
+    enable_metrics: bool = True
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -82,6 +89,12 @@ class CoordinatorConfig:
                     or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got "
                                  f"{value!r}")
+        if not 0 < self.instance_timeout < float("inf"):
+            raise ValueError(f"instance_timeout must be a finite number of seconds > 0, got "
+                             f"{self.instance_timeout!r}")
+        if not 0 <= self.health_check_interval < float("inf"):
+            raise ValueError("health_check_interval must be a finite number of seconds >= 0 "
+                             f"(0: never reap), got {self.health_check_interval!r}")
 
 
 def _positive_int(text: str) -> int:
@@ -95,6 +108,13 @@ def _positive_seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def _seconds_or_zero(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
     return value
 
 
@@ -165,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-cert", metavar="PEM",
                         help="serve HTTPS with this certificate (chain); needs --tls-key")
     parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument("--instance-timeout", type=_positive_seconds,
+                        default=DEFAULT_INSTANCE_TIMEOUT,
+                        help="seconds without a heartbeat after which a registered instance "
+                             "is deregistered and its L1 placements fenced "
+                             "(default: %(default)s)")
+    parser.add_argument("--health-check-interval", type=_seconds_or_zero,
+                        default=DEFAULT_HEALTH_CHECK_INTERVAL,
+                        help="seconds between checks for silent instances; 0 turns the "
+                             "check off (default: %(default)s)")
+    parser.add_argument("--disable-metrics", action="store_true",
+                        help="do not serve Prometheus metrics: GET /metrics answers 404")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level on stderr (default: %(default)s)")
@@ -185,7 +216,9 @@ def parse_args(argv: Sequence[str] | None = None,
             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
             access_tokens=access_tokens, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
-            log_level=args.log_level)
+            instance_timeout=args.instance_timeout,
+            health_check_interval=args.health_check_interval,
+            enable_metrics=not args.disable_metrics, log_level=args.log_level)
     except ValueError as exc:
         build_parser().error(str(exc))
         raise  # unreachable: error() exits

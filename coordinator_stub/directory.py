@@ -1,14 +1,21 @@
 """The key directory: where every stored object lives, and what content each chunk holds.
 
 State (all guarded by `self._lock`, the directory lock):
-- placements: per object key, the places `(instance_id, tier, backend)` holding it. A key
-  is `(chunk_hash, namespace, kv_rank, object_group_id)`; its namespace is
-  `(model_name, cache_salt, world_size)` (WIRE.md). A key with no placement is forgotten.
+- placements: per object key, the places holding it. A place is what the reporter said,
+  `(instance_id, incarnation, tier, backend, shared, size_bytes)`; its identity is
+  `(instance_id, tier, backend)`, or `(tier, backend)` for a `shared` (fleet-wide) pool,
+  whose one placement names its latest reporter (LMCache's rule): a STORE of the same
+  identity replaces the place, a DELETE of it removes it. A key is
+  `(chunk_hash, namespace, kv_rank, object_group_id)`; its namespace is
+  `(model_name, cache_salt, world_size)` (WIRE.md). A key with no placement is forgotten,
+  with its count of `access` entries.
 - bindings: one per `chunk_hash` that has at least one key: the chunk's content (exactly
   `chunk_size` tokens, or unknown) and its stored offset (or -1, unknown). A binding with
   no key left is forgotten, content and all.
-- per instance, the chunk hashes it holds a placement of, so a restart is fenced
-  without scanning the directory.
+- per instance, the chunk hashes it holds a placement of, so a restart (or a departure:
+  `drop_instance`, L1 only) is fenced without scanning the directory.
+- running totals (placements and reported bytes per tier, L1 placements per instance),
+  so stats and metrics never walk the directory.
 - the ingest gate's cursors (`IngestGate`): admitting a batch and applying it are one step.
 
 The blend index (`local_matcher.ContentIndex`) is a derived view of the bindings, and
@@ -28,7 +35,10 @@ it later creates an empty index; content recorded from then on is indexed, nothi
 before is back-filled.
 
 Representation (why it looks the way it does): a binding is one tuple
-`(content, offset, holds)`. `holds` is, for a chunk with up to `_FEW` placements (nearly
+`(content, offset, holds, accesses)`. `accesses` is a flat tuple of `(key_no, count)`
+pairs for the keys of the chunk that were ever accessed (usually empty). A place number
+stands for the whole place, size included: an instance reports one size per tier and
+chunk size, so places stay few and a placement costs no more than before. `holds` is, for a chunk with up to `_FEW` placements (nearly
 all), a flat tuple of small-int pairs `(key_no, place_no, key_no, place_no, ...)`,
 numbering keys and places through interning tables; beyond that, a `_ManyKeys`, whose
 dicts make adding or removing one key O(1) however many keys (object groups, ranks) one
@@ -64,8 +74,11 @@ from blend_wire import (
 
 log = logging.getLogger(__name__)
 
-#: `(instance_id, tier, backend)`: one place an object is held.
-Placement = tuple[str, str, str]
+#: `(instance_id, incarnation, tier, backend, shared, size_bytes)`: one place an object
+#: is held, as its (latest) reporter described it.
+Place = tuple[str, int, str, str, bool, int]
+_INSTANCE, _INCARNATION, _TIER, _BACKEND, _SHARED, _SIZE = range(6)
+_NO_ACCESSES: tuple = ()
 
 #: Placements a binding keeps in a flat tuple (scanned); past this, a `_ManyKeys`.
 _FEW = 8
@@ -171,15 +184,22 @@ class KeyDirectory:
         self._key_nos: dict[tuple[str, str, int, int], int] = {}
         self._key_ns: list[BlendNamespace] = []  # namespace of each key number
         self._namespaces: dict[BlendNamespace, BlendNamespace] = {}
-        self._place_nos: dict[Placement, int] = {}
-        self._places: list[Placement] = []
-        self._capacity: dict[Placement, tuple[int, int]] = {}
+        self._key_raw: list[tuple[str, str, int, int]] = []  # fields of each key number
+        self._place_nos: dict[Place, int] = {}
+        self._places: list[Place] = []
+        self._ident_nos: dict[tuple, int] = {}
+        self._place_idents: list[int] = []  # identity number of each place number
+        self._capacity: dict[tuple[str, str, str], tuple[int, int]] = {}
         self._num_keys = 0
         self._num_placements = 0
+        # Running totals per tier: [placements, reported bytes]; L1 placements per instance.
+        self._tier_totals = {"l1": [0, 0], "l2": [0, 0]}
+        self._l1_by_instance: dict[str, int] = {}
         self._counters = dict.fromkeys(
             ("batches_applied", "batches_duplicate", "batches_stale", "instances_fenced",
+             "instances_dropped", "entries_applied", "entries_duplicate", "entries_stale",
              "entries_stored", "entries_deleted", "entries_accessed", "deletes_unknown",
-             "token_lists_wrong_length", "token_lists_out_of_range"), 0)
+             "accesses_unknown", "token_lists_wrong_length", "token_lists_out_of_range"), 0)
         if enable_blend_lookup:
             self.enable_blend_lookup()
 
@@ -216,14 +236,17 @@ class KeyDirectory:
     def ingest(self, batches: list[CacheEventBatch]) -> EventsReply:
         """Gate and apply validated batches, in order. Counts are of batches."""
         applied = duplicates = stale = 0
+        counters = self._counters
         with self._lock:
             for batch in batches:
                 verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq)
                 if verdict is Verdict.DUPLICATE:
                     duplicates += 1
+                    counters["entries_duplicate"] += len(batch.entries)
                     continue
                 if verdict is Verdict.STALE:
                     stale += 1
+                    counters["entries_stale"] += len(batch.entries)
                     continue
                 try:
                     if verdict is Verdict.FENCE:
@@ -233,33 +256,78 @@ class KeyDirectory:
                     if self._writer is not None:
                         self._writer.flush()
                 applied += 1
-            self._counters["batches_applied"] += applied
-            self._counters["batches_duplicate"] += duplicates
-            self._counters["batches_stale"] += stale
+                counters["entries_applied"] += len(batch.entries)
+            counters["batches_applied"] += applied
+            counters["batches_duplicate"] += duplicates
+            counters["batches_stale"] += stale
         return EventsReply(applied=applied, duplicates=duplicates, stale=stale)
 
     def _apply(self, batch: CacheEventBatch) -> None:
-        place = (batch.instance_id, batch.tier, batch.backend)
-        place_no = self._place_nos.get(place)
-        if place_no is None:
-            place_no = self._place_nos[place] = len(self._places)
-            self._places.append(place)
         kind = batch.event_type
         if kind == "store":
             held = self._held_by.get(batch.instance_id)
             if held is None:
                 held = self._held_by[batch.instance_id] = set()
             for entry in batch.entries:
-                self._store(entry, place_no, held)
+                self._store(entry, self._place_no(batch, entry.size_bytes), held)
             self._counters["entries_stored"] += len(batch.entries)
         elif kind == "delete":
+            ident = self._place_idents[self._place_no(batch, 0)]
             for entry in batch.entries:
-                self._delete(entry.key, place_no)
+                self._delete(entry.key, ident)
             self._counters["entries_deleted"] += len(batch.entries)
         elif kind == "config":
+            place = (batch.instance_id, batch.tier, batch.backend)
             self._capacity[place] = (batch.capacity_bytes, batch.capacity_revision)
-        else:  # "access": recency only, which this directory does not rank by
+        else:  # "access": counted per key (recency, which this directory does not rank by)
+            for entry in batch.entries:
+                self._access(entry.key)
             self._counters["entries_accessed"] += len(batch.entries)
+
+    def _place_no(self, batch: CacheEventBatch, size_bytes: int) -> int:
+        place = (batch.instance_id, batch.incarnation, batch.tier, batch.backend,
+                 batch.shared, size_bytes)
+        place_no = self._place_nos.get(place)
+        if place_no is None:
+            ident = ("", batch.tier, batch.backend, True) if batch.shared else (
+                batch.instance_id, batch.tier, batch.backend, False)
+            ident_no = self._ident_nos.setdefault(ident, len(self._ident_nos))
+            place_no = self._place_nos[place] = len(self._places)
+            self._places.append(place)
+            self._place_idents.append(ident_no)
+        return place_no
+
+    def _count(self, place_no: int, sign: int) -> None:
+        """Move the running totals by one placement (sign +1 added, -1 removed)."""
+        place = self._places[place_no]
+        totals = self._tier_totals[place[_TIER]]
+        totals[0] += sign
+        totals[1] += sign * place[_SIZE]
+        if place[_TIER] == "l1":
+            instance_id = place[_INSTANCE]
+            count = self._l1_by_instance.get(instance_id, 0) + sign
+            if count:
+                self._l1_by_instance[instance_id] = count
+            else:
+                del self._l1_by_instance[instance_id]
+
+    def _access(self, key: EncodedObjectKey) -> None:
+        """One ACCESS entry: the key's count grows, if the directory holds the key."""
+        key_no = self._key_nos.get(
+            (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id))
+        chunk_hash = bytes.fromhex(key.chunk_hash_hex)
+        binding = self._bindings.get(chunk_hash)
+        if binding is None or key_no is None or not self._holds_key(binding[2], key_no):
+            self._counters["accesses_unknown"] += 1  # LMCache counts only keys it holds
+            return
+        accesses = binding[3]
+        for i in range(0, len(accesses), 2):
+            if accesses[i] == key_no:
+                accesses = accesses[:i + 1] + (accesses[i + 1] + 1,) + accesses[i + 2:]
+                break
+        else:
+            accesses += (key_no, 1)
+        self._bindings[chunk_hash] = binding[:3] + (accesses,)
 
     def _key_no(self, key: EncodedObjectKey) -> int:
         raw = (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id)
@@ -269,6 +337,7 @@ class KeyDirectory:
             namespace = self._namespaces.setdefault(namespace, namespace)
             key_no = self._key_nos[raw] = len(self._key_ns)
             self._key_ns.append(namespace)
+            self._key_raw.append(raw)
         return key_no
 
     # --- the lifecycle table, one step per row ----------------------------------------------
@@ -278,8 +347,8 @@ class KeyDirectory:
         key_no = self._key_no(entry.key)
         chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
         binding = self._bindings.get(chunk_hash)
-        content, offset, holds = binding if binding is not None else (
-            None, UNKNOWN_TOKEN_OFFSET, ())
+        content, offset, holds, accesses = binding if binding is not None else (
+            None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES)
         holds, new_claim = self._add_placement(holds, key_no, place_no)
         held.add(chunk_hash)
         if self._writer is not None:  # blend lookup off: no content is recorded (or hashed)
@@ -291,7 +360,7 @@ class KeyDirectory:
             elif claimant is not None and self._indexed(content, offset):
                 # STORE without tokens, content known: claim it for the key's namespace.
                 self._claim_for(chunk_hash, content, offset, claimant)
-        self._bindings[chunk_hash] = (content, offset, holds)
+        self._bindings[chunk_hash] = (content, offset, holds, accesses)
 
     def _stamped_tokens(self, entry: CacheEventEntry) -> bytes | None:
         """The entry's tokens as native uint32 bytes, or None when it carries no usable
@@ -363,15 +432,18 @@ class KeyDirectory:
             return
         self._writer.add(tokens, chunk_hash, offset, namespace)
 
-    def _delete(self, key: EncodedObjectKey, place_no: int) -> None:
-        """One DELETE entry: drop the placement; release what it was the last of."""
+    def _delete(self, key: EncodedObjectKey, ident: int) -> None:
+        """One DELETE entry: drop the placement of that identity; release what it was the
+        last of."""
         # Looked up, not interned: deleting what was never stored must not grow the table.
         key_no = self._key_nos.get(
             (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id))
         chunk_hash = bytes.fromhex(key.chunk_hash_hex)
         binding = self._bindings.get(chunk_hash)
-        removed = None
+        removed = place_no = None
         if binding is not None and key_no is not None:
+            place_no = self._held_place(binding[2], key_no, ident)
+        if place_no is not None:
             removed = self._remove_placement(binding[2], key_no, place_no)
         if removed is None:
             self._counters["deletes_unknown"] += 1
@@ -382,29 +454,59 @@ class KeyDirectory:
         self._release(chunk_hash, binding, holds,
                       [self._key_ns[key_no]] if claim_gone else [])
 
-    def _fence(self, instance_id: str) -> None:
-        """Instance restarted: drop every placement it reported (and what they held)."""
-        self._counters["instances_fenced"] += 1
+    def drop_instance(self, instance_id: str) -> None:
+        """An instance left (deregistered, or silent past the timeout): its L1 was that
+        process's memory, so its L1 placements go; its L2 placements stay (fleet storage,
+        they leave by DELETE events). Its ingest cursor is forgotten, so its next batch
+        starts a fresh stream at any incarnation and seq (LMCache's `drop_instance`)."""
+        with self._lock:
+            self._counters["instances_dropped"] += 1
+            try:
+                self._fence(instance_id, l1_only=True)
+            finally:
+                self._gate.forget(instance_id)
+                if self._writer is not None:
+                    self._writer.flush()
+
+    def _fence(self, instance_id: str, l1_only: bool = False) -> None:
+        """Instance restarted: drop every placement it reported (and what they held); or,
+        `l1_only`, only its L1 placements."""
+        if not l1_only:
+            self._counters["instances_fenced"] += 1
         places = self._places
         for chunk_hash in self._held_by.pop(instance_id, ()):
             binding = self._bindings[chunk_hash]
-            holds, lost = binding[2], []
+            holds, lost, kept, removed = binding[2], [], False, False
             for key_no, place_no in self._placements_in(holds):
-                if places[place_no][0] == instance_id:
-                    holds, claim_gone, _ = self._remove_placement(holds, key_no, place_no)
-                    if claim_gone:
-                        lost.append(self._key_ns[key_no])
-            self._release(chunk_hash, binding, holds, lost)
+                place = places[place_no]
+                if place[_INSTANCE] != instance_id:
+                    continue
+                if l1_only and place[_TIER] != "l1":
+                    kept = True
+                    continue
+                holds, claim_gone, _ = self._remove_placement(holds, key_no, place_no)
+                removed = True
+                if claim_gone:
+                    lost.append(self._key_ns[key_no])
+            if kept:
+                self._held_by.setdefault(instance_id, set()).add(chunk_hash)
+            if removed:
+                self._release(chunk_hash, binding, holds, lost)
 
     def _release(self, chunk_hash: bytes, binding: tuple, holds, lost: list) -> None:
         """Placements gone: each namespace left without a key drops its claim (the last
-        claim drops the occupant); a binding without placements is forgotten."""
-        content, offset, _ = binding
+        claim drops the occupant), and each key gone its access count; a binding without
+        placements is forgotten."""
+        content, offset, _, accesses = binding
         if self._writer is not None and self._indexed(content, offset):
             for namespace in lost:
                 self._writer.remove_claim(chunk_hash, namespace)
         if holds:
-            self._bindings[chunk_hash] = (content, offset, holds)
+            if accesses:
+                accesses = tuple(value for i in range(0, len(accesses), 2)
+                                 if self._holds_key(holds, accesses[i])
+                                 for value in accesses[i:i + 2])
+            self._bindings[chunk_hash] = (content, offset, holds, accesses)
         else:
             del self._bindings[chunk_hash]
 
@@ -414,12 +516,16 @@ class KeyDirectory:
         """Record `(key_no, place_no)`; returns (holds, whether the key's namespace is
         new to this chunk). Counts keys and placements."""
         key_ns, namespace = self._key_ns, self._key_ns[key_no]
+        idents, ident = self._place_idents, self._place_idents[place_no]
         if type(holds) is tuple:
             new_key = new_claim = True
             for i in range(0, len(holds), 2):
                 if holds[i] == key_no:
                     new_key = new_claim = False
-                    if holds[i + 1] == place_no:
+                    if idents[holds[i + 1]] == ident:
+                        if holds[i + 1] != place_no:  # reported again: the latest report
+                            self._replace_place(holds[i + 1], place_no)
+                            holds = holds[:i + 1] + (place_no,) + holds[i + 2:]
                         return holds, False
                 elif key_ns[holds[i]] == namespace:
                     new_claim = False
@@ -433,17 +539,52 @@ class KeyDirectory:
                 new_claim = namespace not in holds.keys_in
                 holds.keys_in[namespace] = holds.keys_in.get(namespace, 0) + 1
                 places = ()
-            elif place_no in places:
-                return holds, False
             else:
                 new_claim = False
+                for i, held in enumerate(places):
+                    if idents[held] == ident:
+                        if held != place_no:  # reported again: the latest report
+                            self._replace_place(held, place_no, holds)
+                            holds.places[key_no] = places[:i] + (place_no,) + places[i + 1:]
+                        return holds, False
             holds.places[key_no] = places + (place_no,)
             instance = self._places[place_no][0]
             holds.placements_of[instance] = holds.placements_of.get(instance, 0) + 1
             holds.count += 1
         self._num_keys += new_key
         self._num_placements += 1
+        self._count(place_no, 1)
         return holds, new_claim
+
+    def _replace_place(self, old: int, new: int, many: _ManyKeys | None = None) -> None:
+        """A placement's place is replaced by a new report of the same identity (another
+        size or incarnation, or, for a shared pool, another reporter)."""
+        self._count(old, -1)
+        self._count(new, 1)
+        if many is not None:
+            old_instance, new_instance = self._places[old][0], self._places[new][0]
+            if old_instance != new_instance:
+                many.placements_of[old_instance] -= 1
+                if not many.placements_of[old_instance]:
+                    del many.placements_of[old_instance]
+                many.placements_of[new_instance] = many.placements_of.get(new_instance, 0) + 1
+
+    def _held_place(self, holds, key_no: int, ident: int) -> int | None:
+        """The place number holding `key_no` with identity `ident`, if any."""
+        idents = self._place_idents
+        if type(holds) is tuple:
+            for i in range(0, len(holds), 2):
+                if holds[i] == key_no and idents[holds[i + 1]] == ident:
+                    return holds[i + 1]
+            return None
+        for place_no in holds.places.get(key_no, ()):
+            if idents[place_no] == ident:
+                return place_no
+        return None
+
+    @staticmethod
+    def _holds_key(holds, key_no: int) -> bool:
+        return key_no in holds[0::2] if type(holds) is tuple else key_no in holds.places
 
     def _remove_placement(self, holds, key_no: int, place_no: int):
         """Drop `(key_no, place_no)`: (holds, whether the key's namespace lost its last
@@ -487,6 +628,7 @@ class KeyDirectory:
                 holds = tuple(v for k, p in self._placements_in(holds) for v in (k, p))
         self._num_keys -= key_gone
         self._num_placements -= 1
+        self._count(place_no, -1)
         return holds, claim_gone, instance_gone
 
     def _many_keys(self, flat: tuple[int, ...]) -> _ManyKeys:
@@ -521,23 +663,137 @@ class KeyDirectory:
 
     # --- inspection ---------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        """WIRE.md's stats object (`num_keys`, `num_placements`, `blend`) plus counters."""
+    def placements_of(self, keys: list[tuple[bytes, tuple]]) -> list[tuple[list, list, int]]:
+        """For each `(chunk_hash, (model_name, cache_salt, kv_rank, object_group_id))`:
+        its places sorted by `(instance_id, tier, backend)`, the chunk's tokens (empty
+        when unknown; they belong to the chunk, so any of its keys shows them) and the
+        key's access count. Unknown keys get `([], tokens, 0)`."""
+        results = []
         with self._lock:
-            blend = self._index.stats() if self._index is not None else dict.fromkeys(
-                ("num_contents", "num_chunks", "num_claims", "num_namespaces",
-                 "table_size", "bytes"), 0)
+            for chunk_hash, raw_key in keys:
+                binding = self._bindings.get(chunk_hash)
+                if binding is None:
+                    results.append(([], [], 0))
+                    continue
+                tokens = self._tokens_of(chunk_hash, binding[0])
+                key_no = self._key_nos.get(raw_key)
+                if key_no is None:
+                    results.append(([], tokens, 0))
+                    continue
+                places = sorted((self._places[p] for k, p in self._placements_in(binding[2])
+                                 if k == key_no), key=_place_order)
+                results.append((places, tokens, _access_count(binding[3], key_no)))
+        return results
+
+    def copies_in_other_groups(self, chunk_hash: bytes, raw_key: tuple) -> list[tuple]:
+        """Stored keys of `chunk_hash` differing from `raw_key` only in object group, in
+        ascending group order (LMCache's token lookups resolve group 0 and follow these)."""
+        with self._lock:
+            binding = self._bindings.get(chunk_hash)
+            if binding is None:
+                return []
+            found = {self._key_raw[k] for k, _ in self._placements_in(binding[2])}
+        return sorted((raw for raw in found if raw[:3] == raw_key[:3] and raw != raw_key),
+                      key=lambda raw: raw[3])
+
+    def list_keys(self, tier: str, instance_id: str, backend: str, offset: int, limit: int
+                  ) -> tuple[int, list[tuple[bytes, tuple, list, int, int]]]:
+        """Keys with at least one placement matching the filters (`tier` "all" and empty
+        strings match anything), as `(total, page)`; a page row is `(chunk_hash, raw_key,
+        matching places, num_tokens, access_count)`. Order: by chunk, in the order chunks
+        were first stored, then by key, in the order keys first held the chunk.
+
+        The directory lock is held only to copy the binding table (flat bindings are
+        immutable tuples, a `_ManyKeys` is read under the lock, and the interning tables
+        only grow), so a listing walks a consistent snapshot while ingest goes on.
+        """
+        with self._lock:
+            snapshot = [(chunk_hash, content, holds if type(holds) is tuple
+                         else self._placements_in(holds), accesses)
+                        for chunk_hash, (content, _, holds, accesses)
+                        in self._bindings.items()]
+        places, key_raw = self._places, self._key_raw
+        total, page = 0, []
+        for chunk_hash, content, holds, accesses in snapshot:
+            pairs = zip(holds[0::2], holds[1::2]) if type(holds) is tuple else holds
+            by_key: dict[int, list] = {}
+            for key_no, place_no in pairs:
+                place = places[place_no]
+                if ((tier == "all" or place[_TIER] == tier)
+                        and (not instance_id or place[_INSTANCE] == instance_id)
+                        and (not backend or place[_BACKEND] == backend)):
+                    by_key.setdefault(key_no, []).append(place)
+            for key_no, matching in by_key.items():
+                if offset <= total < offset + limit:
+                    matching.sort(key=_place_order)
+                    page.append((chunk_hash, key_raw[key_no], matching,
+                                 0 if content is None else self.chunk_size,
+                                 _access_count(accesses, key_no)))
+                total += 1
+        return total, page
+
+    def _tokens_of(self, chunk_hash: bytes, content: Content) -> list[int]:
+        if content is None:
+            return []
+        if type(content) is bytes:
+            return np.frombuffer(content, dtype=np.uint32).tolist()
+        tokens = self._writer.tokens_of(chunk_hash) if self._writer is not None else None
+        return [] if tokens is None else np.frombuffer(tokens, dtype=np.uint32).tolist()
+
+    def totals(self) -> dict[str, int]:
+        """Running totals, read without the lock (metrics scrapes must never wait for
+        ingest): each value is one int, current as of some moment of ingest."""
+        l1, l2 = self._tier_totals["l1"], self._tier_totals["l2"]
+        return {"num_keys": self._num_keys, "num_placements": self._num_placements,
+                "l1_count": l1[0], "l1_size_bytes": l1[1],
+                "l2_count": l2[0], "l2_size_bytes": l2[1], **self._counters}
+
+    def blend_stats(self) -> dict[str, int]:
+        """The blend index's stats (zeros with blend lookup off). Takes the index lock
+        only, briefly."""
+        index = self._index
+        if index is None:
+            return dict.fromkeys(("num_contents", "num_chunks", "num_claims",
+                                  "num_namespaces", "table_size", "bytes"), 0)
+        return index.stats()
+
+    def stats(self) -> dict:
+        """WIRE.md's stats object, LMCache's fields first, then ours."""
+        with self._lock:
+            blend = self.blend_stats()
+            blend_bytes = blend.pop("bytes")
+            l1, l2 = self._tier_totals["l1"], self._tier_totals["l2"]
             return {
                 "num_keys": self._num_keys,
                 "num_placements": self._num_placements,
+                # An entry for every instance the gate has a stream for (LMCache: from its
+                # first admitted batch until it is dropped).
+                "l1_keys_by_instance": {instance_id: self._l1_by_instance.get(instance_id, 0)
+                                        for instance_id in self._gate.instances()},
+                "blend": blend,
+                "l1_count": l1[0],
+                "l1_size_bytes": l1[1],
+                "l2_count": l2[0],
+                "l2_size_bytes": l2[1],
                 "num_bindings": len(self._bindings),
                 "num_instances": len(self._gate),
                 "blend_enabled": self._index is not None,
+                "blend_bytes": blend_bytes,
                 "chunk_size": self.chunk_size,
-                "blend": blend,
                 "counters": dict(self._counters),
                 "capacity": [
                     {"instance_id": place[0], "tier": place[1], "backend": place[2],
                      "capacity_bytes": value[0], "capacity_revision": value[1]}
                     for place, value in self._capacity.items()],
             }
+
+
+def _place_order(place: Place) -> tuple[str, str, str]:
+    return place[_INSTANCE], place[_TIER], place[_BACKEND]
+
+
+def _access_count(accesses: tuple, key_no: int) -> int:
+    for i in range(0, len(accesses), 2):
+        if accesses[i] == key_no:
+            return accesses[i + 1]
+    return 0

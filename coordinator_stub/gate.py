@@ -49,12 +49,22 @@ class IngestGate:
         if incarnation < cursor.incarnation:
             return Verdict.STALE
         if incarnation > cursor.incarnation:
-            cursor.incarnation, cursor.last_seq = incarnation, seq
+            # A new stream: it moves to the end, as LMCache's re-created cursor does.
+            del self._cursors[instance_id]
+            self._cursors[instance_id] = _Cursor(incarnation, seq)
             return Verdict.FENCE
         if seq <= cursor.last_seq:
             return Verdict.DUPLICATE
         cursor.last_seq = seq
         return Verdict.APPLY
+
+    def forget(self, instance_id: str) -> None:
+        """Drop the instance's cursor: its next batch is its first (nothing to fence)."""
+        self._cursors.pop(instance_id, None)
+
+    def instances(self) -> list[str]:
+        """Instances with a cursor, in the order their current stream began."""
+        return list(self._cursors)
 
     def __len__(self) -> int:
         return len(self._cursors)

@@ -1,8 +1,8 @@
 """Run the bundled coordinator as a child process (tests, the demo, benchmarks).
 
 Builds on the start-up contract of `python -m coordinator_stub` (see `__main__`): once
-bound it prints one line ``listening on http://HOST:PORT`` on stdout, and it exits 0 on
-SIGTERM. `start_coordinator` waits for that line (or fails with what went wrong);
+bound (and, with blend lookup on, every kernel compiled: ready) it prints one line
+``listening on http://HOST:PORT`` on stdout, and it exits 0 on SIGTERM. `start_coordinator` waits for that line (or fails with what went wrong);
 `CoordinatorProcess.stop` sends SIGTERM, then SIGKILL if the process lingers.
 """
 
@@ -51,11 +51,13 @@ class CoordinatorProcess:
 
 
 def start_coordinator(*flags: str, host: str = "127.0.0.1", port: int = 0,
-                      stderr: int | IO | None = None, startup_timeout: float = 30.0
+                      stderr: int | IO | None = None, startup_timeout: float = 180.0
                       ) -> CoordinatorProcess:
     """Start `python -m coordinator_stub --host HOST --port PORT *flags`; wait until bound.
 
-    `stderr` is passed to `subprocess.Popen` (None: inherit this process's).
+    `stderr` is passed to `subprocess.Popen` (None: inherit this process's). The default
+    `startup_timeout` covers compiling every kernel on a fresh clone of a slow machine
+    (numba caches them on disk; later starts take about a second).
     """
     command = [sys.executable, "-m", "coordinator_stub", "--host", host, "--port", str(port),
                *flags]

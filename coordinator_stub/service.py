@@ -1,4 +1,4 @@
-"""The coordinator's request logic, free of HTTP: body in, reply body out.
+"""The coordinator's request logic, free of HTTP: request in, reply body out.
 
 Contract:
 - `submit_events(body)`: queue an `/events` body with the fair ingest scheduler
@@ -9,39 +9,81 @@ Contract:
   request bytes in flight (the HTTP layer reserves before reading a body).
 - `lookup(body)`: validate, refuse queries over `max_query_tokens` with `TooLarge`
   (-> 413) before decoding them, and match in the caller's namespace. With blend lookup
-  off, or a query shorter than one chunk, the answer is `{"matches": []}`.
+  off, or a query shorter than one chunk, the answer has no matches. It returns the
+  reply value (the HTTP layer counts its matches, then encodes it).
+- `directory_lookup(body)`: WIRE.md's `/directory/lookup`, keys form or tokens form
+  (hashed as LMCache's prefix chain, fanned out per rank, copies in other object groups
+  following); names a key could not carry and oversized sequences raise `BadRequest`
+  (-> 400). `directory_keys(query)`: a filtered page of the directory.
+- `register`, `heartbeat`, `deregister`, `instances`: the instance registry, on the event
+  loop. Deregistering (or reaping) an instance also needs `drop_instance(id)`, which
+  fences its L1 placements and forgets its ingest cursor (under the directory lock, so
+  between two batches); the HTTP layer runs it off the event loop.
 - `stats()`: the directory's stats object, JSON-encoded.
 
-`lookup` is `answer(parse_lookup(body))`, split so the HTTP layer can validate a small
+`lookup` is `matches(parse_lookup(body))`, split so the HTTP layer can validate a small
 body's shape on the event loop and hand the token decoding (a GIL-free kernel) and the
-matching to a worker thread. Everything else
-blocks (locks, CPU-bound work) and runs on worker threads, never on the loop. All reply
-bodies are encoded with `blend_wire.encode`, the one owner of the wire shapes.
+matching to a worker thread. Everything that blocks (locks, CPU-bound work) runs on
+worker threads, never on the loop. All reply bodies are encoded with
+`blend_wire.encode`, the one owner of the wire shapes.
+
+Ready means compiled: with blend lookup on, `Coordinator(config)` rehearses every
+directory and index operation on a scratch directory, so each numba kernel the
+coordinator uses is compiled (or loaded from numba's cache) before the first request.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 
-from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.directory import KeyDirectory
-from coordinator_stub.ingest import ByteBudget, FairIngest
+import numpy as np
+
 from blend_wire import (
+    MAX_TOKEN_IDS,
     BlendLookupReply,
     BlendLookupRequest,
     CacheEventBatch,
+    DirectoryKeyInfo,
+    DirectoryKeysQuery,
+    DirectoryKeysReply,
+    DirectoryLookupReply,
+    DirectoryLookupRequest,
+    EncodedObjectKey,
+    EventsRequest,
+    HeartbeatReply,
+    KeyPlacements,
+    RegisterReply,
+    RegisterRequest,
     WireBlendMatch,
+    WireError,
+    WirePlacement,
+    check_cache_salt,
+    check_model_name,
+    convert_query,
     decode,
     decode_tokens,
     encode,
+    encode_tokens,
+    lookup_kv_ranks,
+    pack_kv_rank,
+    prefix_chunk_hashes,
 )
+from coordinator_stub.config import CoordinatorConfig
+from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.ingest import ByteBudget, FairIngest
+from coordinator_stub.instances import InstanceRegistry
 
 
 class TooLarge(Exception):
     """A request beyond a configured limit (-> 413). The message says which limit."""
 
 
-_EMPTY_LOOKUP = encode(BlendLookupReply(matches=[]))
+class BadRequest(Exception):
+    """A well-formed request the coordinator cannot serve (-> 400), as LMCache answers
+    a token lookup whose names could not form a key. The message says why."""
+
+
+_EMPTY_DIRECTORY_LOOKUP = encode(DirectoryLookupReply(chunks=0, results=[]))
 
 
 class Coordinator:
@@ -52,7 +94,12 @@ class Coordinator:
                                       enable_blend_lookup=config.enable_blend_lookup)
         self.ingest_queue = FairIngest(self._apply_batch)
         self.ingest_budget = ByteBudget(config.max_ingest_bytes)
+        self.instances = InstanceRegistry()
         decode_tokens("AAAAAA==")  # compile (or load) the codec kernel before any request
+        if config.enable_blend_lookup:
+            _rehearse(config)
+
+    # --- events and blend lookups ---------------------------------------------------------
 
     def submit_events(self, body: bytes) -> concurrent.futures.Future:
         """Queue an `/events` body; the future's result is the reply body (`bytes`)."""
@@ -71,8 +118,8 @@ class Coordinator:
         reply = self.directory.ingest([batch])
         return "applied" if reply.applied else "duplicate" if reply.duplicates else "stale"
 
-    def lookup(self, body: bytes) -> bytes:
-        return self.answer(self.parse_lookup(body))
+    def lookup(self, body: bytes) -> BlendLookupReply:
+        return self.matches(self.parse_lookup(body))
 
     def parse_lookup(self, body: bytes) -> BlendLookupRequest:
         """Validate a blend-lookup body's shape, and its size from the text alone."""
@@ -84,21 +131,148 @@ class Coordinator:
             raise TooLarge(f"query exceeds {cap} tokens (--max-query-tokens)")
         return request
 
-    def answer(self, request: BlendLookupRequest) -> bytes:
+    def matches(self, request: BlendLookupRequest) -> BlendLookupReply:
         """Decode the query's tokens (WireError if they are not valid) and match them."""
         tokens = decode_tokens(request.tokens_b64)
         if tokens.size > self.config.max_query_tokens:
             raise TooLarge(f"query of {tokens.size} tokens exceeds "
                            f"{self.config.max_query_tokens} (--max-query-tokens)")
         if not self.directory.blend_enabled or tokens.size < self.config.chunk_size:
-            return _EMPTY_LOOKUP
-        matches = self.directory.match(tokens, request.namespace)
-        return encode(BlendLookupReply(matches=[
+            return BlendLookupReply(matches=[])
+        return BlendLookupReply(matches=[
             WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
-            for m in matches]))
+            for m in self.directory.match(tokens, request.namespace)])
+
+    # --- directory queries ------------------------------------------------------------------
+
+    def directory_lookup(self, body: bytes) -> bytes:
+        request = decode(body, DirectoryLookupRequest)
+        if request.keys:
+            keys = [(bytes.fromhex(k.chunk_hash_hex), _raw_key(k)) for k in request.keys]
+            chunks = len(keys)
+        else:
+            keys = self._resolve_tokens(request)
+            if not keys:
+                return _EMPTY_DIRECTORY_LOOKUP
+            chunks = len(keys) // request.world_size
+            keys = [(chunk_hash, raw) for chunk_hash, group_0 in keys
+                    for raw in (group_0, *self.directory.copies_in_other_groups(
+                        chunk_hash, group_0))]
+        results = [
+            KeyPlacements(key=_encoded_key(chunk_hash, raw),
+                          placements=[_wire_placement(p) for p in placements],
+                          token_ids=tokens, access_count=access_count)
+            for (chunk_hash, raw), (placements, tokens, access_count)
+            in zip(keys, self.directory.placements_of(keys))]
+        return encode(DirectoryLookupReply(chunks=chunks, results=results))
+
+    def _resolve_tokens(self, request: DirectoryLookupRequest) -> list[tuple[bytes, tuple]]:
+        """The object keys (object group 0) of every complete chunk, chunk-major."""
+        if len(request.token_ids) > MAX_TOKEN_IDS:
+            raise BadRequest(f"too many token_ids in a single request "
+                             f"(limit={MAX_TOKEN_IDS}, got={len(request.token_ids)})")
+        try:
+            check_model_name(request.model_name)
+            check_cache_salt(request.cache_salt)
+            pack_kv_rank(request.world_size)
+        except ValueError as exc:  # WireError is one: a world size beyond a kv_rank byte
+            raise BadRequest(str(exc)) from None
+        tokens = np.asarray(request.token_ids, dtype=np.uint32)
+        ranks = lookup_kv_ranks(request.world_size)
+        return [(chunk_hash, (request.model_name, request.cache_salt, kv_rank, 0))
+                for chunk_hash in prefix_chunk_hashes(tokens, self.config.chunk_size)
+                for kv_rank in ranks]
+
+    def directory_keys(self, query: dict[str, str]) -> bytes:
+        params = convert_query(query, DirectoryKeysQuery)
+        total, page = self.directory.list_keys(params.tier, params.instance_id,
+                                               params.backend, params.offset, params.limit)
+        return encode(DirectoryKeysReply(total=total, keys=[
+            DirectoryKeyInfo(key=_encoded_key(chunk_hash, raw),
+                             placements=[_wire_placement(p) for p in placements],
+                             num_tokens=num_tokens, access_count=access_count)
+            for chunk_hash, raw, placements, num_tokens, access_count in page]))
 
     def stats(self) -> bytes:
         return encode(self.directory.stats())
 
+    # --- the instance registry (event loop) ------------------------------------------------
 
-__all__ = ["Coordinator", "TooLarge"]
+    def register(self, body: bytes) -> bytes:
+        instance_id, re_registered = self.instances.register(decode(body, RegisterRequest))
+        return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
+
+    def heartbeat(self, instance_id: str) -> bytes | None:
+        """The reply body, or None for an unknown instance (it must re-register)."""
+        if not self.instances.heartbeat(instance_id):
+            return None
+        return encode(HeartbeatReply(instance_id=instance_id))
+
+    def deregister(self, instance_id: str) -> None:
+        """Forget the registration; the caller then runs `drop_instance`."""
+        self.instances.deregister(instance_id)
+
+    def drop_instance(self, instance_id: str) -> None:
+        self.directory.drop_instance(instance_id)
+
+    def instances_listing(self) -> bytes:
+        return encode(self.instances.listing())
+
+
+def _raw_key(key: EncodedObjectKey) -> tuple[str, str, int, int]:
+    return key.model_name, key.cache_salt, key.kv_rank, key.object_group_id
+
+
+def _encoded_key(chunk_hash: bytes, raw: tuple[str, str, int, int]) -> EncodedObjectKey:
+    model_name, cache_salt, kv_rank, object_group_id = raw
+    return EncodedObjectKey(chunk_hash_hex=chunk_hash.hex(), model_name=model_name,
+                            kv_rank=kv_rank, object_group_id=object_group_id,
+                            cache_salt=cache_salt)
+
+
+def _wire_placement(place: tuple) -> WirePlacement:
+    instance_id, incarnation, tier, backend, shared, size_bytes = place
+    return WirePlacement(instance_id=instance_id, incarnation=incarnation, tier=tier,
+                         backend=backend, size_bytes=size_bytes, shared=shared)
+
+
+def _rehearse(config: CoordinatorConfig) -> None:
+    """Run every directory/index operation once on a scratch directory, through the same
+    decoding as real requests, so every kernel specialisation they use is compiled."""
+    chunk_size = config.chunk_size
+    scratch = KeyDirectory(chunk_size=chunk_size, probe_stride=config.blend_probe_stride,
+                           enable_blend_lookup=True)
+    first = np.arange(chunk_size, dtype=np.uint32)
+    second = first + np.uint32(chunk_size)
+
+    def batch(seq: int, event_type: str, entries: list[dict], incarnation: int = 0,
+              instance: str = "rehearsal") -> dict:
+        return {"instance_id": instance, "incarnation": incarnation, "seq": seq,
+                "event_type": event_type, "tier": "l1", "backend": "dram",
+                "entries": entries}
+
+    def entry(chunk_hash: str, tokens: np.ndarray | None, salt: str = "") -> dict:
+        key = {"chunk_hash_hex": chunk_hash, "model_name": "m", "kv_rank": pack_kv_rank(1),
+               "cache_salt": salt}
+        return {"key": key, "size_bytes": 1,
+                "token_ids": [] if tokens is None else tokens.tolist(), "token_offset": 0}
+
+    def ingest(*batches: dict) -> None:
+        scratch.ingest(decode(encode({"batches": list(batches)}), EventsRequest).batches)
+
+    ingest(batch(1, "store", [entry("01", first), entry("02", second)]),
+           batch(2, "store", [entry("01", None, salt="s")]),     # claim known content
+           batch(3, "store", [entry("02", first)]),               # new content, same hash
+           batch(4, "access", [entry("01", None)]))
+    query = decode(encode({"tokens_b64": encode_tokens(np.concatenate([second, first])),
+                           "model_name": "m"}), BlendLookupRequest)
+    scratch.match(decode_tokens(query.tokens_b64), query.namespace)
+    scratch.placements_of([(bytes.fromhex("01"), ("m", "", pack_kv_rank(1), 0))])
+    ingest(batch(5, "delete", [entry("01", None, salt="s")]),    # one claim goes
+           batch(1, "store", [entry("03", second)], incarnation=1))  # fence the rest
+    scratch.drop_instance("rehearsal")
+    if scratch.stats()["num_keys"] != 0:
+        raise RuntimeError("coordinator self-test failed: the scratch directory kept keys")
+
+
+__all__ = ["BadRequest", "Coordinator", "TooLarge", "WireError"]

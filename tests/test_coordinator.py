@@ -12,6 +12,7 @@ import threading
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from coordinator_client import refusal
 from coordinator_stub import COORDINATOR, CoordinatorConfig, create_app
 from blend_wire import (
     BLEND_LOOKUP_PATH,
@@ -485,7 +486,7 @@ async def test_malformed_events_are_422_naming_the_field_and_apply_nothing(
     before = await coord.stats()
     response = await coord.client.post(EVENTS_PATH, data=encode({"batches": batches}))
     assert response.status == 422
-    assert field in (await response.json())["error"]
+    assert field in refusal(await response.json())
     assert await coord.stats() == before
     assert await coord.lookup(A + B + D) == [("ee04", 0, 8)]
     # Nothing of the body moved the gate either: its seq 1 is still fresh.
@@ -497,7 +498,7 @@ async def test_malformed_events_are_422_naming_the_field_and_apply_nothing(
 async def test_events_body_of_the_wrong_shape_is_422(coord, raw):
     response = await coord.client.post(EVENTS_PATH, data=raw)
     assert response.status == 422
-    assert (await response.json())["error"]
+    assert refusal(await response.json())
     assert (await coord.stats())["num_keys"] == 0
 
 
@@ -522,7 +523,7 @@ async def test_malformed_lookups_are_422_naming_the_field(coord, body, field):
     before = await coord.stats()
     response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
     assert response.status == 422
-    assert field in (await response.json())["error"]
+    assert field in refusal(await response.json())
     assert await coord.stats() == before
     assert await coord.lookup(A) == [("aa01", 0, 0)]
 
@@ -541,7 +542,7 @@ async def test_body_over_the_cap_is_413_and_the_next_request_is_served(start):
     big = batch(*[entry(f"{i:04x}", [i, i, i, i], offset=0) for i in range(40)])
     response = await coord.client.post(EVENTS_PATH, data=encode({"batches": [big]}))
     assert response.status == 413
-    assert "max-body-bytes" in (await response.json())["error"]
+    assert "max-body-bytes" in (await response.json())["detail"]
     assert (await coord.stats())["num_keys"] == 0
     assert (await coord.post_events(batch(GOOD)))["applied"] == 1
     assert await coord.lookup(A) == [("aa01", 0, 0)]
@@ -565,7 +566,7 @@ async def test_query_over_the_token_cap_is_413_and_others_are_served(start):
         body = {"tokens_b64": encode_tokens([1] * (length - C) + A), "model_name": "m"}
         response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
         assert response.status == 413, length
-        assert "max-query-tokens" in (await response.json())["error"]
+        assert "max-query-tokens" in (await response.json())["detail"]
     assert await coord.lookup([1] * 12 + A) == [("aa01", 0, 12)]
 
 
@@ -610,7 +611,7 @@ async def test_a_large_query_is_parsed_off_the_loop_and_matched(coord):
     body = {"tokens_b64": encode_tokens(filler)[:-1], "model_name": "m"}
     response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
     assert response.status == 422
-    assert "tokens_b64" in (await response.json())["error"]
+    assert "tokens_b64" in refusal(await response.json())
 
 
 async def test_config_batches_record_capacity_and_access_batches_change_nothing(coord):
@@ -631,7 +632,7 @@ async def test_a_config_batch_with_entries_is_422(coord):
     response = await coord.client.post(EVENTS_PATH, data=encode(
         {"batches": [batch(GOOD, event_type="config")]}))
     assert response.status == 422
-    assert "config" in (await response.json())["error"]
+    assert "config" in refusal(await response.json())
     assert (await coord.stats())["num_keys"] == 0
 
 

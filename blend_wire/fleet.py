@@ -1,0 +1,167 @@
+"""Wire shapes of what an LMCache MP server and LMCache's tools call besides events and
+blend lookups (WIRE.md, "What an LMCache MP server and LMCache's tools call"): the
+instance registry, the key-directory queries, stats and health.
+
+Field names, defaults and limits are LMCache 0.5.6's (`mp_coordinator/schemas.py` and
+`http_apis/*.py`). Request shapes validate themselves (a `__post_init__` states each rule
+that is not a plain type or range), so `blend_wire.decode` returns a checked value or a
+`WireError` naming the field. Reply shapes only describe; the coordinator fills them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from blend_wire import MAX_WORLD_SIZE, EncodedObjectKey, Name, NonNegative
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+OptionalPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+# --- /instances -------------------------------------------------------------------------
+
+
+class RegisterRequest(msgspec.Struct, kw_only=True):
+    """`POST /instances`. An empty `instance_id` asks the coordinator to assign one."""
+
+    instance_id: Name = ""
+    ip: Name
+    http_port: Port
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    p2p_advertised_url: Name = ""
+    mq_port: OptionalPort = 0
+
+    def __post_init__(self) -> None:
+        self.instance_id = self.instance_id.strip()
+        self.ip = self.ip.strip()
+        self.p2p_advertised_url = self.p2p_advertised_url.strip()
+        if not self.ip:
+            raise ValueError("ip must be a non-empty address (the coordinator calls it)")
+
+
+class RegisterReply(msgspec.Struct, kw_only=True):
+    instance_id: str
+    re_registered: bool
+
+
+class HeartbeatReply(msgspec.Struct, kw_only=True):
+    instance_id: str
+
+
+class InstanceInfo(msgspec.Struct, kw_only=True):
+    """One registered MP server as `GET /instances` lists it."""
+
+    instance_id: str
+    ip: str
+    http_port: int
+    registration_time: float  # epoch seconds
+    metadata: dict[str, str]
+    p2p_advertised_url: str
+    mq_port: int
+
+
+class InstancesReply(msgspec.Struct, kw_only=True):
+    instances: list[InstanceInfo]
+
+
+# --- /directory/lookup and /directory/keys -------------------------------------------------
+
+
+class DirectoryLookupRequest(msgspec.Struct, kw_only=True):
+    """`POST /directory/lookup`: exactly one of `keys` or `token_ids` (the request's whole
+    sequence from position 0, with `model_name`, `world_size` and `cache_salt` naming the
+    keys it resolves to)."""
+
+    keys: list[EncodedObjectKey] = msgspec.field(default_factory=list)
+    token_ids: list[TokenId] = msgspec.field(default_factory=list)
+    model_name: Name = ""
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.keys) == bool(self.token_ids):
+            raise ValueError("supply exactly one of 'keys' or 'token_ids'")
+        if self.token_ids and not self.model_name:
+            raise ValueError("'model_name' is required with 'token_ids'")
+
+
+Tier = Literal["l1", "l2"]
+
+
+class WirePlacement(msgspec.Struct, kw_only=True):
+    """One place a key is held. A `shared` placement (a fleet-shared pool) is one per
+    `(tier, backend)` fleet-wide; its `instance_id` is the latest to report it."""
+
+    instance_id: str
+    incarnation: int
+    tier: Tier
+    backend: str
+    size_bytes: int
+    shared: bool = False
+
+
+class KeyPlacements(msgspec.Struct, kw_only=True):
+    """One result of `/directory/lookup`: unknown keys have empty lists and 0."""
+
+    key: EncodedObjectKey
+    placements: list[WirePlacement] = msgspec.field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    access_count: int = 0
+
+
+class DirectoryLookupReply(msgspec.Struct, kw_only=True):
+    chunks: int = 0
+    results: list[KeyPlacements] = msgspec.field(default_factory=list)
+
+
+class DirectoryKeysQuery(msgspec.Struct, kw_only=True):
+    """`GET /directory/keys` query parameters."""
+
+    tier: Literal["l1", "l2", "all"] = "all"
+    instance_id: Name = ""
+    backend: Name = ""
+    offset: NonNegative = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1000
+
+
+class DirectoryKeyInfo(msgspec.Struct, kw_only=True):
+    key: EncodedObjectKey
+    placements: list[WirePlacement] = msgspec.field(default_factory=list)
+    num_tokens: int = 0
+    access_count: int = 0
+
+
+class DirectoryKeysReply(msgspec.Struct, kw_only=True):
+    total: int = 0
+    keys: list[DirectoryKeyInfo] = msgspec.field(default_factory=list)
+
+
+# --- /directory/stats and /healthz ------------------------------------------------------------
+
+
+class BlendIndexStats(msgspec.Struct, kw_only=True):
+    num_contents: int
+    num_chunks: int
+    num_claims: int
+    num_namespaces: int
+    table_size: int
+
+
+class DirectoryStats(msgspec.Struct, kw_only=True):
+    """LMCache's stats fields, in LMCache's order; the coordinator adds its own after."""
+
+    num_keys: int
+    num_placements: int
+    l1_keys_by_instance: dict[str, int]
+    blend: BlendIndexStats
+    l1_count: int
+    l1_size_bytes: int
+    l2_count: int
+    l2_size_bytes: int
+
+
+class HealthReply(msgspec.Struct, kw_only=True):
+    status: str = "healthy"

@@ -1,0 +1,136 @@
+"""Prometheus metrics of the coordinator (`GET /metrics`), on `prometheus_client`.
+
+Contract:
+- LMCache's key-directory gauges, by tier: `lmcache_coordinator_key_directory_placements`
+  and `lmcache_coordinator_key_directory_placement_bytes`; the standard process and
+  Python series; and ours, prefixed `blend_coordinator_`: event batches and entries by
+  outcome (applied / duplicate / stale), entries applied by type, instances fenced,
+  dropped and reaped, registered instances, directory keys, blend-index contents / chunks
+  / claims / bytes, lookups with their latency histogram per endpoint, matches returned,
+  and rejected requests by reason.
+- A scrape reads running totals (`KeyDirectory.totals`, lock-free) and the index's
+  O(1) stats: it never walks the directory, never takes the directory lock. `render()`
+  can block for a moment on the index lock while a match runs, so the HTTP layer calls
+  it off the event loop.
+- Each coordinator has its own `CollectorRegistry`: several coordinators in one process
+  (tests) do not share series.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+from prometheus_client import gc_collector, platform_collector, process_collector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from coordinator_stub.directory import KeyDirectory
+
+#: The exposition's media type (text format; WIRE.md).
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_PREFIX = "blend_coordinator_"
+# Lookup latency buckets (seconds): a blend lookup takes ~1-20 ms, a directory lookup of
+# a long sequence up to ~1 s.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0)
+
+
+class CoordinatorMetrics:
+    """The coordinator's series. Request-path code records with `observe_lookup`,
+    `rejected` and `reaped`; everything else is read at scrape time."""
+
+    def __init__(self, directory: KeyDirectory, registered: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        process_collector.ProcessCollector(registry=self.registry)
+        platform_collector.PlatformCollector(registry=self.registry)
+        gc_collector.GCCollector(registry=self.registry)
+        self._lookup_seconds = Histogram(
+            _PREFIX + "lookup_seconds", "Time to answer a lookup, by endpoint",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._matches = Counter(_PREFIX + "matches_returned",
+                                "Blend matches returned by blend lookups",
+                                registry=self.registry)
+        self._rejected = Counter(_PREFIX + "rejected_requests",
+                                 "Requests refused, by reason (validation: 422, "
+                                 "bad_request: 400, too_large: 413)", ["reason"],
+                                 registry=self.registry)
+        self._reaped = Counter(_PREFIX + "instances_reaped",
+                               "Instances deregistered for missing heartbeats",
+                               registry=self.registry)
+        self.registry.register(_DirectoryCollector(directory, registered))
+
+    def observe_lookup(self, endpoint: str, seconds: float, matches: int = 0) -> None:
+        self._lookup_seconds.labels(endpoint).observe(seconds)
+        if matches:
+            self._matches.inc(matches)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason).inc()
+
+    def reaped(self, count: int = 1) -> None:
+        self._reaped.inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _DirectoryCollector:
+    """Reads the directory's running totals at scrape time."""
+
+    def __init__(self, directory: KeyDirectory, registered: Callable[[], int]) -> None:
+        self._directory, self._registered = directory, registered
+
+    def describe(self) -> list[Metric]:
+        return []  # families are only known at collect time; nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self._directory.totals()
+        placements = GaugeMetricFamily(
+            "lmcache_coordinator_key_directory_placements",
+            "Placements recorded in the key directory, by tier", labels=["tier"])
+        placement_bytes = GaugeMetricFamily(
+            "lmcache_coordinator_key_directory_placement_bytes",
+            "Reported logical bytes of the placements in the key directory, by tier",
+            labels=["tier"])
+        for tier in ("l1", "l2"):
+            placements.add_metric([tier], totals[f"{tier}_count"])
+            placement_bytes.add_metric([tier], totals[f"{tier}_size_bytes"])
+        yield placements
+        yield placement_bytes
+
+        batches = CounterMetricFamily(_PREFIX + "event_batches",
+                                      "Event batches received, by outcome", labels=["outcome"])
+        entries = CounterMetricFamily(_PREFIX + "event_entries",
+                                      "Event entries received, by the outcome of their batch",
+                                      labels=["outcome"])
+        for outcome in ("applied", "duplicate", "stale"):
+            batches.add_metric([outcome], totals[f"batches_{outcome}"])
+            entries.add_metric([outcome], totals[f"entries_{outcome}"])
+        yield batches
+        yield entries
+        by_type = CounterMetricFamily(_PREFIX + "entries_applied",
+                                      "Entries of applied batches, by event type",
+                                      labels=["event_type"])
+        for event_type, counter in (("store", "entries_stored"), ("delete", "entries_deleted"),
+                                    ("access", "entries_accessed")):
+            by_type.add_metric([event_type], totals[counter])
+        yield by_type
+        yield CounterMetricFamily(_PREFIX + "instances_fenced",
+                                  "Instances fenced by a higher incarnation",
+                                  value=totals["instances_fenced"])
+        yield CounterMetricFamily(_PREFIX + "instances_dropped",
+                                  "Instances whose L1 was fenced on deregistration or reaping",
+                                  value=totals["instances_dropped"])
+        yield GaugeMetricFamily(_PREFIX + "instances_registered", "Registered instances",
+                                value=self._registered())
+        yield GaugeMetricFamily(_PREFIX + "directory_keys", "Keys with a placement",
+                                value=totals["num_keys"])
+        blend = self._directory.blend_stats()
+        for name, field, text in (
+                ("index_contents", "num_contents", "Distinct contents in the blend index"),
+                ("index_chunks", "num_chunks", "Chunks in the blend index"),
+                ("index_claims", "num_claims", "Namespace claims on indexed chunks"),
+                ("index_bytes", "bytes", "Bytes held by the blend index")):
+            yield GaugeMetricFamily(_PREFIX + name, text, value=blend[field])

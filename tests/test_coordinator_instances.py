@@ -1,0 +1,180 @@
+"""The instance registry over HTTP (WIRE.md, "Instances"): register, heartbeat,
+deregister, list, and the reaper, with what a departed instance takes down with it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+
+from blend_wire import INSTANCES_PATH, encode
+from coordinator_client import batch, entry, refusal, start_coordinator
+
+A = [11, 12, 13, 14]
+B = [21, 22, 23, 24]
+
+
+@pytest.fixture
+async def start():
+    clients = []
+    yield lambda **overrides: start_coordinator(clients, **overrides)
+    for client in clients:
+        await client.close()
+
+
+@pytest.fixture
+async def coord(start):
+    return await start()
+
+
+async def test_register_list_heartbeat_deregister(coord):
+    before = time.time()
+    reply = await coord.register("i1", ip=" 10.0.0.1 ", http_port=8081,
+                                 metadata={"zone": "a"}, p2p_advertised_url=" tcp://x:1 ",
+                                 mq_port=5555)
+    assert reply == {"instance_id": "i1", "re_registered": False}
+    [listed] = await coord.instances()
+    assert listed.pop("registration_time") >= before
+    assert listed == {"instance_id": "i1", "ip": "10.0.0.1", "http_port": 8081,
+                      "metadata": {"zone": "a"}, "p2p_advertised_url": "tcp://x:1",
+                      "mq_port": 5555}
+    response = await coord.call("PUT", f"{INSTANCES_PATH}/i1/heartbeat")
+    assert await response.json() == {"instance_id": "i1"}
+    response = await coord.call("DELETE", f"{INSTANCES_PATH}/i1", expect=204)
+    assert await response.read() == b""
+    assert await coord.instances() == []
+
+
+async def test_defaults_and_a_generated_id(coord):
+    reply = await coord.register("  ")
+    assert re.fullmatch(r"mp-[0-9a-f]{32}", reply["instance_id"])
+    [listed] = await coord.instances()
+    assert (listed["metadata"], listed["p2p_advertised_url"], listed["mq_port"]) == ({}, "", 0)
+    other = await coord.register()
+    assert other["instance_id"] != reply["instance_id"]
+
+
+async def test_reregistration_replaces_the_record_and_keeps_its_place(coord):
+    await coord.register("i1", http_port=1)
+    await coord.register("i2")
+    reply = await coord.register("i1", http_port=2, metadata={"v": "2"})
+    assert reply == {"instance_id": "i1", "re_registered": True}
+    listed = await coord.instances()
+    assert [i["instance_id"] for i in listed] == ["i1", "i2"]
+    assert (listed[0]["http_port"], listed[0]["metadata"]) == (2, {"v": "2"})
+
+
+async def test_heartbeat_of_an_unknown_instance_is_404_telling_it_to_reregister(coord):
+    response = await coord.call("PUT", f"{INSTANCES_PATH}/ghost/heartbeat", expect=404)
+    assert await response.json() == {"error": "unknown instance ghost; re-register"}
+
+
+async def test_deregistering_is_idempotent(coord):
+    for _ in range(2):
+        await coord.call("DELETE", f"{INSTANCES_PATH}/never-registered", expect=204)
+
+
+BAD_REGISTRATIONS = {
+    "no ip": ({"http_port": 8080}, "ip"),
+    "blank ip": ({"ip": "   ", "http_port": 8080}, "ip"),
+    "port 0": ({"ip": "h", "http_port": 0}, "http_port"),
+    "port 65536": ({"ip": "h", "http_port": 65536}, "http_port"),
+    "mq port 65536": ({"ip": "h", "http_port": 1, "mq_port": 65536}, "mq_port"),
+    "metadata values not strings": ({"ip": "h", "http_port": 1, "metadata": {"a": 1}},
+                                    "metadata"),
+}
+
+
+@pytest.mark.parametrize("body,field", BAD_REGISTRATIONS.values(), ids=BAD_REGISTRATIONS.keys())
+async def test_malformed_registration_is_422_and_registers_nothing(coord, body, field):
+    response = await coord.call("POST", INSTANCES_PATH, expect=422, data=encode(body))
+    assert field in refusal(await response.json())
+    assert await coord.instances() == []
+
+
+async def test_unknown_fields_are_ignored(coord):
+    response = await coord.call("POST", INSTANCES_PATH, data=encode(
+        {"ip": "h", "http_port": 1, "instance_id": "i1", "future_field": [1, 2]}))
+    assert (await response.json())["instance_id"] == "i1"
+
+
+async def test_events_of_an_unregistered_instance_are_accepted(coord):
+    reply = await coord.post_events(batch(entry("aa01", A, offset=0), instance="nobody"))
+    assert reply["applied"] == 1
+    assert await coord.instances() == []
+
+
+# --- what leaving takes down ------------------------------------------------------------------
+
+
+async def _l1_and_l2_of(coord, instance: str) -> None:
+    await coord.post_events(batch(entry("aa01", A, offset=0, size=100), instance=instance),
+                            batch(entry("bb02", B, offset=4, size=7), instance=instance,
+                                  seq=2, tier="l2", backend="disk"))
+
+
+async def test_deregistering_fences_l1_keeps_l2_and_forgets_the_cursor(coord):
+    await coord.register("i1")
+    await _l1_and_l2_of(coord, "i1")
+    stats = await coord.stats()
+    assert stats["l1_keys_by_instance"] == {"i1": 1}
+    await coord.call("DELETE", f"{INSTANCES_PATH}/i1", expect=204)
+    stats = await coord.stats()
+    assert (stats["l1_count"], stats["l1_size_bytes"]) == (0, 0)
+    assert (stats["l2_count"], stats["l2_size_bytes"]) == (1, 7)
+    assert stats["l1_keys_by_instance"] == {}
+    assert await coord.lookup(A) == []
+    assert await coord.lookup(B) == [("bb02", 4, 0)]
+    # The cursor is gone: seq 1 at incarnation 0 is a fresh stream, not a duplicate.
+    reply = await coord.post_events(batch(entry("aa01", A, offset=0), instance="i1"))
+    assert reply == {"applied": 1, "duplicates": 0, "stale": 0}
+    assert (await coord.stats())["l1_keys_by_instance"] == {"i1": 1}
+
+
+async def test_deregistering_an_instance_leaves_others_placements(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0), instance="i1"),
+                            batch(entry("aa01", A, offset=0), instance="i2"))
+    await coord.call("DELETE", f"{INSTANCES_PATH}/i1", expect=204)
+    assert await coord.lookup(A) == [("aa01", 0, 0)]
+    result = await coord.directory_lookup(keys=[{"chunk_hash_hex": "aa01", "model_name": "m",
+                                                 "kv_rank": 1 << 24 | 1 << 8}])
+    assert [p["instance_id"] for p in result["results"][0]["placements"]] == ["i2"]
+
+
+async def test_the_reaper_deregisters_a_silent_instance_and_fences_its_l1(start):
+    coord = await start(health_check_interval=0.05, instance_timeout=0.3)
+    await coord.register("silent")
+    await coord.register("alive")
+    await _l1_and_l2_of(coord, "silent")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        await coord.call("PUT", f"{INSTANCES_PATH}/alive/heartbeat")
+        if [i["instance_id"] for i in await coord.instances()] == ["alive"]:
+            break
+        await asyncio.sleep(0.05)
+    assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
+    stats = await coord.stats()
+    assert (stats["l1_count"], stats["l2_count"]) == (0, 1)
+    assert "silent" not in stats["l1_keys_by_instance"]
+    assert await coord.lookup(A) == []
+    assert await coord.lookup(B) == [("bb02", 4, 0)]
+    # A reaped instance's heartbeat is refused, so it re-registers.
+    await coord.call("PUT", f"{INSTANCES_PATH}/silent/heartbeat", expect=404)
+
+
+async def test_a_heartbeating_instance_is_never_reaped(start):
+    coord = await start(health_check_interval=0.05, instance_timeout=0.25)
+    await coord.register("alive")
+    for _ in range(12):  # 0.6 s: more than twice the timeout
+        await coord.call("PUT", f"{INSTANCES_PATH}/alive/heartbeat")
+        await asyncio.sleep(0.05)
+    assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
+
+
+async def test_interval_0_never_reaps(start):
+    coord = await start(health_check_interval=0.0, instance_timeout=0.05)
+    await coord.register("silent")
+    await asyncio.sleep(0.3)
+    assert [i["instance_id"] for i in await coord.instances()] == ["silent"]
