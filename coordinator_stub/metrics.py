@@ -3,7 +3,7 @@
 Contract:
 - LMCache's key-directory gauges, by tier: `lmcache_coordinator_key_directory_placements`
   and `lmcache_coordinator_key_directory_placement_bytes`; the standard process and
-  Python series; and ours, prefixed `blend_coordinator_`: event batches and entries by
+  Python-platform series (not the GC ones: they hook every collection); and ours, prefixed `blend_coordinator_`: event batches and entries by
   outcome (applied / duplicate / stale), entries applied by type, instances fenced,
   dropped and reaped, registered instances, directory keys, blend-index contents / chunks
   / claims / bytes, lookups with their latency histogram per endpoint, matches returned,
@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                generate_latest)
-from prometheus_client import gc_collector, platform_collector, process_collector
+from prometheus_client import platform_collector, process_collector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from coordinator_stub.directory import KeyDirectory
@@ -45,7 +45,6 @@ class CoordinatorMetrics:
         self.registry = CollectorRegistry()
         process_collector.ProcessCollector(registry=self.registry)
         platform_collector.PlatformCollector(registry=self.registry)
-        gc_collector.GCCollector(registry=self.registry)
         self._lookup_seconds = Histogram(
             _PREFIX + "lookup_seconds", "Time to answer a lookup, by endpoint",
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)

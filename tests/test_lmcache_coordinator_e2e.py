@@ -1,0 +1,182 @@
+"""A real LMCache 0.5.6 MP server (`lmcache server`) and LMCache's own CLI against the
+bundled coordinator process: the server registers, heartbeats, reports its stores and
+accesses, and deregisters on shutdown; `lmcache query coordinator` reads every API it
+knows of ours; nothing in the server's log is a 404 or a failed coordinator call.
+
+Stores come from LMCache's own client (`lmcache bench server`, CPU tensors over shared
+memory), so the chunk hashes are LMCache's: the tokens form of `/directory/lookup`
+must resolve the stored sequences to exactly those keys.
+
+LMCache runs with usage tracking off and its tracking URL pointed at a dead loopback port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from blend_wire import encode_tokens
+from coordinator_stub.process import launch_coordinator
+
+pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
+                    "project's Makefile); this test needs its server and CLI")
+
+CHUNK = 256
+REQUESTS = 3
+TOKENS_PER_REQUEST = 512  # two chunks per request
+INSTANCE = "e2e-lmcache"
+_LMCACHE_MAIN = ("import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; "
+                 "sys.exit(main())")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _lmcache_env() -> dict[str, str]:
+    dead_port = _free_ports(1)[0]  # nothing listens there: usage reports go nowhere
+    return {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+            "LMCACHE_USAGE_TRACK_URL": f"http://127.0.0.1:{dead_port}/",
+            "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _lmcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _LMCACHE_MAIN, *args], env=_lmcache_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_for(condition, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def lmcache_server(tmp_path: Path):
+    """Start `lmcache server` against a coordinator: yields (coordinator, http, log)."""
+    with launch_coordinator("--enable-blend-lookup", "--chunk-size", str(CHUNK)) as coord:
+        rpc_port, http_port = _free_ports(2)
+        log_path = tmp_path / "lmcache-server.log"
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-c", _LMCACHE_MAIN, "server",
+                 "--host", "127.0.0.1", "--port", str(rpc_port),
+                 "--http-host", "127.0.0.1", "--http-port", str(http_port),
+                 "--chunk-size", str(CHUNK), "--l1-size-gb", "0.2",
+                 "--eviction-policy", "LRU", "--disable-metrics",
+                 "--instance-id", INSTANCE, "--coordinator-url", coord.url,
+                 "--coordinator-advertise-ip", "127.0.0.1",
+                 "--coordinator-heartbeat-interval", "0.5",
+                 "--coordinator-event-reporting",
+                 "--coordinator-event-flush-interval", "0.2"],
+                stdout=log, stderr=subprocess.STDOUT, env=_lmcache_env())
+        try:
+            with httpx.Client(base_url=coord.url, timeout=10) as http:
+                yield coord, http, server, rpc_port, http_port, log_path
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+
+
+def test_lmcache_server_and_cli_against_the_bundled_coordinator(lmcache_server):
+    coord, http, server, rpc_port, http_port, log_path = lmcache_server
+
+    def listed() -> list[str]:
+        return [i["instance_id"] for i in http.get("/instances").json()["instances"]]
+
+    _wait_for(lambda: INSTANCE in listed() or server.poll() is not None, "registration")
+    assert server.poll() is None, log_path.read_text()[-3000:]
+    [record] = http.get("/instances").json()["instances"]
+    assert (record["ip"], record["http_port"]) == ("127.0.0.1", http_port)
+
+    # LMCache's own client stores three 512-token requests through the server.
+    bench = _lmcache("bench", "server", "--rpc-url", f"tcp://127.0.0.1:{rpc_port}",
+                     "--mode", "cpu", "--transfer-mode", "lmcache_driven",
+                     "--num-tokens", str(TOKENS_PER_REQUEST), "--start", "0",
+                     "--end", str(REQUESTS), "--interval", "0.1",
+                     "--kvcache-shape-spec", "(2,64,16,2,16):float16:2",
+                     "--num-blocks", "64", "--url", f"http://127.0.0.1:{http_port}")
+    assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+    chunks = REQUESTS * TOKENS_PER_REQUEST // CHUNK
+    stats = _wait_for(lambda: (s := http.get("/directory/stats").json())["num_keys"] == chunks
+                      and s["blend"]["num_chunks"] == chunks and s, "the stores' events")
+    assert stats["l1_keys_by_instance"] == {INSTANCE: chunks}
+    assert stats["l1_count"] == chunks and stats["l1_size_bytes"] > 0
+
+    # The server's chunk hashes are the tokens form's: LMCache's blake3 prefix chain.
+    rows = http.get("/directory/keys").json()["keys"]
+    assert len(rows) == chunks and all(row["num_tokens"] == CHUNK for row in rows)
+    model = rows[0]["key"]["model_name"]
+    tokens_of = {}
+    for row in rows:
+        [result] = http.post("/directory/lookup", json={"keys": [row["key"]]}).json()["results"]
+        assert [p["instance_id"] for p in result["placements"]] == [INSTANCE]
+        tokens_of[row["key"]["chunk_hash_hex"]] = result["token_ids"]
+    for first, second in zip(rows[0::2], rows[1::2]):  # each request stored two chunks
+        sequence = tokens_of[first["key"]["chunk_hash_hex"]] + \
+            tokens_of[second["key"]["chunk_hash_hex"]]
+        reply = http.post("/directory/lookup",
+                          json={"token_ids": sequence, "model_name": model}).json()
+        assert reply["chunks"] == 2
+        assert [r["key"]["chunk_hash_hex"] for r in reply["results"]] == [
+            first["key"]["chunk_hash_hex"], second["key"]["chunk_hash_hex"]]
+        assert all(r["placements"] for r in reply["results"])
+    # ...and the blend index found the stored content anywhere in a query.
+    middle = tokens_of[rows[1]["key"]["chunk_hash_hex"]]
+    found = http.post("/directory/blend-lookup", json={
+        "tokens_b64": encode_tokens([1, 2, 3] + middle), "model_name": model}).json()
+    assert {m["chunk_hash"] for m in found["matches"]} >= {rows[1]["key"]["chunk_hash_hex"]}
+    assert any(m["cur_st"] == 3 for m in found["matches"])
+
+    # LMCache's CLI reads every API of ours it knows.
+    def query(api: str) -> str:
+        result = _lmcache("query", "coordinator", "--api", api, "--url", coord.url,
+                          "--format", "json")
+        assert result.returncode == 0, (api, result.stderr[-2000:])
+        return result.stdout
+
+    assert json.loads(query("health"))["metrics"]["status"] == "healthy"
+    assert INSTANCE in query("instances")
+    directory = json.loads(query("directory"))["metrics"]
+    assert directory["num_keys"] == chunks
+    assert json.loads(query("keys"))["metrics"]["total"] == chunks
+    assert "lmcache_coordinator_key_directory_placements" in query("metrics")
+
+    # Heartbeats keep it registered well past several intervals.
+    time.sleep(2)
+    assert listed() == [INSTANCE]
+
+    # Shutdown deregisters it, and its L1 placements go with it.
+    server.send_signal(signal.SIGTERM)
+    server.wait(60)
+    assert listed() == []
+    stats = http.get("/directory/stats").json()
+    assert (stats["num_keys"], stats["l1_count"], stats["l1_keys_by_instance"]) == (0, 0, {})
+
+    log = log_path.read_text()
+    assert "Registered with coordinator as " + INSTANCE in log
+    # LMCache's own words when a coordinator call fails (registrar.py, cache_events.py).
+    for failure in (" 404", "Not Found", "no longer knows", "registration/heartbeat failed",
+                    "Cache-event publish failed"):
+        assert failure not in log, f"{failure!r} in LMCache's log:\n{log[-4000:]}"
