@@ -10,98 +10,26 @@ import asyncio
 import threading
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from coordinator_client import refusal
-from coordinator_stub import COORDINATOR, CoordinatorConfig, create_app
-from blend_wire import (
-    BLEND_LOOKUP_PATH,
-    EVENTS_PATH,
-    HEALTH_PATH,
-    STATS_PATH,
-    encode,
-    encode_tokens,
-    pack_kv_rank,
-)
+from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, encode, encode_tokens
+from coordinator_client import C, batch, entry, refusal, start_coordinator
 
-C = 4
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
 D = [31, 32, 33, 34]
 FILL = [7, 7, 7]  # never a chunk: pads queries so matches sit at non-zero offsets
 
 
-# --- building requests ---------------------------------------------------------------
-
-
-def key(chunk_hash: str, model: str = "m", salt: str = "", world_size: int = 1,
-        rank: int = 0, group: int = 0) -> dict:
-    return {"chunk_hash_hex": chunk_hash, "model_name": model,
-            "kv_rank": pack_kv_rank(world_size, rank), "object_group_id": group,
-            "cache_salt": salt}
-
-
-def entry(chunk_hash: str, tokens=(), offset: int = -1, **key_fields) -> dict:
-    return {"key": key(chunk_hash, **key_fields), "size_bytes": 64,
-            "token_ids": list(tokens), "token_offset": offset}
-
-
-def batch(*entries: dict, seq: int = 1, instance: str = "i0", incarnation: int = 0,
-          event_type: str = "store", tier: str = "l1", backend: str = "dram") -> dict:
-    return {"instance_id": instance, "incarnation": incarnation, "seq": seq,
-            "event_type": event_type, "tier": tier, "backend": backend,
-            "entries": list(entries)}
-
-
-class Coordinator:
-    """A running in-process coordinator and a client for it."""
-
-    def __init__(self, client: TestClient) -> None:
-        self.client = client
-
-    @property
-    def directory(self):
-        return self.client.server.app[COORDINATOR].directory
-
-    async def post_events(self, *batches: dict, expect: int = 200) -> dict:
-        response = await self.client.post(EVENTS_PATH, data=encode({"batches": list(batches)}))
-        assert response.status == expect, await response.text()
-        return await response.json()
-
-    async def lookup(self, tokens, model: str = "m", salt: str = "", world_size: int = 1
-                     ) -> list[tuple[str, int, int]]:
-        body = {"tokens_b64": encode_tokens(tokens), "model_name": model,
-                "world_size": world_size, "cache_salt": salt}
-        response = await self.client.post(BLEND_LOOKUP_PATH, data=encode(body))
-        assert response.status == 200, await response.text()
-        return [(m["chunk_hash"], m["old_st"], m["cur_st"])
-                for m in (await response.json())["matches"]]
-
-    async def stats(self) -> dict:
-        response = await self.client.get(STATS_PATH)
-        assert response.status == 200
-        return await response.json()
-
-
 @pytest.fixture
 async def start():
-    clients: list[TestClient] = []
-
-    async def start_coordinator(**overrides) -> Coordinator:
-        config = CoordinatorConfig(**{"chunk_size": C, "enable_blend_lookup": True,
-                                      "port": 0, **overrides})
-        client = TestClient(TestServer(create_app(config), host="127.0.0.1", port=0))
-        await client.start_server()
-        clients.append(client)
-        return Coordinator(client)
-
-    yield start_coordinator
+    clients = []
+    yield lambda **overrides: start_coordinator(clients, **overrides)
     for client in clients:
         await client.close()
 
 
 @pytest.fixture
-async def coord(start) -> Coordinator:
+async def coord(start):
     return await start()
 
 

@@ -1,0 +1,158 @@
+"""What the directory reports about placements, under any history, against LMCache's rules
+written the obvious way: per key, its placements (identity `(instance, tier, backend)`, or
+`(tier, backend)` for a shared pool; a new report replaces size, incarnation and, for a
+shared pool, reporter), its access count; the running totals by tier; L1 keys per
+instance; fencing on restart (every placement) and on departure (L1 only, cursor gone).
+
+Histories use many keys per chunk hash (object groups x ranks), so chunks cross from the
+flat representation to the many-keys one and back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from blend_wire import CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_kv_rank
+from coordinator_stub.directory import KeyDirectory
+
+C = 4
+HASHES = ["a1", "a2", "a3"]
+KEYS = [(salt, rank, group) for salt in ("", "t1") for rank in (0, 1) for group in range(4)]
+INSTANCES = ["i0", "i1", "i2"]
+PLACES = [("l1", "dram", False), ("l1", "cxl", False), ("l2", "disk", False),
+          ("l2", "nfs", True)]
+SIZES = [10, 20, 30]
+TOKENS = [(), (), (1, 2, 3, 4), (5, 6, 7, 8)]
+
+
+def _key(h: str, salt: str, rank: int, group: int) -> EncodedObjectKey:
+    return EncodedObjectKey(chunk_hash_hex=h, model_name="m", cache_salt=salt,
+                            kv_rank=pack_kv_rank(2, rank), object_group_id=group)
+
+
+class Reference:
+    def __init__(self) -> None:
+        self.records: dict[tuple, dict] = {}
+        self.cursors: set[str] = set()
+
+    def _find(self, placements, inst, tier, backend, shared):
+        for i, p in enumerate(placements):
+            if (p[2], p[3], p[4]) == (tier, backend, shared) and (shared or p[0] == inst):
+                return i
+        return None
+
+    def store(self, key, inst, inc, tier, backend, shared, size):
+        record = self.records.setdefault(key, {"placements": [], "accesses": 0})
+        placement = (inst, inc, tier, backend, shared, size)
+        at = self._find(record["placements"], inst, tier, backend, shared)
+        if at is None:
+            record["placements"].append(placement)
+        else:
+            record["placements"][at] = placement
+
+    def delete(self, key, inst, tier, backend, shared):
+        record = self.records.get(key)
+        if record is None:
+            return
+        at = self._find(record["placements"], inst, tier, backend, shared)
+        if at is not None:
+            del record["placements"][at]
+        if not record["placements"]:
+            del self.records[key]
+
+    def access(self, key):
+        if key in self.records:
+            self.records[key]["accesses"] += 1
+
+    def fence(self, inst, l1_only):
+        for key in list(self.records):
+            placements = [p for p in self.records[key]["placements"]
+                          if not (p[0] == inst and (not l1_only or p[2] == "l1"))]
+            if placements:
+                self.records[key]["placements"] = placements
+            else:
+                del self.records[key]
+
+    def totals(self) -> dict:
+        every = [p for r in self.records.values() for p in r["placements"]]
+        return {"num_keys": len(self.records), "num_placements": len(every),
+                **{f"{t}_count": sum(p[2] == t for p in every) for t in ("l1", "l2")},
+                **{f"{t}_size_bytes": sum(p[5] for p in every if p[2] == t)
+                   for t in ("l1", "l2")}}
+
+    def l1_keys_by_instance(self) -> dict:
+        every = [p for r in self.records.values() for p in r["placements"]]
+        return {inst: sum(p[0] == inst and p[2] == "l1" for p in every)
+                for inst in self.cursors}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_placements_totals_and_access_counts_follow_lmcaches_rules(seed):
+    rng = random.Random(seed)
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=seed % 2 == 0)
+    reference = Reference()
+    streams = {inst: [0, 0] for inst in INSTANCES}  # incarnation, last seq
+    for step in range(400):
+        inst = rng.choice(INSTANCES)
+        stream = streams[inst]
+        roll = rng.random()
+        if roll < 0.03:  # the instance departs: L1 fenced, its cursor forgotten
+            directory.drop_instance(inst)
+            reference.fence(inst, l1_only=True)
+            reference.cursors.discard(inst)
+            stream[1] = 0
+            _assert_agree(directory, reference, step)
+            continue
+        if roll < 0.06:  # it restarts: its next batch fences every placement it reported
+            stream[0] += 1
+            stream[1] = 0
+            if inst in reference.cursors:
+                reference.fence(inst, l1_only=False)
+        stream[1] += 1
+        tier, backend, shared = rng.choice(PLACES)
+        chosen = [(rng.choice(HASHES), *rng.choice(KEYS)) for _ in range(rng.randint(1, 6))]
+        kind = rng.choices(["store", "delete", "access"], [6, 3, 2])[0]
+        entries = []
+        for h, salt, rank, group in chosen:
+            key = (h, salt, rank, group)
+            size = rng.choice(SIZES)
+            tokens = rng.choice(TOKENS)
+            entries.append(CacheEventEntry(key=_key(*key), size_bytes=size,
+                                           token_ids=list(tokens) if kind == "store" else [],
+                                           token_offset=0 if tokens else -1))
+            if kind == "store":
+                reference.store(key, inst, stream[0], tier, backend, shared, size)
+            elif kind == "delete":
+                reference.delete(key, inst, tier, backend, shared)
+            else:
+                reference.access(key)
+        reference.cursors.add(inst)
+        reply = directory.ingest([CacheEventBatch(
+            instance_id=inst, incarnation=stream[0], seq=stream[1], event_type=kind,
+            tier=tier, backend=backend, shared=shared, entries=entries)])
+        assert reply.applied == 1
+        _assert_agree(directory, reference, step)
+
+
+def _assert_agree(directory: KeyDirectory, reference: Reference, step: int) -> None:
+    stats = directory.stats()
+    assert {k: stats[k] for k in reference.totals()} == reference.totals(), step
+    assert {k: v for k, v in directory.totals().items()
+            if k in reference.totals()} == reference.totals(), step
+    assert stats["l1_keys_by_instance"] == reference.l1_keys_by_instance(), step
+    keys = [(bytes.fromhex(h), ("m", salt, pack_kv_rank(2, rank), group))
+            for h in HASHES for salt, rank, group in KEYS]
+    for (chunk_hash, raw), (places, _, accesses) in zip(keys, directory.placements_of(keys)):
+        record = reference.records.get(
+            (chunk_hash.hex(), raw[1], (raw[2] >> 16) & 0xFF, raw[3]), {"placements": [],
+                                                                 "accesses": 0})
+        assert places == sorted(record["placements"], key=lambda p: (p[0], p[2], p[3])), \
+            (step, chunk_hash.hex(), raw)
+        assert accesses == record["accesses"], (step, chunk_hash.hex(), raw)
+    total, page = directory.list_keys("all", "", "", 0, 10_000)
+    assert total == len(reference.records) == len(page), step
+    total, _ = directory.list_keys("l2", "", "nfs", 0, 1)
+    assert total == sum(any(p[2:4] == ("l2", "nfs") for p in r["placements"])
+                        for r in reference.records.values()), step
