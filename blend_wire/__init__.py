@@ -404,7 +404,8 @@ def _validation_error(exc: msgspec.ValidationError, where: str, raw: Any) -> Wir
 def _value_at(raw: Any, path: list, parent: bool) -> Any:
     """The offending value, found by walking the request again (None if not found)."""
     try:
-        value = msgspec.json.decode(raw) if isinstance(raw, (bytes, str)) else raw
+        value = (msgspec.json.decode(raw) if isinstance(raw, (bytes, str, msgspec.Raw))
+                 else raw)
         for step in path[:-1] if parent else path:
             value = value[step]
     except Exception:  # the input is illustration only: never fail the error path

@@ -236,8 +236,11 @@ def _decode_batch(raw: msgspec.Raw, index: int) -> CacheEventBatch:
         # Name the field as a whole-body decode would: `$.batches[3].seq`, not `$.seq`.
         message = str(exc)
         if "`$" in message:
-            raise WireError(_PATH.sub(f"`$.batches[{index}]", message)) from None
-        raise WireError(f"{message} - at `$.batches[{index}]`") from None
+            message = _PATH.sub(f"`$.batches[{index}]", message)
+        else:
+            message = f"{message} - at `$.batches[{index}]`"
+        raise WireError(message, loc=(exc.loc[0], "batches", index, *exc.loc[1:]),
+                        kind=exc.kind, input=exc.input) from None
 
 
 def _finish(job: _Job) -> bool:
