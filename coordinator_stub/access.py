@@ -31,13 +31,12 @@ from typing import Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 
-from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, encode
+from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, INSTANCES_PATH, encode
 
 EMITTER, READER, ADMIN = "emitter", "reader", "admin"
 ROLES = (EMITTER, READER, ADMIN)
 ENV_TOKENS = {EMITTER: "COORDINATOR_EMITTER_TOKEN", READER: "COORDINATOR_READER_TOKEN",
               ADMIN: "COORDINATOR_ADMIN_TOKEN"}
-INSTANCES_PATH = "/instances"
 
 
 class AccessConfigError(ValueError):
