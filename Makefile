@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-local bench-coordinator bench-unified clean
+.PHONY: demo test bench bench-local bench-coordinator bench-unified bench-popular clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,10 @@ bench-coordinator: $(STAMP)
 bench-unified: $(STAMP)
 	$(PY) -m benchmarks.bench_unified_lookup $(ARGS)
 
-bench: bench-local bench-coordinator bench-unified
+bench-popular: $(STAMP)
+	$(PY) -m benchmarks.bench_popular_documents $(ARGS)
+
+bench: bench-local bench-coordinator bench-unified bench-popular
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

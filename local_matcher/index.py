@@ -22,13 +22,14 @@ O(query + matches) and deleting n occupants O(n), however many occupants a conte
 and however many of them belong to other namespaces.
 
 Invariants (all under `self._lock`, which is never held while calling out):
-- `_chunks[h] == (cid, offset, claim)` for chunk `h` of content `cid`: `claim` is the
-  slot of h's only claim, or a dict {namespace id: slot} while several namespaces claim
-  h. Records are tuples and dicts of atoms, untracked by Python's cyclic GC, so an index
+- `_chunks[h] == (cid, claim)` for chunk `h` of content `cid`: `claim` is the slot of
+  h's only claim, or a dict {namespace id: slot} while several namespaces claim h.
+  Records are tuples and dicts of atoms, untracked by Python's cyclic GC, so an index
   of a million chunks adds no GC pause.
-- slot `s`: `_slot_chunk[s]` its chunk, `_slot_ns[s]` its namespace id, `_next[s]` and
-  `_prev[s]` its neighbours in its list; at a list's head, `_length[s]` the list's
-  length. Free slots are chained through `_next` from `_free_slot`.
+- slot `s`: `_slot_chunk[s]` its chunk, `_slot_ns[s]` its namespace id,
+  `_slot_offset[s]` the chunk's stored offset (the same in every slot of a chunk),
+  `_next[s]` and `_prev[s]` its neighbours in its list; at a list's head, `_length[s]`
+  the list's length. Free slots are chained through `_next` from `_free_slot`.
 - the list of (cid, ns) starts at `_head[cid]` if `_slot_ns[_head[cid]] == ns`, else at
   `_more_heads[ns << 32 | cid]`: most contents are claimed by one namespace, so their
   only list costs no dict entry.
@@ -98,6 +99,7 @@ class ContentIndex:
         # Claim slots.
         self._slot_chunk: list[Hashable] = []
         self._slot_ns = array("i")
+        self._slot_offset = array("q")
         self._next = array("i")
         self._prev = array("i")
         self._length = array("i")
@@ -154,7 +156,8 @@ class ContentIndex:
         with self._lock:
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
             self._grow_contents()
-            chunks, num_chunks, slot_ns, vacated = self._chunks, self._num_chunks, self._slot_ns, []
+            chunks, num_chunks, vacated = self._chunks, self._num_chunks, []
+            slot_ns, slot_offset = self._slot_ns, self._slot_offset
             ns_id = self._namespace_id(namespace)
             for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
                 record = chunks.get(chunk_hash)
@@ -165,17 +168,21 @@ class ContentIndex:
                     record = None
                     ns_id = self._namespace_id(namespace)  # the drop may have retired it
                 if record is None:
-                    chunks[chunk_hash] = (cid, offset, self._claim(chunk_hash, cid, ns_id))
+                    chunks[chunk_hash] = (cid, self._claim(chunk_hash, cid, ns_id, offset))
                     num_chunks[cid] += 1
                     continue
-                claim = record[2]
+                claim = record[1]
                 if type(claim) is int:
+                    slot_offset[claim] = offset
                     if slot_ns[claim] != ns_id:
-                        claim = {slot_ns[claim]: claim,
-                                 ns_id: self._claim(chunk_hash, cid, ns_id)}
-                elif ns_id not in claim:
-                    claim[ns_id] = self._claim(chunk_hash, cid, ns_id)
-                chunks[chunk_hash] = (cid, offset, claim)
+                        chunks[chunk_hash] = (cid, {
+                            slot_ns[claim]: claim,
+                            ns_id: self._claim(chunk_hash, cid, ns_id, offset)})
+                    continue
+                for slot in claim.values():
+                    slot_offset[slot] = offset
+                if ns_id not in claim:
+                    claim[ns_id] = self._claim(chunk_hash, cid, ns_id, offset)
             # Released only now: a later row of this batch may have found that content.
             self._settle(vacated)
 
@@ -192,7 +199,7 @@ class ContentIndex:
             ns_id = self._ns_ids.get(namespace)
             if record is None or ns_id is None:
                 return
-            cid, offset, claim = record
+            cid, claim = record
             if type(claim) is int:
                 if self._slot_ns[claim] != ns_id:
                     return
@@ -205,8 +212,7 @@ class ContentIndex:
                     return
                 self._unclaim(slot, cid)
                 if len(claim) == 1:
-                    claim = next(iter(claim.values()))
-                self._chunks[chunk_hash] = (cid, offset, claim)
+                    self._chunks[chunk_hash] = (cid, next(iter(claim.values())))
             self._settle([cid])
 
     def remove_chunk(self, tokens, chunk_hash: Hashable) -> None:
@@ -248,45 +254,36 @@ class ContentIndex:
             if ns_id is None:
                 return []
             store = self._store
-            first_pos, first_cid, repeat_pos, repeat_cid = store.probe(
-                tokens, self.probe_stride, _mask_bit(ns_id))
-            first_cids = first_cid.tolist()
-            heads = [self._head_of(cid, ns_id) for cid in first_cids]
-            chunks, slot_chunk, matches = self._chunks, self._slot_chunk, []
-            if repeat_pos.size:
-                # Each content offers as many matches as the namespace has occupants of it:
-                # the first occurrence takes the head, so the repeats may take the rest.
-                length = self._length
-                store.budget[first_cid] = [length[h] - 1 if h != _NONE else 0 for h in heads]
-                keep = store.verify_repeats(tokens, repeat_pos, repeat_cid)
-                if keep.size:
-                    return self._walk(first_pos, first_cid, repeat_pos[keep],
-                                      repeat_cid[keep], dict(zip(first_cids, heads)))
-            for cur_st, slot in zip(first_pos.tolist(), heads):
-                if slot != _NONE:
-                    chunk_hash = slot_chunk[slot]
-                    matches.append(BlendMatch(chunk_hash, chunks[chunk_hash][1], cur_st))
-            return matches
+            found = store.probe(tokens, self.probe_stride, _mask_bit(ns_id))
+            # Zero-copy views of the slot arrays, dropped before the lock is released
+            # (an array.array cannot grow while a view of it lives).
+            views = [np.frombuffer(a, dtype=np.int32) for a in
+                     (self._head, self._slot_ns, self._length, self._next)]
+            try:
+                heads, lengths = self._heads_of(found[1], ns_id, *views[:3])
+                positions, slots = store.take_occupants(tokens, *found, heads, lengths,
+                                                        views[3])
+                offsets = np.frombuffer(self._slot_offset, dtype=np.int64)[slots].tolist()
+            finally:
+                del views
+            slot_chunk = self._slot_chunk
+            return list(map(BlendMatch, [slot_chunk[s] for s in slots.tolist()], offsets,
+                            positions.tolist()))
 
-    def _walk(self, first_pos: np.ndarray, first_cid: np.ndarray, repeat_pos: np.ndarray,
-              repeat_cid: np.ndarray, heads: dict[int, int]) -> list[BlendMatch]:
-        """Matches for verified occurrences, some contents occurring several times: in
-        position order, each occurrence takes the next slot of its content's list."""
-        positions = np.concatenate([first_pos, repeat_pos])
-        cids = np.concatenate([first_cid, repeat_cid])
-        order = np.argsort(positions, kind="stable")
-        chunks, slot_chunk, next_slot = self._chunks, self._slot_chunk, self._next
-        cursor: dict[int, int] = {}
-        matches = []
-        for cur_st, cid in zip(positions[order].tolist(), cids[order].tolist()):
-            slot = cursor.get(cid)
-            slot = heads[cid] if slot is None else next_slot[slot]
-            if slot == _NONE:  # no list after all (a stale mask bit)
-                continue
-            cursor[cid] = slot
-            chunk_hash = slot_chunk[slot]
-            matches.append(BlendMatch(chunk_hash, chunks[chunk_hash][1], cur_st))
-        return matches
+    def _heads_of(self, cids: np.ndarray, ns_id: int, head: np.ndarray, slot_ns: np.ndarray,
+                  length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per content, the head slot of `ns_id`'s list (-1: none) and its length."""
+        heads = head[cids].astype(np.int64)
+        own = heads != _NONE
+        own[own] = slot_ns[heads[own]] == ns_id
+        if not own.all():
+            more = self._more_heads
+            for i in np.flatnonzero(~own).tolist():
+                heads[i] = more.get(ns_id << _NS_SHIFT | int(cids[i]), _NONE) if more else _NONE
+        lengths = np.zeros(heads.size, dtype=np.int64)
+        listed = heads != _NONE
+        lengths[listed] = length[heads[listed]]
+        return heads, lengths
 
     def tokens_of(self, chunk_hash: Hashable) -> np.ndarray | None:
         """A copy of an indexed chunk's content, or None if the chunk is not indexed.
@@ -300,8 +297,8 @@ class ContentIndex:
     def stats(self) -> dict[str, int]:
         with self._lock:
             num_chunks = len(self._chunks)
-            arrays = (self._slot_ns, self._next, self._prev, self._length, self._head,
-                      self._num_chunks, self._num_lists)
+            arrays = (self._slot_ns, self._slot_offset, self._next, self._prev, self._length,
+                      self._head, self._num_chunks, self._num_lists)
             python_bytes = (sys.getsizeof(self._chunks) + num_chunks * _RECORD_BYTES
                             + sys.getsizeof(self._slot_chunk)
                             + sys.getsizeof(self._more_heads)
@@ -360,13 +357,14 @@ class ContentIndex:
         else:
             self._more_heads[ns_id << _NS_SHIFT | cid] = new
 
-    def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int) -> int:
+    def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int, offset: int) -> int:
         """Append a claim of `ns_id` on `chunk_hash` (content `cid`) to its list; the slot."""
         slot = self._free_slot
         if slot == _NONE:
             slot = len(self._slot_chunk)
             self._slot_chunk.append(chunk_hash)
             self._slot_ns.append(ns_id)
+            self._slot_offset.append(offset)
             self._next.append(slot)
             self._prev.append(slot)
             self._length.append(1)
@@ -374,6 +372,7 @@ class ContentIndex:
             self._free_slot = self._next[slot]
             self._slot_chunk[slot] = chunk_hash
             self._slot_ns[slot] = ns_id
+            self._slot_offset[slot] = offset
         next_slot, prev_slot = self._next, self._prev
         head = self._head_of(cid, ns_id)
         if head == _NONE:
@@ -430,7 +429,7 @@ class ContentIndex:
             self._free_ns_ids.append(ns_id)
 
     def _drop(self, chunk_hash: Hashable, record: tuple) -> None:
-        cid, _, claim = record
+        cid, claim = record
         for slot in ((claim,) if type(claim) is int else claim.values()):
             self._unclaim(slot, cid)
         del self._chunks[chunk_hash]
@@ -452,4 +451,4 @@ class ContentIndex:
 
 
 # Python memory of one chunk beyond the arrays: its record and the ints in it.
-_RECORD_BYTES = sys.getsizeof((0, 10**6, 10**6)) + 2 * sys.getsizeof(10**6)
+_RECORD_BYTES = sys.getsizeof((10**6, 10**6)) + 2 * sys.getsizeof(10**6)

@@ -96,7 +96,7 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
     fingerprint in the table and carry `ns_bit` in its namespace mask (a cheap
     over-approximation of "claimed by the requester"). The first candidate of a content
     is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
-    its later candidates are returned unverified as repeats (`verify_repeats` compares
+    its later candidates are returned unverified as repeats (`take_occupants` compares
     only as many as the content has occupants to offer). Returns
     (first positions, first cids, repeat positions, repeat cids), each ascending.
     """
@@ -154,20 +154,40 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
 
 
 @njit(cache=True, nogil=True)
-def verify_repeats(query, rep_pos, rep_cid, budget, blocks):
-    """Indices of the repeat candidates to keep, in order: a candidate is kept if its
-    content still has budget (``budget[cid]``, decremented per kept candidate) and its
-    window equals the content token by token. Work: one comparison per kept candidate
-    or failed collision; a content whose budget is spent costs one load per candidate."""
-    keep = np.empty(rep_pos.shape[0], dtype=np.int64)
-    kept = 0
-    for i in range(rep_pos.shape[0]):
-        cid = rep_cid[i]
-        if budget[cid] > 0 and _same_tokens(query, rep_pos[i], _row(blocks, cid)):
-            budget[cid] -= 1
-            keep[kept] = i
-            kept += 1
-    return keep[:kept]
+def take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid, cursor, budget,
+                   next_slot, blocks):
+    """Give each verified occurrence an occupant: the caller's lists, not the store's.
+
+    `probe`'s first occurrences and repeat candidates are merged in position order. A
+    first occurrence takes ``cursor[cid]``, the head of the requester's list on that
+    content (-1: none). A repeat candidate is compared token by token only while
+    ``budget[cid]`` (the list's length - 1) lasts; if equal it takes the next slot,
+    ``next_slot[cursor[cid]]``, and spends one. The caller sets `cursor` and `budget` for
+    every content among the first occurrences. Returns (positions, slots), ascending.
+    """
+    num_first, num_repeat = first_pos.shape[0], repeat_pos.shape[0]
+    out_pos = np.empty(num_first + num_repeat, dtype=np.int64)
+    out_slot = np.empty(num_first + num_repeat, dtype=np.int64)
+    i = j = k = 0
+    while i < num_first or j < num_repeat:
+        if j == num_repeat or (i < num_first and first_pos[i] < repeat_pos[j]):
+            slot = cursor[first_cid[i]]
+            if slot != -1:
+                out_pos[k] = first_pos[i]
+                out_slot[k] = slot
+                k += 1
+            i += 1
+        else:
+            cid = repeat_cid[j]
+            if budget[cid] > 0 and _same_tokens(query, repeat_pos[j], _row(blocks, cid)):
+                budget[cid] -= 1
+                slot = next_slot[cursor[cid]]
+                cursor[cid] = slot
+                out_pos[k] = repeat_pos[j]
+                out_slot[k] = slot
+                k += 1
+            j += 1
+    return out_pos[:k], out_slot[:k]
 
 
 @njit(cache=True, inline="always")

@@ -47,7 +47,8 @@ class ContentStore:
         store.ns_mask[cids] = 1
         query = np.arange(12, dtype=np.uint32)
         found = store.probe(query, 1, 1)
-        store.verify_repeats(query, found[0], found[1])
+        heads = np.zeros(found[1].size, dtype=np.int64)
+        store.take_occupants(query, *found, heads, heads + 1, np.zeros(1, dtype=np.int32))
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
         cls._warmed = True
@@ -63,7 +64,8 @@ class ContentStore:
         self._epoch = 0
         self._blocks = List.empty_list(_BLOCK_TYPE)
         self.ns_mask = np.zeros(0, dtype=np.uint64)
-        self.budget = np.zeros(0, dtype=np.int64)
+        self._budget = np.zeros(0, dtype=np.int64)
+        self._cursor = np.zeros(0, dtype=np.int64)
         self._seen = np.zeros(0, dtype=np.int64)
         self._free_ids = np.zeros(0, dtype=np.int64)
         self._free_top = np.zeros(1, dtype=np.int64)
@@ -86,7 +88,8 @@ class ContentStore:
 
     @property
     def nbytes(self) -> int:
-        arrays = (*self._blocks, self.ns_mask, self.budget, self._seen, self._free_ids,
+        arrays = (*self._blocks, self.ns_mask, self._budget, self._cursor, self._seen,
+                  self._free_ids,
                   self._table_fp, self._table_cid, self._filter)
         return sum(a.nbytes for a in arrays)
 
@@ -106,7 +109,8 @@ class ContentStore:
             # Rows are written before any read; fresh pages are mapped lazily on first write.
             self._blocks.append(np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32))
             self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
-            self.budget = np.concatenate([self.budget, np.zeros(new - old, dtype=np.int64)])
+            self._budget = np.concatenate([self._budget, np.zeros(new - old, dtype=np.int64)])
+            self._cursor = np.concatenate([self._cursor, np.zeros(new - old, dtype=np.int64)])
             self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
             free = int(self._free_top[0])
             free_ids = np.empty(new, dtype=np.int64)
@@ -151,15 +155,24 @@ class ContentStore:
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Occurrences of contents whose namespace mask has `ns_bit`: (positions, ids) of
         each content's first verified occurrence, then (positions, ids) of its later
-        candidates, not yet verified (`verify_repeats`). Both ascending by position."""
+        candidates, not yet verified (`take_occupants`). Both ascending by position."""
         self._epoch += 1
         return kernels.probe(query, stride, self._salt, self._base, self._base_pow, self._filter,
                              self._filter_shift, self._table_fp, self._table_cid,
                              self._table_shift, self._blocks, self.chunk_size, self.ns_mask,
                              np.uint64(ns_bit), self._seen, self._epoch)
 
-    def verify_repeats(self, query: np.ndarray, positions: np.ndarray, cids: np.ndarray
-                       ) -> np.ndarray:
-        """Indices of the repeat candidates that verify while `budget[cid]` lasts (the
-        caller sets the budget of every content among them first; it is spent here)."""
-        return kernels.verify_repeats(query, positions, cids, self.budget, self._blocks)
+    def take_occupants(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
+                       repeat_pos: np.ndarray, repeat_cid: np.ndarray, heads: np.ndarray,
+                       lengths: np.ndarray, next_slot: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, slots) of the occurrences `probe` found, each given an occupant.
+
+        The occupants are the caller's: per first-found content, the head slot of the
+        requester's list (`heads`, -1: none) and its length (`lengths`); `next_slot`
+        links each slot to the next of its list. The first occurrence of a content takes
+        the head, each verified repeat the next slot, until the list is used up."""
+        self._cursor[first_cid] = heads
+        self._budget[first_cid] = np.maximum(lengths - 1, 0)
+        return kernels.take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid,
+                                      self._cursor, self._budget, next_slot, self._blocks)
