@@ -35,8 +35,9 @@ it later creates an empty index; content recorded from then on is indexed, nothi
 before is back-filled.
 
 Representation (why it looks the way it does): a binding is one tuple
-`(content, offset, holds, accesses)`. `accesses` is a flat tuple of `(key_no, count)`
-pairs for the keys of the chunk that were ever accessed (usually empty). A place number
+`(content, offset, holds, accesses)`. `accesses` holds the counts of the chunk's keys
+that were ever accessed (usually none): a flat tuple of `(key_no, count)` pairs, or past
+`_FEW` keys a dict {key_no: count}, so counting and forgetting stay O(1) per key. A place number
 stands for the whole place, size included: an instance reports one size per tier and
 chunk size, so places stay few and a placement costs no more than before. `holds` is, for a chunk with up to `_FEW` placements (nearly
 all), a flat tuple of small-int pairs `(key_no, place_no, key_no, place_no, ...)`,
@@ -321,12 +322,19 @@ class KeyDirectory:
             self._counters["accesses_unknown"] += 1  # LMCache counts only keys it holds
             return
         accesses = binding[3]
+        if type(accesses) is dict:
+            accesses[key_no] = accesses.get(key_no, 0) + 1
+            return
         for i in range(0, len(accesses), 2):
             if accesses[i] == key_no:
                 accesses = accesses[:i + 1] + (accesses[i + 1] + 1,) + accesses[i + 2:]
                 break
         else:
-            accesses += (key_no, 1)
+            if len(accesses) < 2 * _FEW:
+                accesses += (key_no, 1)
+            else:  # many keys accessed: a dict, O(1) per key from now on
+                accesses = dict(zip(accesses[0::2], accesses[1::2]))
+                accesses[key_no] = 1
         self._bindings[chunk_hash] = binding[:3] + (accesses,)
 
     def _key_no(self, key: EncodedObjectKey) -> int:
@@ -448,11 +456,12 @@ class KeyDirectory:
         if removed is None:
             self._counters["deletes_unknown"] += 1
             return
-        holds, claim_gone, instance_gone = removed
+        holds, key_gone, claim_gone, instance_gone = removed
         if instance_gone:
             self._held_by[self._places[place_no][0]].discard(chunk_hash)
         self._release(chunk_hash, binding, holds,
-                      [self._key_ns[key_no]] if claim_gone else [])
+                      [self._key_ns[key_no]] if claim_gone else [],
+                      [key_no] if key_gone else [])
 
     def drop_instance(self, instance_id: str) -> None:
         """An instance left (deregistered, or silent past the timeout): its L1 was that
@@ -476,7 +485,7 @@ class KeyDirectory:
         places = self._places
         for chunk_hash in self._held_by.pop(instance_id, ()):
             binding = self._bindings[chunk_hash]
-            holds, lost, kept, removed = binding[2], [], False, False
+            holds, lost, gone, kept, removed = binding[2], [], [], False, False
             for key_no, place_no in self._placements_in(holds):
                 place = places[place_no]
                 if place[_INSTANCE] != instance_id:
@@ -484,16 +493,20 @@ class KeyDirectory:
                 if l1_only and place[_TIER] != "l1":
                     kept = True
                     continue
-                holds, claim_gone, _ = self._remove_placement(holds, key_no, place_no)
+                holds, key_gone, claim_gone, _ = self._remove_placement(holds, key_no,
+                                                                        place_no)
                 removed = True
+                if key_gone:
+                    gone.append(key_no)
                 if claim_gone:
                     lost.append(self._key_ns[key_no])
             if kept:
                 self._held_by.setdefault(instance_id, set()).add(chunk_hash)
             if removed:
-                self._release(chunk_hash, binding, holds, lost)
+                self._release(chunk_hash, binding, holds, lost, gone)
 
-    def _release(self, chunk_hash: bytes, binding: tuple, holds, lost: list) -> None:
+    def _release(self, chunk_hash: bytes, binding: tuple, holds, lost: list, gone: list
+                 ) -> None:
         """Placements gone: each namespace left without a key drops its claim (the last
         claim drops the occupant), and each key gone its access count; a binding without
         placements is forgotten."""
@@ -502,10 +515,8 @@ class KeyDirectory:
             for namespace in lost:
                 self._writer.remove_claim(chunk_hash, namespace)
         if holds:
-            if accesses:
-                accesses = tuple(value for i in range(0, len(accesses), 2)
-                                 if self._holds_key(holds, accesses[i])
-                                 for value in accesses[i:i + 2])
+            if accesses and gone:
+                accesses = _forget_accesses(accesses, gone)
             self._bindings[chunk_hash] = (content, offset, holds, accesses)
         else:
             del self._bindings[chunk_hash]
@@ -587,9 +598,10 @@ class KeyDirectory:
         return key_no in holds[0::2] if type(holds) is tuple else key_no in holds.places
 
     def _remove_placement(self, holds, key_no: int, place_no: int):
-        """Drop `(key_no, place_no)`: (holds, whether the key's namespace lost its last
-        key here, whether the place's instance lost its last placement here), or None if
-        there is no such placement. Counts keys and placements."""
+        """Drop `(key_no, place_no)`: (holds, whether the key lost its last placement,
+        whether the key's namespace lost its last key here, whether the place's instance
+        lost its last placement here), or None if there is no such placement. Counts keys
+        and placements."""
         key_ns, places = self._key_ns, self._places
         instance = places[place_no][0]
         if type(holds) is tuple:
@@ -629,7 +641,7 @@ class KeyDirectory:
         self._num_keys -= key_gone
         self._num_placements -= 1
         self._count(place_no, -1)
-        return holds, claim_gone, instance_gone
+        return holds, key_gone, claim_gone, instance_gone
 
     def _many_keys(self, flat: tuple[int, ...]) -> _ManyKeys:
         many = _ManyKeys()
@@ -709,7 +721,8 @@ class KeyDirectory:
         """
         with self._lock:
             snapshot = [(chunk_hash, content, holds if type(holds) is tuple
-                         else self._placements_in(holds), accesses)
+                         else self._placements_in(holds),
+                         accesses if type(accesses) is tuple else dict(accesses))
                         for chunk_hash, (content, _, holds, accesses)
                         in self._bindings.items()]
         places, key_raw = self._places, self._key_raw
@@ -792,7 +805,19 @@ def _place_order(place: Place) -> tuple[str, str, str]:
     return place[_INSTANCE], place[_TIER], place[_BACKEND]
 
 
-def _access_count(accesses: tuple, key_no: int) -> int:
+def _forget_accesses(accesses, gone: list[int]):
+    """`accesses` without the counts of the keys in `gone` (a dict is updated in place)."""
+    if type(accesses) is dict:
+        for key_no in gone:
+            accesses.pop(key_no, None)
+        return accesses
+    return tuple(value for i in range(0, len(accesses), 2) if accesses[i] not in gone
+                 for value in accesses[i:i + 2])
+
+
+def _access_count(accesses, key_no: int) -> int:
+    if type(accesses) is dict:
+        return accesses.get(key_no, 0)
     for i in range(0, len(accesses), 2):
         if accesses[i] == key_no:
             return accesses[i + 1]

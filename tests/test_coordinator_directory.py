@@ -224,14 +224,35 @@ def _python_lines(action) -> int:
 
 
 @pytest.mark.parametrize("blend", [True, False], ids=["blend-on", "blend-off"])
-def test_storing_and_deleting_n_keys_of_one_hash_is_linear_work(blend):
+def test_storing_accessing_and_deleting_n_keys_of_one_hash_is_linear_work(blend):
     work = {}
     for n in (250, 2000):
         directory = KeyDirectory(chunk_size=C, enable_blend_lookup=blend)
         stored = _python_lines(lambda: _store_groups(directory, range(n), seq=1))
-        deleted = _python_lines(lambda: _store_groups(directory, range(n), seq=2,
+        accessed = _python_lines(lambda: _store_groups(directory, range(n), seq=2,
+                                                       kind="access"))
+        deleted = _python_lines(lambda: _store_groups(directory, range(n), seq=3,
                                                       kind="delete"))
         assert directory.stats()["num_keys"] == 0
-        work[n] = (stored, deleted)
-    assert work[2000][0] < 9 * work[250][0], work  # linear: 8x; quadratic: 64x
-    assert work[2000][1] < 9 * work[250][1], work
+        work[n] = (stored, accessed, deleted)
+    for step in range(3):  # linear: 8x; quadratic: 64x
+        assert work[2000][step] < 9 * work[250][step], (step, work)
+
+
+def test_access_counts_of_many_keys_of_one_hash_survive_until_their_key_goes():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store_groups(directory, range(30), seq=1)
+    _store_groups(directory, range(30), seq=2, kind="access")
+    _store_groups(directory, range(0, 30, 3), seq=3, kind="access")
+    _store_groups(directory, range(0, 30, 2), seq=4, kind="delete")
+
+    def counts() -> list[int]:
+        keys = [(bytes.fromhex("a1"), ("m", "t0", pack_kv_rank(1, 0), g)) for g in range(30)]
+        return [count for _, _, count in directory.placements_of(keys)]
+
+    assert counts() == [0 if g % 2 == 0 else 1 + (g % 3 == 0) for g in range(30)]
+    _store_groups(directory, range(0, 30, 2), seq=5)  # stored again: counting anew
+    assert counts() == [0 if g % 2 == 0 else 1 + (g % 3 == 0) for g in range(30)]
+    _store_groups(directory, range(1, 30, 2), seq=6, kind="delete")
+    _store_groups(directory, [2], seq=7, kind="access")
+    assert counts() == [int(g == 2) for g in range(30)]
