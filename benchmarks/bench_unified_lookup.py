@@ -74,6 +74,40 @@ def interleaved(reference: BlendPlugin, tested: BlendPlugin, queries, iterations
     return ref_s, test_s, ref_cov / iterations, test_cov / iterations
 
 
+def make_queries(rng: np.random.Generator, docs_a: list, docs_b: list, length: int,
+                 count: int = 32) -> list[np.ndarray]:
+    """RAG-style queries: documents of either server in random order, short filler between."""
+    queries = []
+    for _ in range(count):
+        pieces, total = [], 0
+        while total < length:
+            pool = docs_a if rng.random() < 0.5 else docs_b
+            piece = pool[int(rng.integers(len(pool)))]
+            filler = rng.integers(1000, 60000, int(rng.integers(5, 80)), dtype=np.uint32)
+            pieces += [filler, piece]
+            total += len(filler) + len(piece)
+        queries.append(np.concatenate(pieces)[:length])
+    return queries
+
+
+def open_breaker(plugin: BlendPlugin, query: np.ndarray) -> None:
+    """With the coordinator stopped, a few lookups fail fast (refused) and open the breaker."""
+    for i in range(20):
+        timed_lookup(plugin, LookupKey(f"open-{i}", query, MODEL))
+        if plugin.client.breaker_state == "open":
+            return
+    raise AssertionError("the breaker did not open")
+
+
+def row(name: str, samples: list[float], reference: list[float]) -> tuple[float, float]:
+    """One line of the table; returns the (p50, p99) ratios to the reference."""
+    p50, p99 = percentile_ms(samples, 50), percentile_ms(samples, 99)
+    r50 = p50 / percentile_ms(reference, 50)
+    r99 = p99 / percentile_ms(reference, 99)
+    print(f"{name:<28} {p50:>9.3f} {p99:>9.3f} {r50:>9.2f}x {r99:>9.2f}x")
+    return r50, r99
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2000, help="lookups per leg (default 2000)")
@@ -90,60 +124,35 @@ def main(argv=None) -> int:
 
     coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", str(C),
                                     stderr=subprocess.DEVNULL)
-    url = coordinator.url
     l2: dict = {}
-    fleet_config = dict(coordinator_url=url, event_reporting=True, chunk_size=C,
+    fleet_config = dict(coordinator_url=coordinator.url, event_reporting=True, chunk_size=C,
                         blend_timeout=1.0, event_flush_interval=0.2)
     host_a, host_b = InMemoryHost(C, shared_l2=l2), InMemoryHost(C, shared_l2=l2)
     server_a = BlendPlugin(PluginConfig(instance_id="A", **fleet_config), host_a)
     fleet_b = BlendPlugin(PluginConfig(instance_id="B", **fleet_config), host_b)
     local_b = BlendPlugin(PluginConfig(instance_id="B-local", chunk_size=C), host_b)
     try:
-        docs_a = [rng.integers(1000, 60000, int(rng.integers(2, 6)) * C, dtype=np.uint32)
-                  for _ in range(args.docs)]
-        docs_b = [rng.integers(1000, 60000, int(rng.integers(2, 6)) * C, dtype=np.uint32)
-                  for _ in range(args.docs)]
+        docs_a, docs_b = ([rng.integers(1000, 60000, int(rng.integers(2, 6)) * C, dtype=np.uint32)
+                           for _ in range(args.docs)] for _ in range(2))
         for d, doc in enumerate(docs_a):
             save(host_a, [server_a], f"a-{d}", doc)
         for d, doc in enumerate(docs_b):
             save(host_b, [fleet_b, local_b], f"b-{d}", doc)
         assert server_a.flush() and fleet_b.flush(), "events did not reach the coordinator"
-
-        queries = []
-        for _ in range(32):
-            pieces, length = [], 0
-            while length < args.query_chunks * C:
-                pool = docs_a if rng.random() < 0.5 else docs_b
-                piece = pool[int(rng.integers(len(pool)))]
-                filler = rng.integers(1000, 60000, int(rng.integers(5, 80)), dtype=np.uint32)
-                pieces += [filler, piece]
-                length += len(filler) + len(piece)
-            queries.append(np.concatenate(pieces)[:args.query_chunks * C])
+        queries = make_queries(rng, docs_a, docs_b, args.query_chunks * C)
 
         # Warm-up: numba kernels, HTTP keep-alive connections, caches.
         interleaved(local_b, fleet_b, queries, 100, "warm")
         local_h, healthy, cov_local, cov_healthy = interleaved(local_b, fleet_b, queries,
                                                                args.iterations, "healthy")
         coordinator.stop()
-        # Open the breaker: a few lookups fail fast (connection refused).
-        for i in range(20):
-            timed_lookup(fleet_b, LookupKey(f"open-{i}", queries[0], MODEL))
-            if fleet_b.client.breaker_state == "open":
-                break
-        assert fleet_b.client.breaker_state == "open", "the breaker did not open"
+        open_breaker(fleet_b, queries[0])
         local_s, stopped, _, _ = interleaved(local_b, fleet_b, queries, args.iterations, "stopped")
         breaker_skips = fleet_b.client.stats().skipped_breaker
     finally:
         for plugin in (server_a, fleet_b, local_b):
             plugin.close()
         coordinator.stop()
-
-    def row(name, samples, reference):
-        p50, p99 = percentile_ms(samples, 50), percentile_ms(samples, 99)
-        r50 = p50 / percentile_ms(reference, 50)
-        r99 = p99 / percentile_ms(reference, 99)
-        print(f"{name:<28} {p50:>9.3f} {p99:>9.3f} {r50:>9.2f}x {r99:>9.2f}x")
-        return r50, r99
 
     print(f"{'lookup latency':<28} {'p50 ms':>9} {'p99 ms':>9} {'p50 ratio':>10} {'p99 ratio':>10}")
     print("phase 1: coordinator running")
