@@ -1,7 +1,8 @@
 """Helpers for tests that drive an in-process coordinator over real HTTP.
 
-Chunk size 4 by default, so a chunk is four token ids. `start` (a fixture in the test
-modules that import this) builds a coordinator with `CoordinatorConfig` overrides.
+Chunk size 4 by default, so a chunk is four token ids. The `start` and `coord` fixtures
+(tests/conftest.py) build coordinators with `start_coordinator`, `CoordinatorConfig`
+overrides allowed.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ C = 4
 
 
 def key(chunk_hash: str, model: str = "m", salt: str = "", world_size: int = 1,
-        rank: int = 0, group: int = 0) -> dict:
+        rank: int = 0, group: int = 0, kv_rank: int | None = None) -> dict:
+    """A wire key; `kv_rank` given as is (even an invalid one) overrides world size and rank."""
     return {"chunk_hash_hex": chunk_hash, "model_name": model,
-            "kv_rank": pack_kv_rank(world_size, rank), "object_group_id": group,
-            "cache_salt": salt}
+            "kv_rank": pack_kv_rank(world_size, rank) if kv_rank is None else kv_rank,
+            "object_group_id": group, "cache_salt": salt}
 
 
 def entry(chunk_hash: str, tokens=(), offset: int = -1, size: int = 64, **key_fields) -> dict:
@@ -64,8 +66,12 @@ class Coordinator:
         return self.client.server.app
 
     @property
+    def coordinator(self):
+        return self.app[COORDINATOR]
+
+    @property
     def directory(self):
-        return self.app[COORDINATOR].directory
+        return self.coordinator.directory
 
     async def call(self, method: str, path: str, expect: int = 200, **kwargs):
         response = await self.client.request(method, path, **kwargs)

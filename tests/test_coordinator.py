@@ -12,25 +12,13 @@ import threading
 import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, encode, encode_tokens
-from coordinator_client import C, batch, entry, refusal, start_coordinator
+from coordinator_client import C, batch, entry, refusal
 
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
 D = [31, 32, 33, 34]
 FILL = [7, 7, 7]  # never a chunk: pads queries so matches sit at non-zero offsets
 
-
-@pytest.fixture
-async def start():
-    clients = []
-    yield lambda **overrides: start_coordinator(clients, **overrides)
-    for client in clients:
-        await client.close()
-
-
-@pytest.fixture
-async def coord(start):
-    return await start()
 
 
 # --- storing and matching -------------------------------------------------------------

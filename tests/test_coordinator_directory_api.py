@@ -6,23 +6,11 @@ from __future__ import annotations
 import pytest
 
 from blend_wire import HEALTH_PATH, encode, pack_kv_rank, prefix_chunk_hashes
-from coordinator_client import C, batch, entry, key, refusal, start_coordinator
+from coordinator_client import C, batch, entry, key, refusal
 
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
 
-
-@pytest.fixture
-async def start():
-    clients = []
-    yield lambda **overrides: start_coordinator(clients, **overrides)
-    for client in clients:
-        await client.close()
-
-
-@pytest.fixture
-async def coord(start):
-    return await start()
 
 
 def placement(instance="i0", incarnation=0, tier="l1", backend="dram", size=64,

@@ -10,23 +10,11 @@ import time
 import pytest
 
 from blend_wire import INSTANCES_PATH, encode
-from coordinator_client import batch, entry, refusal, start_coordinator
+from coordinator_client import batch, entry, refusal
 
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
 
-
-@pytest.fixture
-async def start():
-    clients = []
-    yield lambda **overrides: start_coordinator(clients, **overrides)
-    for client in clients:
-        await client.close()
-
-
-@pytest.fixture
-async def coord(start):
-    return await start()
 
 
 async def test_register_list_heartbeat_deregister(coord):

@@ -6,21 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, METRICS_PATH, encode
-from coordinator_client import batch, entry, key, start_coordinator
+from blend_wire import DIRECTORY_LOOKUP_PATH, METRICS_PATH, encode
+from coordinator_client import batch, entry, key
 
 A = [11, 12, 13, 14]
 
-
-@pytest.fixture
-async def start():
-    clients = []
-    yield lambda **overrides: start_coordinator(clients, **overrides)
-    for client in clients:
-        await client.close()
 
 
 async def scrape(coord) -> dict[tuple[str, tuple], float]:
