@@ -92,6 +92,14 @@ async def test_access_count_restarts_when_the_key_is_gone_and_stored_again(coord
     assert result["access_count"] == 0
 
 
+async def test_an_access_batch_needs_no_backend_and_leaves_placements_alone(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=0, size=100)))
+    await coord.post_events(batch(entry("aa01"), seq=2, event_type="access", backend="",
+                                  tier="l2"))
+    [result] = (await coord.directory_lookup(keys=[key("aa01")]))["results"]
+    assert (result["placements"], result["access_count"]) == ([placement(size=100)], 1)
+
+
 async def test_accesses_of_unknown_keys_count_nothing(coord):
     await coord.post_events(batch(entry("aa01", A, offset=0)))
     await coord.post_events(batch(entry("bb02"), entry("aa01", salt="t9"), seq=2,

@@ -161,6 +161,15 @@ async def test_a_heartbeating_instance_is_never_reaped(start):
     assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
 
 
+async def test_reregistering_counts_as_a_heartbeat(start):
+    coord = await start(health_check_interval=0.05, instance_timeout=0.25)
+    await coord.register("alive")
+    for _ in range(12):  # 0.6 s: more than twice the timeout, re-registering only
+        await coord.register("alive")
+        await asyncio.sleep(0.05)
+    assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
+
+
 async def test_interval_0_never_reaps(start):
     coord = await start(health_check_interval=0.0, instance_timeout=0.05)
     await coord.register("silent")
