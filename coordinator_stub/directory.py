@@ -679,34 +679,54 @@ class KeyDirectory:
         """For each `(chunk_hash, (model_name, cache_salt, kv_rank, object_group_id))`:
         its places sorted by `(instance_id, tier, backend)`, the chunk's tokens (empty
         when unknown; they belong to the chunk, so any of its keys shows them) and the
-        key's access count. Unknown keys get `([], tokens, 0)`."""
+        key's access count. Unknown keys get `([], tokens, 0)`. Cost: per key, its own
+        placements (a chunk's tokens are converted once per call)."""
         results = []
+        tokens_of: dict[bytes, list[int]] = {}
         with self._lock:
             for chunk_hash, raw_key in keys:
                 binding = self._bindings.get(chunk_hash)
                 if binding is None:
                     results.append(([], [], 0))
                     continue
-                tokens = self._tokens_of(chunk_hash, binding[0])
+                tokens = tokens_of.get(chunk_hash)
+                if tokens is None:
+                    tokens = tokens_of[chunk_hash] = self._tokens_of(chunk_hash, binding[0])
                 key_no = self._key_nos.get(raw_key)
                 if key_no is None:
                     results.append(([], tokens, 0))
                     continue
-                places = sorted((self._places[p] for k, p in self._placements_in(binding[2])
-                                 if k == key_no), key=_place_order)
+                holds = binding[2]
+                place_nos = ([holds[i + 1] for i in range(0, len(holds), 2)
+                              if holds[i] == key_no] if type(holds) is tuple
+                             else holds.places.get(key_no, ()))
+                places = sorted((self._places[p] for p in place_nos), key=_place_order)
                 results.append((places, tokens, _access_count(binding[3], key_no)))
         return results
 
-    def copies_in_other_groups(self, chunk_hash: bytes, raw_key: tuple) -> list[tuple]:
-        """Stored keys of `chunk_hash` differing from `raw_key` only in object group, in
-        ascending group order (LMCache's token lookups resolve group 0 and follow these)."""
+    def with_other_groups(self, keys: list[tuple[bytes, tuple]]) -> list[tuple[bytes, tuple]]:
+        """Each `(chunk_hash, raw_key)` followed by the stored keys of its chunk that
+        differ from it only in object group, in ascending group order (LMCache's token
+        lookups resolve group 0 and follow these). A chunk's keys are read once."""
+        expanded: list[tuple[bytes, tuple]] = []
+        by_chunk: dict[bytes, dict[tuple, list[tuple]]] = {}
         with self._lock:
-            binding = self._bindings.get(chunk_hash)
-            if binding is None:
-                return []
-            found = {self._key_raw[k] for k, _ in self._placements_in(binding[2])}
-        return sorted((raw for raw in found if raw[:3] == raw_key[:3] and raw != raw_key),
-                      key=lambda raw: raw[3])
+            for chunk_hash, raw_key in keys:
+                groups = by_chunk.get(chunk_hash)
+                if groups is None:
+                    groups = by_chunk[chunk_hash] = {}
+                    binding = self._bindings.get(chunk_hash)
+                    holds = binding[2] if binding is not None else ()
+                    key_nos = (dict.fromkeys(holds[0::2]) if type(holds) is tuple
+                               else holds.places)
+                    for key_no in key_nos:
+                        stored = self._key_raw[key_no]
+                        groups.setdefault(stored[:3], []).append(stored)
+                expanded.append((chunk_hash, raw_key))
+                expanded.extend((chunk_hash, stored) for stored in sorted(
+                    (stored for stored in groups.get(raw_key[:3], ()) if stored != raw_key),
+                    key=lambda stored: stored[3]))
+        return expanded
 
     def list_keys(self, tier: str, instance_id: str, backend: str, offset: int, limit: int
                   ) -> tuple[int, list[tuple[bytes, tuple, list, int, int]]]:

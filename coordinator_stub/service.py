@@ -155,9 +155,7 @@ class Coordinator:
             if not keys:
                 return _EMPTY_DIRECTORY_LOOKUP
             chunks = len(keys) // request.world_size
-            keys = [(chunk_hash, raw) for chunk_hash, group_0 in keys
-                    for raw in (group_0, *self.directory.copies_in_other_groups(
-                        chunk_hash, group_0))]
+            keys = self.directory.with_other_groups(keys)
         results = [
             KeyPlacements(key=_encoded_key(chunk_hash, raw),
                           placements=[_wire_placement(p) for p in placements],

@@ -1,11 +1,18 @@
-"""Helpers for tests that drive an in-process coordinator over real HTTP.
+"""Helpers for the coordinator's tests.
 
-Chunk size 4 by default, so a chunk is four token ids. The `start` and `coord` fixtures
-(tests/conftest.py) build coordinators with `start_coordinator`, `CoordinatorConfig`
-overrides allowed.
+- Request bodies (`key`, `entry`, `batch`) and `refusal` (a 422 body in FastAPI's shape).
+- `start_coordinator(clients, **overrides)`: an in-process coordinator on a free loopback
+  port, driven over real HTTP through `Coordinator`. Chunk size 4 by default, so a chunk
+  is four token ids. The `start` and `coord` fixtures (tests/conftest.py) build them,
+  `CoordinatorConfig` overrides allowed.
+- `python_lines(action)`: how many Python lines of the coordinator and the index run
+  during `action()`, a deterministic measure of work for "cost grows linearly" tests.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Callable
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -118,3 +125,24 @@ async def start_coordinator(clients: list[TestClient], **overrides) -> Coordinat
     await client.start_server()
     clients.append(client)
     return Coordinator(client)
+
+
+def python_lines(action: Callable[[], object]) -> int:
+    """Python lines run in coordinator_stub and local_matcher during `action()`."""
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        return local if "/coordinator_stub/" in name or "/local_matcher/" in name else None
+
+    sys.settrace(tracer)
+    try:
+        action()
+    finally:
+        sys.settrace(None)
+    return count

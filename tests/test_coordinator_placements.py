@@ -15,6 +15,7 @@ import random
 import pytest
 
 from blend_wire import CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_kv_rank
+from coordinator_client import python_lines
 from coordinator_stub.directory import KeyDirectory
 
 C = 4
@@ -156,3 +157,27 @@ def _assert_agree(directory: KeyDirectory, reference: Reference, step: int) -> N
     total, _ = directory.list_keys("l2", "", "nfs", 0, 1)
     assert total == sum(any(p[2:4] == ("l2", "nfs") for p in r["placements"])
                         for r in reference.records.values()), step
+
+
+def test_querying_n_keys_of_one_hash_is_linear_work():
+    """A chunk held under many keys (object groups x ranks, the CacheBlend case of one
+    chunk hash stored many ways): resolving, looking up and listing all of them costs
+    O(n), not O(n^2)."""
+    work = {}
+    for n in (250, 2000):
+        directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+        entries = [CacheEventEntry(key=_key("a1", "", 0, group), size_bytes=8,
+                                   token_ids=[1, 2, 3, 4], token_offset=0)
+                   for group in range(n)]
+        directory.ingest([CacheEventBatch(instance_id="i0", seq=1, event_type="store",
+                                          tier="l1", backend="dram", entries=entries)])
+        group_0 = [(bytes.fromhex("a1"), ("m", "", pack_kv_rank(2, 0), 0))]
+        keys = [(bytes.fromhex("a1"), ("m", "", pack_kv_rank(2, 0), g)) for g in range(n)]
+        expanded = python_lines(lambda: directory.with_other_groups(group_0 * 4))
+        looked_up = python_lines(lambda: directory.placements_of(keys))
+        listed = python_lines(lambda: directory.list_keys("all", "", "", 0, 10_000))
+        assert len(directory.with_other_groups(group_0)) == n
+        assert all(places for places, _, _ in directory.placements_of(keys))
+        work[n] = (expanded, looked_up, listed)
+    for step in range(3):  # linear: 8x; quadratic: 64x
+        assert work[2000][step] < 9 * work[250][step], (step, work)
