@@ -18,6 +18,18 @@ State (all guarded by `self._lock`, the directory lock):
   so stats and metrics never walk the directory.
 - the ingest gate's cursors (`IngestGate`): admitting a batch and applying it are one step.
 
+All or nothing per batch: everything that can fail on the way in is checked by the wire
+decoder before a batch gets here (ranges, hex, token ids). Then a batch is admitted and
+applied under an undo journal (`coordinator_stub.journal`: the bindings, the per-instance
+sets, the many-keys records and the capacity map are journaled; counters and the gate
+cursor are snapshotted), and its index updates are queued, not sent, until the directory
+part is done. If anything raises, the journal is rolled back, the cursor restored and the
+queued index updates dropped, so the gate and the directory are as they were and a retry
+of the same batch applies it. If the index itself fails part-way through the queued
+updates, the chunks the batch touched are re-indexed from the restored bindings. Numbers
+interned for a rolled-back batch (keys, places) stay interned: harmless, a retry reuses
+them.
+
 The blend index (`local_matcher.ContentIndex`) is a derived view of the bindings, and
 only this module writes it (through `_IndexWriter`). Each step of DESIGN.md's lifecycle
 table is one method below (`_fill_content`, `_move_offset`, `_claim_for`, `_release`, ...).
@@ -64,6 +76,7 @@ import threading
 import numpy as np
 
 from coordinator_stub.gate import IngestGate, Verdict
+from coordinator_stub.journal import Journal, JournaledDict
 from blend_wire import (
     UNKNOWN_TOKEN_OFFSET,
     BlendNamespace,
@@ -100,38 +113,59 @@ class _ManyKeys:
     instance holds. Every update is O(1) in the number of keys. Rare, so its GC tracking
     does not matter."""
 
-    __slots__ = ("places", "keys_in", "placements_of", "count")
+    __slots__ = ("places", "keys_in", "placements_of", "_count", "_journal")
 
-    def __init__(self) -> None:
-        self.places: dict[int, tuple[int, ...]] = {}
-        self.keys_in: dict[BlendNamespace, int] = {}
-        self.placements_of: dict[str, int] = {}
-        self.count = 0
+    def __init__(self, journal: Journal) -> None:
+        # Journaled like the directory's own maps: a rolled-back batch leaves no trace.
+        self.places: dict[int, tuple[int, ...]] = JournaledDict(journal)
+        self.keys_in: dict[BlendNamespace, int] = JournaledDict(journal)
+        self.placements_of: dict[str, int] = JournaledDict(journal)
+        self._journal = journal
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._journal.note(self, "_count")
+        self._count = value
 
 
 class _IndexWriter:
-    """The directory's only path to the index: adds are buffered and sent per namespace
-    with one `add_many` (one lock acquisition, one kernel call) instead of one per chunk.
+    """The directory's only path to the index. Updates are queued and sent by `flush()`,
+    adds grouped per namespace into one `add_many` (one lock acquisition, one kernel
+    call) instead of one call per chunk; `discard()` drops what is queued.
 
-    Order is preserved where it matters: a buffered add for a chunk hash is never
-    reordered with another operation on the same hash, because any add that would
-    change a buffered one (other content or offset) and every removal flush first.
-    Adds of distinct hashes commute, so grouping them by namespace changes nothing.
+    Order is preserved where it matters: an add for a chunk hash is never reordered with
+    another operation on the same hash, because any add that would change a grouped one
+    (other content or offset) and every removal close the current group first. Adds of
+    distinct hashes commute, so grouping them by namespace changes nothing. While updates
+    are queued, `tokens_of` answers as the index will once they are sent.
+
+    `flush()` records, before each removal, the tokens the chunk had (`replaced`), so a
+    failure part-way can be repaired; `sent` says how many updates reached the index.
     Called only under the directory lock, and flushed before the lock is released.
     """
 
     def __init__(self, index, chunk_size: int) -> None:
         self.index = index
         self.chunk_size = chunk_size
-        self._pending: dict[bytes, tuple[bytes, int]] = {}
+        self._ops: list[tuple] = []
+        self._latest: dict[bytes, bytes | None] = {}  # content once queued updates land
+        self._grouped: dict[bytes, tuple[bytes, int]] = {}
         self._groups: dict[BlendNamespace, tuple[list, list, list]] = {}
+        self.sent = 0
+        self.replaced: dict[bytes, np.ndarray | None] = {}
 
     def add(self, tokens: bytes, chunk_hash: bytes, offset: int,
             namespace: BlendNamespace) -> None:
-        buffered = self._pending.get(chunk_hash)
-        if buffered is not None and (buffered[1] != offset or buffered[0] != tokens):
-            self.flush()
-        self._pending[chunk_hash] = (tokens, offset)
+        grouped = self._grouped.get(chunk_hash)
+        if grouped is not None and (grouped[1] != offset or grouped[0] != tokens):
+            self._close_groups()
+        self._grouped[chunk_hash] = (tokens, offset)
+        self._latest[chunk_hash] = tokens
         group = self._groups.get(namespace)
         if group is None:
             group = self._groups[namespace] = ([], [], [])
@@ -140,29 +174,55 @@ class _IndexWriter:
         group[2].append(offset)
 
     def remove_claim(self, chunk_hash: bytes, namespace: BlendNamespace) -> None:
-        self.flush()
-        self.index.remove_claim(None, chunk_hash, namespace)
+        self._close_groups()
+        self._ops.append((_REMOVE_CLAIM, chunk_hash, namespace))
 
     def remove_chunk(self, chunk_hash: bytes) -> None:
-        self.flush()
-        self.index.remove_chunk(None, chunk_hash)
+        self._close_groups()
+        self._ops.append((_REMOVE_CHUNK, chunk_hash, None))
+        self._latest[chunk_hash] = None
 
     def tokens_of(self, chunk_hash: bytes) -> bytes | None:
-        """The indexed content of a chunk, including one still buffered here."""
-        buffered = self._pending.get(chunk_hash)
-        if buffered is not None:
-            return buffered[0]
+        """The indexed content of a chunk as it will be once the queue is sent."""
+        if chunk_hash in self._latest:
+            return self._latest[chunk_hash]
         tokens = self.index.tokens_of(chunk_hash)
         return None if tokens is None else np.asarray(tokens, dtype=np.uint32).tobytes()
 
-    def flush(self) -> None:
+    def _close_groups(self) -> None:
         if not self._groups:
             return
-        groups, self._groups, self._pending = self._groups, {}, {}
+        groups, self._groups, self._grouped = self._groups, {}, {}
         for namespace, (contents, hashes, offsets) in groups.items():
-            rows = np.frombuffer(b"".join(contents), dtype=np.uint32).reshape(
-                len(contents), self.chunk_size)
-            self.index.add_many(rows, hashes, offsets, namespace)
+            self._ops.append((_ADD_MANY, namespace, (contents, hashes, offsets)))
+
+    def flush(self) -> None:
+        """Send every queued update to the index, in order."""
+        self._close_groups()
+        ops, self._ops, self._latest = self._ops, [], {}
+        self.sent, self.replaced = 0, {}
+        index = self.index
+        for kind, first, second in ops:
+            if kind is _ADD_MANY:
+                contents, hashes, offsets = second
+                rows = np.frombuffer(b"".join(contents), dtype=np.uint32).reshape(
+                    len(contents), self.chunk_size)
+                index.add_many(rows, hashes, offsets, first)
+            else:
+                if first not in self.replaced:  # what to restore should this batch fail
+                    self.replaced[first] = index.tokens_of(first)
+                if kind is _REMOVE_CLAIM:
+                    index.remove_claim(None, first, second)
+                else:
+                    index.remove_chunk(None, first)
+            self.sent += 1
+
+    def discard(self) -> None:
+        """Drop every queued update (the batch that queued them was rolled back)."""
+        self._ops, self._latest, self._grouped, self._groups = [], {}, {}, {}
+
+
+_ADD_MANY, _REMOVE_CLAIM, _REMOVE_CHUNK = "add_many", "remove_claim", "remove_chunk"
 
 
 class KeyDirectory:
@@ -176,11 +236,13 @@ class KeyDirectory:
         # going through np.array, and it refuses ids outside uint32 (struct.error).
         self._pack_tokens = struct.Struct(f"={chunk_size}I").pack
         self._lock = threading.Lock()
+        self._journal = Journal()
         self._gate = IngestGate()
         self._index = None  # ContentIndex once blend lookup is on
         self._writer: _IndexWriter | None = None  # the one writer of self._index
-        self._bindings: dict[bytes, tuple] = {}
-        self._held_by: dict[str, set[bytes]] = {}
+        # Journaled: what a batch changed here is undone if the batch fails (module doc).
+        self._bindings: dict[bytes, tuple] = JournaledDict(self._journal)
+        self._held_by: dict[str, set[bytes]] = JournaledDict(self._journal)
         # Interning tables: keys and places are numbered once and referred to by number.
         self._key_nos: dict[tuple[str, str, int, int], int] = {}
         self._key_ns: list[BlendNamespace] = []  # namespace of each key number
@@ -190,12 +252,13 @@ class KeyDirectory:
         self._places: list[Place] = []
         self._ident_nos: dict[tuple, int] = {}
         self._place_idents: list[int] = []  # identity number of each place number
-        self._capacity: dict[tuple[str, str, str], tuple[int, int]] = {}
+        self._capacity: dict[tuple[str, str, str], tuple[int, int]] = JournaledDict(
+            self._journal)
         self._num_keys = 0
         self._num_placements = 0
         # Running totals per tier: [placements, reported bytes]; L1 placements per instance.
         self._tier_totals = {"l1": [0, 0], "l2": [0, 0]}
-        self._l1_by_instance: dict[str, int] = {}
+        self._l1_by_instance: dict[str, int] = JournaledDict(self._journal)
         self._counters = dict.fromkeys(
             ("batches_applied", "batches_duplicate", "batches_stale", "instances_fenced",
              "instances_dropped", "entries_applied", "entries_duplicate", "entries_stale",
@@ -240,6 +303,7 @@ class KeyDirectory:
         counters = self._counters
         with self._lock:
             for batch in batches:
+                position = self._gate.position(batch.instance_id)
                 verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq)
                 if verdict is Verdict.DUPLICATE:
                     duplicates += 1
@@ -249,13 +313,7 @@ class KeyDirectory:
                     stale += 1
                     counters["entries_stale"] += len(batch.entries)
                     continue
-                try:
-                    if verdict is Verdict.FENCE:
-                        self._fence(batch.instance_id)
-                    self._apply(batch)
-                finally:
-                    if self._writer is not None:
-                        self._writer.flush()
+                self._apply_atomically(batch, verdict, position)
                 applied += 1
                 counters["entries_applied"] += len(batch.entries)
             counters["batches_applied"] += applied
@@ -263,12 +321,71 @@ class KeyDirectory:
             counters["batches_stale"] += stale
         return EventsReply(applied=applied, duplicates=duplicates, stale=stale)
 
+    def _apply_atomically(self, batch: CacheEventBatch, verdict: Verdict,
+                          position: tuple[int, int] | None) -> None:
+        """Fence (if asked) and apply one admitted batch, all or nothing (module doc).
+        `position` is the gate cursor from before the batch was admitted."""
+        counters = dict(self._counters)
+        totals = (self._num_keys, self._num_placements)
+        tier_totals = {tier: list(values) for tier, values in self._tier_totals.items()}
+        self._journal.begin()
+        try:
+            if verdict is Verdict.FENCE:
+                self._fence(batch.instance_id)
+            self._apply(batch)
+            if self._writer is not None:
+                self._writer.flush()
+        except BaseException:
+            touched = self._touched_chunks()
+            self._journal.rollback()
+            self._counters.update(counters)
+            self._num_keys, self._num_placements = totals
+            for tier, values in tier_totals.items():
+                self._tier_totals[tier][:] = values
+            self._gate.restore(batch.instance_id, position)
+            if self._writer is not None:
+                self._writer.discard()
+                if self._writer.sent:
+                    self._reindex(touched)
+            log.exception("batch %d of %s failed while being applied; rolled back, nothing "
+                          "of it is applied", batch.seq, batch.instance_id)
+            raise
+        self._journal.commit()
+
+    def _touched_chunks(self) -> set[bytes]:
+        bindings = self._bindings
+        return {key for _, target, key, _ in self._journal.records or ()
+                if target is bindings}
+
+    def _reindex(self, chunk_hashes: set[bytes]) -> None:
+        """The index failed part-way through a batch: put back what the restored bindings
+        say about the chunks it touched (best effort; logged if even that fails)."""
+        index, replaced = self._writer.index, self._writer.replaced
+        try:
+            for chunk_hash in chunk_hashes:
+                tokens = (replaced[chunk_hash] if chunk_hash in replaced
+                          else index.tokens_of(chunk_hash))
+                index.remove_chunk(None, chunk_hash)
+                binding = self._bindings.get(chunk_hash)
+                if binding is None or not self._indexed(binding[0], binding[1]):
+                    continue
+                if tokens is None:
+                    log.error("chunk %s cannot be re-indexed: its tokens are gone",
+                              chunk_hash.hex())
+                    continue
+                for namespace in self._namespaces_of(binding[2]):
+                    index.add(tokens, chunk_hash, binding[1], namespace)
+        except Exception:
+            log.exception("re-indexing after a failed batch failed too; lookups may miss "
+                          "chunks until they are stored again")
+
     def _apply(self, batch: CacheEventBatch) -> None:
         kind = batch.event_type
         if kind == "store":
             held = self._held_by.get(batch.instance_id)
             if held is None:
-                held = self._held_by[batch.instance_id] = set()
+                self._held_by[batch.instance_id] = set()  # stored as a journaled set
+                held = self._held_by[batch.instance_id]
             for entry in batch.entries:
                 self._store(entry, self._place_no(batch, entry.size_bytes), held)
             self._counters["entries_stored"] += len(batch.entries)
@@ -458,7 +575,11 @@ class KeyDirectory:
             return
         holds, key_gone, claim_gone, instance_gone = removed
         if instance_gone:
-            self._held_by[self._places[place_no][0]].discard(chunk_hash)
+            instance_id = self._places[place_no][0]
+            held = self._held_by[instance_id]
+            held.discard(chunk_hash)
+            if not held:  # nothing left: the instance costs nothing here any more
+                del self._held_by[instance_id]
         self._release(chunk_hash, binding, holds,
                       [self._key_ns[key_no]] if claim_gone else [],
                       [key_no] if key_gone else [])
@@ -644,7 +765,7 @@ class KeyDirectory:
         return holds, key_gone, claim_gone, instance_gone
 
     def _many_keys(self, flat: tuple[int, ...]) -> _ManyKeys:
-        many = _ManyKeys()
+        many = _ManyKeys(self._journal)
         for i in range(0, len(flat), 2):
             key_no, place_no = flat[i], flat[i + 1]
             if key_no not in many.places:

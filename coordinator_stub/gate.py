@@ -68,3 +68,15 @@ class IngestGate:
 
     def __len__(self) -> int:
         return len(self._cursors)
+
+    def position(self, instance_id: str) -> tuple[int, int] | None:
+        """The instance's cursor `(incarnation, last_seq)`, or None: to restore it later."""
+        cursor = self._cursors.get(instance_id)
+        return None if cursor is None else (cursor.incarnation, cursor.last_seq)
+
+    def restore(self, instance_id: str, position: tuple[int, int] | None) -> None:
+        """Put the cursor back where `position()` found it (a batch was rolled back)."""
+        if position is None:
+            self._cursors.pop(instance_id, None)
+        else:
+            self._cursors[instance_id] = _Cursor(*position)

@@ -49,6 +49,7 @@ class ContentStore:
         found = store.probe(query, 1, 1)
         heads = np.zeros(found[1].size, dtype=np.int64)
         store.take_occupants(query, *found, heads, heads + 1, np.zeros(1, dtype=np.int32))
+        store.row(int(cids[0]))  # the typed list's item access compiles on first use (~0.3 s)
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
         cls._warmed = True
