@@ -252,6 +252,16 @@ class KeyDirectory:
         self._places: list[Place] = []
         self._ident_nos: dict[tuple, int] = {}
         self._place_idents: list[int] = []  # identity number of each place number
+        # Places are freed when no placement refers to them any more (an instance that
+        # restarted, left or was reaped, a size nobody reports now), so churn of
+        # instances and incarnations does not grow these tables: placements per place
+        # (journaled, like the rest of a batch), places per identity, and free numbers.
+        self._place_refs: dict[int, int] = JournaledDict(self._journal)
+        self._idents: dict[int, tuple] = {}
+        self._ident_refs: dict[int, int] = {}
+        self._next_ident = 0
+        self._free_place_nos: list[int] = []
+        self._maybe_unused: set[int] = set()
         self._capacity: dict[tuple[str, str, str], tuple[int, int]] = JournaledDict(
             self._journal)
         self._num_keys = 0
@@ -349,8 +359,10 @@ class KeyDirectory:
                     self._reindex(touched)
             log.exception("batch %d of %s failed while being applied; rolled back, nothing "
                           "of it is applied", batch.seq, batch.instance_id)
+            self._free_unused_places()
             raise
         self._journal.commit()
+        self._free_unused_places()
 
     def _touched_chunks(self) -> set[bytes]:
         bindings = self._bindings
@@ -409,15 +421,48 @@ class KeyDirectory:
         if place_no is None:
             ident = ("", batch.tier, batch.backend, True) if batch.shared else (
                 batch.instance_id, batch.tier, batch.backend, False)
-            ident_no = self._ident_nos.setdefault(ident, len(self._ident_nos))
-            place_no = self._place_nos[place] = len(self._places)
-            self._places.append(place)
-            self._place_idents.append(ident_no)
+            ident_no = self._ident_nos.get(ident)
+            if ident_no is None:
+                ident_no = self._ident_nos[ident] = self._next_ident
+                self._next_ident += 1
+                self._idents[ident_no] = ident
+            self._ident_refs[ident_no] = self._ident_refs.get(ident_no, 0) + 1
+            if self._free_place_nos:
+                place_no = self._free_place_nos.pop()
+                self._places[place_no], self._place_idents[place_no] = place, ident_no
+            else:
+                place_no = len(self._places)
+                self._places.append(place)
+                self._place_idents.append(ident_no)
+            self._place_nos[place] = place_no
+            self._maybe_unused.add(place_no)  # freed after the batch if nothing holds it
         return place_no
+
+    def _free_unused_places(self) -> None:
+        """Forget places no placement refers to (after a batch, committed or not)."""
+        refs = self._place_refs
+        for place_no in self._maybe_unused:
+            if place_no in refs or self._places[place_no] is None:
+                continue
+            del self._place_nos[self._places[place_no]]
+            self._places[place_no] = None
+            ident_no = self._place_idents[place_no]
+            self._ident_refs[ident_no] -= 1
+            if not self._ident_refs[ident_no]:
+                del self._ident_refs[ident_no]
+                del self._ident_nos[self._idents.pop(ident_no)]
+            self._free_place_nos.append(place_no)
+        self._maybe_unused.clear()
 
     def _count(self, place_no: int, sign: int) -> None:
         """Move the running totals by one placement (sign +1 added, -1 removed)."""
         place = self._places[place_no]
+        refs = self._place_refs.get(place_no, 0) + sign
+        if refs:
+            self._place_refs[place_no] = refs
+        else:
+            del self._place_refs[place_no]
+            self._maybe_unused.add(place_no)
         totals = self._tier_totals[place[_TIER]]
         totals[0] += sign
         totals[1] += sign * place[_SIZE]
@@ -595,8 +640,11 @@ class KeyDirectory:
                 self._fence(instance_id, l1_only=True)
             finally:
                 self._gate.forget(instance_id)
+                for place in [p for p in self._capacity if p[0] == instance_id]:
+                    del self._capacity[place]  # it declares its capacity again on return
                 if self._writer is not None:
                     self._writer.flush()
+                self._free_unused_places()
 
     def _fence(self, instance_id: str, l1_only: bool = False) -> None:
         """Instance restarted: drop every placement it reported (and what they held); or,
