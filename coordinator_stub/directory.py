@@ -27,8 +27,10 @@ part is done. If anything raises, the journal is rolled back, the cursor restore
 queued index updates dropped, so the gate and the directory are as they were and a retry
 of the same batch applies it. If the index itself fails part-way through the queued
 updates, the chunks the batch touched are re-indexed from the restored bindings. Numbers
-interned for a rolled-back batch (keys, places) stay interned: harmless, a retry reuses
-them.
+interned for a rolled-back batch (keys) stay interned: harmless, a retry reuses them.
+Whoever adds state that a batch mutates in place makes it a `JournaledDict` /
+`JournaledSet` (or snapshots it in `_apply_atomically`); tests/hostile/test_hostile_atomic.py
+compares everything the directory reports before and after a failed batch.
 
 The blend index (`local_matcher.ContentIndex`) is a derived view of the bindings, and
 only this module writes it (through `_IndexWriter`). Each step of DESIGN.md's lifecycle
@@ -484,7 +486,7 @@ class KeyDirectory:
             self._counters["accesses_unknown"] += 1  # LMCache counts only keys it holds
             return
         accesses = binding[3]
-        if type(accesses) is dict:
+        if type(accesses) is not tuple:  # a (journaled) dict
             accesses[key_no] = accesses.get(key_no, 0) + 1
             return
         for i in range(0, len(accesses), 2):
@@ -495,7 +497,7 @@ class KeyDirectory:
             if len(accesses) < 2 * _FEW:
                 accesses += (key_no, 1)
             else:  # many keys accessed: a dict, O(1) per key from now on
-                accesses = dict(zip(accesses[0::2], accesses[1::2]))
+                accesses = JournaledDict(self._journal, zip(accesses[0::2], accesses[1::2]))
                 accesses[key_no] = 1
         self._bindings[chunk_hash] = binding[:3] + (accesses,)
 
@@ -996,7 +998,7 @@ def _place_order(place: Place) -> tuple[str, str, str]:
 
 def _forget_accesses(accesses, gone: list[int]):
     """`accesses` without the counts of the keys in `gone` (a dict is updated in place)."""
-    if type(accesses) is dict:
+    if type(accesses) is not tuple:  # a (journaled) dict
         for key_no in gone:
             accesses.pop(key_no, None)
         return accesses
@@ -1005,7 +1007,7 @@ def _forget_accesses(accesses, gone: list[int]):
 
 
 def _access_count(accesses, key_no: int) -> int:
-    if type(accesses) is dict:
+    if type(accesses) is not tuple:  # a (journaled) dict
         return accesses.get(key_no, 0)
     for i in range(0, len(accesses), 2):
         if accesses[i] == key_no:

@@ -180,3 +180,25 @@ def test_instance_churn_does_not_grow_the_directorys_tables():
     assert [m.chunk_hash for m in directory.match(np.array(tokens, dtype=np.uint32), NS)] \
         == [b"\xaa"]
     assert len(directory._places) <= 4
+
+
+def test_rollback_restores_access_counts_of_a_many_keys_chunk(monkeypatch):
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    tokens = _tokens()
+    keys = [_entry("ee", tokens, offset=0, group=g) for g in range(20)]
+    directory.ingest([_batch(*keys, seq=1)])
+    directory.ingest([_batch(*keys, seq=2, event_type="access")])  # counts in a dict now
+    before = _state(directory, {"e": tokens})
+    real_access = KeyDirectory._access
+    calls = {"n": 0}
+
+    def access_then_fail(self, key):
+        calls["n"] += 1
+        if calls["n"] == 15:
+            raise _Boom("injected")
+        return real_access(self, key)
+
+    monkeypatch.setattr(KeyDirectory, "_access", access_then_fail)
+    with pytest.raises(_Boom):
+        directory.ingest([_batch(*keys, seq=3, event_type="access")])
+    assert _state(directory, {"e": tokens}) == before
