@@ -242,10 +242,18 @@ def test_fingerprint_key_is_random_per_instance():
 
 
 def test_kernels_are_compiled_when_an_index_is_built():
-    ContentIndex(chunk_size=C)
-    for kernel in (kernels.probe, kernels.insert_rows, kernels.remove_contents,
-                   kernels.rebuild_table):
+    index = ContentIndex(chunk_size=C)
+    kernel_list = (kernels.probe, kernels.take_occupants, kernels.insert_rows,
+                   kernels.remove_contents, kernels.rebuild_table)
+    for kernel in kernel_list:
         assert kernel.signatures, f"{kernel.__name__} was not warmed"
+    compiled = [len(kernel.signatures) for kernel in kernel_list]
+    index.add(X, b"x", 0, A)
+    index.add(X, b"y", 0, A)
+    assert len(index.match(X + X, A)) == 2  # every path: probe, repeats, occupants
+    index.remove_chunks([b"x", b"y"])
+    assert [len(kernel.signatures) for kernel in kernel_list] == compiled, \
+        "real use compiled another specialisation: the warm-up does not cover it"
 
 
 def _distinct_rows(count: int, start: int = 0) -> np.ndarray:
