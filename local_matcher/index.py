@@ -23,9 +23,10 @@ and however many of them belong to other namespaces.
 
 Invariants (all under `self._lock`, which is never held while calling out):
 - `_chunks[h] == (cid, claim)` for chunk `h` of content `cid`: `claim` is the slot of
-  h's only claim, or a dict {namespace id: slot} while several namespaces claim h.
-  Records are tuples and dicts of atoms, untracked by Python's cyclic GC, so an index
-  of a million chunks adds no GC pause.
+  h's only claim; a tuple of slots while a few namespaces claim h; past `_FEW_CLAIMS`, a
+  dict {namespace id: slot}, so that a chunk thousands of tenants claim costs O(1) per
+  claim. Records are tuples and dicts of atoms, untracked by Python's cyclic GC, so an
+  index of a million chunks adds no GC pause.
 - slot `s`: `_slot_chunk[s]` its chunk, `_slot_ns[s]` its namespace id,
   `_slot_offset[s]` the chunk's stored offset (the same in every slot of a chunk),
   `_next[s]` and `_prev[s]` its neighbours in its list; at a list's head, `_length[s]`
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _NONE = -1  # "no slot" in the slot and head arrays
 _NS_SHIFT = 32  # `_more_heads` key: namespace id above, content id below
+_FEW_CLAIMS = 8  # namespaces on one chunk kept in a tuple (scanned); past this, a dict
 
 
 def as_tokens(values) -> np.ndarray:
@@ -157,7 +159,6 @@ class ContentIndex:
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
             self._grow_contents()
             chunks, num_chunks, vacated = self._chunks, self._num_chunks, []
-            slot_ns, slot_offset = self._slot_ns, self._slot_offset
             ns_id = self._namespace_id(namespace)
             for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
                 record = chunks.get(chunk_hash)
@@ -171,18 +172,9 @@ class ContentIndex:
                     chunks[chunk_hash] = (cid, self._claim(chunk_hash, cid, ns_id, offset))
                     num_chunks[cid] += 1
                     continue
-                claim = record[1]
-                if type(claim) is int:
-                    slot_offset[claim] = offset
-                    if slot_ns[claim] != ns_id:
-                        chunks[chunk_hash] = (cid, {
-                            slot_ns[claim]: claim,
-                            ns_id: self._claim(chunk_hash, cid, ns_id, offset)})
-                    continue
-                for slot in claim.values():
-                    slot_offset[slot] = offset
-                if ns_id not in claim:
-                    claim[ns_id] = self._claim(chunk_hash, cid, ns_id, offset)
+                claim = self._with_claim(chunk_hash, cid, record[1], ns_id, offset)
+                if claim is not record[1]:
+                    chunks[chunk_hash] = (cid, claim)
             # Released only now: a later row of this batch may have found that content.
             self._settle(vacated)
 
@@ -200,19 +192,15 @@ class ContentIndex:
             if record is None or ns_id is None:
                 return
             cid, claim = record
-            if type(claim) is int:
-                if self._slot_ns[claim] != ns_id:
-                    return
-                self._unclaim(claim, cid)
+            slot, rest = self._without_claim(claim, ns_id)
+            if slot == _NONE:
+                return
+            self._unclaim(slot, cid)
+            if rest is None:
                 del self._chunks[chunk_hash]
                 self._num_chunks[cid] -= 1
-            else:
-                slot = claim.pop(ns_id, None)
-                if slot is None:
-                    return
-                self._unclaim(slot, cid)
-                if len(claim) == 1:
-                    self._chunks[chunk_hash] = (cid, next(iter(claim.values())))
+            elif rest is not claim:
+                self._chunks[chunk_hash] = (cid, rest)
             self._settle([cid])
 
     def remove_chunk(self, tokens, chunk_hash: Hashable) -> None:
@@ -428,9 +416,49 @@ class ContentIndex:
             self._ns_names[ns_id] = None
             self._free_ns_ids.append(ns_id)
 
+    def _with_claim(self, chunk_hash: Hashable, cid: int, claim, ns_id: int, offset: int):
+        """A chunk's `claim` with `ns_id`'s added if it is missing, every slot at `offset`
+        (the same object if nothing but offsets changed)."""
+        slot_ns, slot_offset = self._slot_ns, self._slot_offset
+        if type(claim) is dict:
+            for slot in claim.values():
+                slot_offset[slot] = offset
+            if ns_id not in claim:
+                claim[ns_id] = self._claim(chunk_hash, cid, ns_id, offset)
+            return claim
+        slots = (claim,) if type(claim) is int else claim
+        claimed = False
+        for slot in slots:
+            slot_offset[slot] = offset
+            claimed |= slot_ns[slot] == ns_id
+        if claimed:
+            return claim
+        added = self._claim(chunk_hash, cid, ns_id, offset)
+        if len(slots) < _FEW_CLAIMS:
+            return slots + (added,)
+        many = {slot_ns[slot]: slot for slot in slots}
+        many[ns_id] = added
+        return many
+
+    def _without_claim(self, claim, ns_id: int) -> tuple[int, object]:
+        """(the slot of `ns_id`'s claim or _NONE, what is left of `claim`: None if
+        nothing, the same object if it was changed in place)."""
+        if type(claim) is dict:
+            slot = claim.pop(ns_id, _NONE)
+            return slot, (claim or None)
+        slots = (claim,) if type(claim) is int else claim
+        slot_ns = self._slot_ns
+        for i, slot in enumerate(slots):
+            if slot_ns[slot] == ns_id:
+                rest = slots[:i] + slots[i + 1:]
+                return slot, (None if not rest else rest[0] if len(rest) == 1 else rest)
+        return _NONE, claim
+
     def _drop(self, chunk_hash: Hashable, record: tuple) -> None:
         cid, claim = record
-        for slot in ((claim,) if type(claim) is int else claim.values()):
+        slots = (claim,) if type(claim) is int else (
+            claim if type(claim) is tuple else list(claim.values()))
+        for slot in slots:
             self._unclaim(slot, cid)
         del self._chunks[chunk_hash]
         self._num_chunks[cid] -= 1
