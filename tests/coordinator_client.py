@@ -5,14 +5,9 @@
   port, driven over real HTTP through `Coordinator`. Chunk size 4 by default, so a chunk
   is four token ids. The `start` and `coord` fixtures (tests/conftest.py) build them,
   `CoordinatorConfig` overrides allowed.
-- `python_lines(action)`: how many Python lines of the coordinator and the index run
-  during `action()`, a deterministic measure of work for "cost grows linearly" tests.
 """
 
 from __future__ import annotations
-
-import sys
-from typing import Callable
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -125,24 +120,3 @@ async def start_coordinator(clients: list[TestClient], **overrides) -> Coordinat
     await client.start_server()
     clients.append(client)
     return Coordinator(client)
-
-
-def python_lines(action: Callable[[], object]) -> int:
-    """Python lines run in coordinator_stub and local_matcher during `action()`."""
-    count = 0
-
-    def local(frame, event, arg):
-        nonlocal count
-        count += event == "line"
-        return local
-
-    def tracer(frame, event, arg):
-        name = frame.f_code.co_filename
-        return local if "/coordinator_stub/" in name or "/local_matcher/" in name else None
-
-    sys.settrace(tracer)
-    try:
-        action()
-    finally:
-        sys.settrace(None)
-    return count

@@ -13,12 +13,15 @@
   it in the host, then tell the plugin.
 - `FakeClock`: a clock that moves only when the test says so (inject it instead of editing
   private deadlines).
+- `python_lines(action, *packages)`: how many Python lines of `packages` run during
+  `action()`, a deterministic measure of work for "cost does not grow with N" tests.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -238,3 +241,26 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def python_lines(action: Callable[[], object], *packages: str) -> int:
+    """Python lines executed inside `packages` (default: the coordinator and the index)
+    while `action()` runs: interpreted work, counted (numba kernels and C loops are not)."""
+    folders = [f"/{p}/" for p in packages or ("coordinator_stub", "local_matcher")]
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        return local if any(folder in name for folder in folders) else None
+
+    sys.settrace(tracer)
+    try:
+        action()
+    finally:
+        sys.settrace(None)
+    return count

@@ -7,11 +7,10 @@ requester's namespace (in the order it claimed them) not yet named in this query
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
+from helpers import python_lines
 from local_matcher import BlendMatch, ContentIndex
 
 C = 4
@@ -129,27 +128,6 @@ def test_stats_count_occupants_and_claims(index):
 # --- work does not grow with multiplicity (counted, not timed) ---------------------------
 
 
-def _python_lines(action, *packages: str) -> int:
-    """Python lines executed inside `packages` while `action()` runs: a deterministic
-    count of interpreted work (numba kernels and C loops are not counted)."""
-    count = 0
-
-    def local(frame, event, arg):
-        nonlocal count
-        if event == "line":
-            count += 1
-        return local
-
-    def tracer(frame, event, arg):
-        filename = frame.f_code.co_filename
-        return local if any(f"/{p}/" in filename for p in packages) else None
-
-    sys.settrace(tracer)
-    try:
-        action()
-    finally:
-        sys.settrace(None)
-    return count
 
 
 def _one_content_many_chunks(n: int, namespaces: int = 1) -> ContentIndex:
@@ -175,7 +153,7 @@ def test_removing_n_occupants_of_one_content_is_linear_work(how):
     work = {}
     for n in (500, 4000):
         index = _one_content_many_chunks(n)
-        work[n] = _python_lines(lambda: remove_all(index, n), "local_matcher")
+        work[n] = python_lines(lambda: remove_all(index, n), "local_matcher")
         assert index.stats()["num_chunks"] == 0
     assert work[4000] < 9 * work[500], work  # linear: 8x; quadratic would be 64x
 
@@ -184,7 +162,7 @@ def test_adding_n_occupants_of_one_content_is_linear_work():
     work = {}
     for n in (500, 4000):
         index = ContentIndex(chunk_size=C)
-        work[n] = _python_lines(
+        work[n] = python_lines(
             lambda: [index.add(X, i, 0, A) for i in range(n)], "local_matcher")
     assert work[4000] < 9 * work[500], work
 
@@ -196,7 +174,7 @@ def test_a_lookup_costs_the_same_however_many_occupants_other_tenants_hold():
         index.add(X, b"mine", 0, "small")
         query = [0] + X * 20
         found = []
-        work[n] = _python_lines(lambda: found.append(index.match(query, "small")),
+        work[n] = python_lines(lambda: found.append(index.match(query, "small")),
                                 "local_matcher")
         assert found == [[BlendMatch(b"mine", 0, 1)]]
     assert work[10_000] <= work[10] + 5, work

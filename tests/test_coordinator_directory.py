@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from coordinator_stub.directory import KeyDirectory
+from helpers import python_lines
 from blend_wire import (
     BlendNamespace,
     CacheEventBatch,
@@ -200,27 +201,6 @@ def test_fencing_an_instance_drops_its_many_keys_of_one_hash_and_keeps_the_other
     assert [m.chunk_hash for m in found] == [bytes.fromhex("a1")]
 
 
-def _python_lines(action) -> int:
-    """Python lines run in the directory and the index during `action()` (deterministic)."""
-    import sys
-
-    count = 0
-
-    def local(frame, event, arg):
-        nonlocal count
-        count += event == "line"
-        return local
-
-    def tracer(frame, event, arg):
-        name = frame.f_code.co_filename
-        return local if "/coordinator_stub/" in name or "/local_matcher/" in name else None
-
-    sys.settrace(tracer)
-    try:
-        action()
-    finally:
-        sys.settrace(None)
-    return count
 
 
 @pytest.mark.parametrize("blend", [True, False], ids=["blend-on", "blend-off"])
@@ -228,10 +208,10 @@ def test_storing_accessing_and_deleting_n_keys_of_one_hash_is_linear_work(blend)
     work = {}
     for n in (250, 2000):
         directory = KeyDirectory(chunk_size=C, enable_blend_lookup=blend)
-        stored = _python_lines(lambda: _store_groups(directory, range(n), seq=1))
-        accessed = _python_lines(lambda: _store_groups(directory, range(n), seq=2,
+        stored = python_lines(lambda: _store_groups(directory, range(n), seq=1))
+        accessed = python_lines(lambda: _store_groups(directory, range(n), seq=2,
                                                        kind="access"))
-        deleted = _python_lines(lambda: _store_groups(directory, range(n), seq=3,
+        deleted = python_lines(lambda: _store_groups(directory, range(n), seq=3,
                                                       kind="delete"))
         assert directory.stats()["num_keys"] == 0
         work[n] = (stored, accessed, deleted)

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from blend_wire import CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_kv_rank
-from coordinator_client import python_lines
+from helpers import python_lines
 from coordinator_stub.directory import KeyDirectory
 
 C = 4
