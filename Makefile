@@ -3,17 +3,25 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The LMCache MP server the plugin loads into (plugin/lmcache_adapter.py is written for it).
+# --no-deps: its declared dependencies include CUDA-only packages; the CPU stack it imports
+# is the `lmcache` extra in pyproject.toml (torch pinned there).
+LMCACHE_VERSION := 0.5.6
 
-.PHONY: demo test bench bench-local bench-coordinator bench-unified bench-popular clean
+.PHONY: demo demo-lmcache test bench bench-local bench-coordinator bench-unified bench-popular bench-lmcache clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,lmcache]'
+	$(PY) -m pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/fleet_demo.py
+
+demo-lmcache: $(STAMP)
+	$(PY) examples/lmcache_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -30,7 +38,10 @@ bench-unified: $(STAMP)
 bench-popular: $(STAMP)
 	$(PY) -m benchmarks.bench_popular_documents $(ARGS)
 
-bench: bench-local bench-coordinator bench-unified bench-popular
+bench-lmcache: $(STAMP)
+	$(PY) -m benchmarks.bench_lmcache_lookup $(ARGS)
+
+bench: bench-local bench-coordinator bench-unified bench-popular bench-lmcache
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -35,7 +35,10 @@ Contract:
 - Gating: the fleet leg (client + reporter) exists only with a coordinator URL *and* event
   reporting; with a URL alone the plugin warns once and runs local-only. Without a URL no
   plugin thread is started. With the fleet leg on and the default (`hostname:pid`) instance
-  id, it warns once that restarts will not be fenced.
+  id, it warns once that restarts will not be fenced. With `report_events=False` the serving
+  process reports its cache events itself (one reporter per server, e.g. LMCache's
+  `lmcache server`): the fleet leg runs, the plugin starts no reporter, and `on_store` /
+  `on_evict` only feed the local matcher.
 - One local matcher serves every namespace (chunks are registered and matched under
   `key.namespace`), so one tenant's chunks are never offered to another even on the same
   server, and a tenant costs no matcher of its own.
@@ -128,7 +131,8 @@ class BlendPlugin:
     """Unified CacheBlend lookup (local matcher + coordinator) for one serving process."""
 
     def __init__(self, config: PluginConfig, host: ServingHost, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, report_events: bool = True
+                 ) -> None:
         self.config = config
         self.host = host
         self.chunk_size = config.chunk_size
@@ -156,6 +160,7 @@ class BlendPlugin:
                 breaker_cooldown_s=config.breaker_cooldown_s, result_ttl_s=config.result_ttl_s,
                 max_tracked=config.max_tracked_queries, executor=self._workers, clock=clock,
                 token=config.coordinator_token, ca_file=config.coordinator_ca_file)
+        if config.fleet_enabled and report_events:
             self.reporter = CacheEventReporter(
                 config.coordinator_url, instance_id=config.instance_id,
                 incarnation=config.incarnation, flush_interval=config.event_flush_interval,

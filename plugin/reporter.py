@@ -15,6 +15,9 @@ Contract:
   whole round-trip, so a coordinator trickling bytes cannot hold `flush()` or `close()`.
 - STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
   Keys come from the namespace: `kv_rank` packs the world size in its top byte.
+- Every event has a tier and a backend: the reporter's own unless the call names others (a
+  tier-aware host reports L1 and L2 placements separately). Consecutive events of one
+  `(type, tier, backend)` share a batch.
 - Batches are numbered `seq = 1, 2, ...` per `(instance_id, incarnation)`. The incarnation
   defaults to the start time in nanoseconds, so a new reporter for the same `instance_id`
   outranks the previous one and the coordinator fences its placements.
@@ -92,6 +95,8 @@ class _Event(NamedTuple):
     tokens: np.ndarray | None  # a private copy, never the caller's buffer
     offset: int
     size_bytes: int
+    tier: str
+    backend: str
 
 
 def encode_key(namespace: BlendNamespace, chunk_hash: bytes) -> EncodedObjectKey:
@@ -157,13 +162,15 @@ class CacheEventReporter:
 
     def report_store(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes],
                      token_chunks: Sequence[np.ndarray | None], offsets: Sequence[int],
-                     size_bytes: int = 0) -> None:
+                     size_bytes: int = 0, *, tier: str | None = None,
+                     backend: str | None = None) -> None:
         """Queue one STORE per chunk: its tokens and the position of its first token.
 
         The tokens are copied (the caller may reuse its buffer). A hash with no hex form
-        raises `TypeError` (an empty one, or a bad offset, `ValueError`) and nothing of this
-        call is queued.
+        raises `TypeError` (an empty one, a bad offset, tier or backend, `ValueError`) and
+        nothing of this call is queued. `tier`/`backend` default to the reporter's.
         """
+        tier, backend = self._placement(tier, backend)
         if not len(chunk_hashes) == len(token_chunks) == len(offsets):
             raise ValueError("chunk_hashes, token_chunks and offsets must have the same length")
         events = []
@@ -171,14 +178,29 @@ class CacheEventReporter:
             offset = UNKNOWN_TOKEN_OFFSET if offset is None else int(offset)
             check_token_offset(offset)  # checked here: batch building must not fail
             events.append(_Event("store", encode_key(namespace, chunk_hash),
-                                 None if tokens is None else tokens.copy(), offset, size_bytes))
+                                 None if tokens is None else tokens.copy(), offset, size_bytes,
+                                 tier, backend))
         self._enqueue(events)
 
-    def report_delete(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes]) -> None:
-        """Queue one DELETE per chunk. A hash with no hex form raises `TypeError` and
-        nothing of this call is queued."""
-        self._enqueue([_Event("delete", encode_key(namespace, h), None, UNKNOWN_TOKEN_OFFSET, 0)
+    def report_delete(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes], *,
+                      tier: str | None = None, backend: str | None = None) -> None:
+        """Queue one DELETE per chunk. A hash with no hex form raises `TypeError` (a bad tier
+        or backend, `ValueError`) and nothing of this call is queued. `tier`/`backend` default
+        to the reporter's."""
+        tier, backend = self._placement(tier, backend)
+        self._enqueue([_Event("delete", encode_key(namespace, h), None, UNKNOWN_TOKEN_OFFSET, 0,
+                              tier, backend)
                        for h in chunk_hashes])
+
+    def _placement(self, tier: str | None, backend: str | None) -> tuple[str, str]:
+        # Checked here, where the caller can be told; batch building must not fail.
+        tier = self.tier if tier is None else tier
+        backend = self.backend if backend is None else backend
+        if tier not in ("l1", "l2"):
+            raise ValueError(f"tier={tier!r} must be 'l1' or 'l2'")
+        if not backend:
+            raise ValueError("backend must be non-empty (e.g. 'dram')")
+        return tier, backend
 
     def _enqueue(self, events: list[_Event]) -> None:
         with self._lock:
@@ -246,7 +268,7 @@ class CacheEventReporter:
             self._building, self._building_dropped = len(events), 0
         built = []
         try:
-            built = [(e.event_type, self._entry(e)) for e in events]
+            built = [((e.event_type, e.tier, e.backend), self._entry(e)) for e in events]
         finally:
             with self._lock:
                 built = built[self._building_dropped:]  # overflowed meanwhile: the oldest go
@@ -254,19 +276,20 @@ class CacheEventReporter:
                 self._outbox.extend(self._batches(built))
                 self._outbox_entries += len(built)
 
-    def _batches(self, built: list[tuple[str, CacheEventEntry]]) -> list[CacheEventBatch]:
+    def _batches(self, built: list[tuple[tuple[str, str, str], CacheEventEntry]]
+                 ) -> list[CacheEventBatch]:
         # Cheap (one struct per batch), so it may run under _lock.
         now = time.time()
         batches = []
-        # Consecutive events of one type share a batch; a change of type starts a new one,
-        # so a store and a later delete of the same chunk keep their order.
-        for event_type, run in itertools.groupby(built, key=lambda b: b[0]):
+        # Consecutive events of one (type, tier, backend) share a batch; a change starts a new
+        # one, so a store and a later delete of the same chunk keep their order.
+        for (event_type, tier, backend), run in itertools.groupby(built, key=lambda b: b[0]):
             entries = [entry for _, entry in run]
             for start in range(0, len(entries), self.max_entries_per_batch):
                 batches.append(CacheEventBatch(
                     instance_id=self.instance_id, incarnation=self.incarnation,
-                    seq=next(self._seq), event_type=event_type, tier=self.tier,
-                    backend=self.backend, entries=entries[start:start + self.max_entries_per_batch],
+                    seq=next(self._seq), event_type=event_type, tier=tier,
+                    backend=backend, entries=entries[start:start + self.max_entries_per_batch],
                     ts=now))
         return batches
 

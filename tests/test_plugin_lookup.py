@@ -573,6 +573,28 @@ def test_url_without_event_reporting_warns_once_and_creates_no_client(plugins, c
     assert len([r for r in caplog.records if "EVENT_REPORTING" in r.getMessage()]) == 1
 
 
+def test_a_server_that_reports_its_own_events_gets_the_fleet_leg_without_a_second_reporter():
+    # LMCache's `lmcache server` reports every placement itself; a second reporter would
+    # double-count each chunk. The fleet lookup still runs; stores only feed the matcher.
+    with LoopbackServer(lambda path, body: Reply(200, {"matches": []})) as server:
+        host = InMemoryHost(C)
+        plugin = BlendPlugin(PluginConfig(chunk_size=C, coordinator_url=server.url,
+                                          event_reporting=True, instance_id="server-1"),
+                             host, report_events=False)
+        try:
+            assert plugin.client is not None and plugin.reporter is None
+            doc = fresh(2 * C)
+            save(plugin, host, doc)
+            result, _, _ = poll_lookup(plugin, LookupKey("r1", np.concatenate([fresh(3), doc]),
+                                                         MODEL))
+            assert [s.cur_st for s in result.non_prefix_segments] == [3, 3 + C]
+            assert plugin.trace("r1").fleet_status == "ok"
+            assert plugin.flush()
+        finally:
+            plugin.close()
+        assert [path for path, _ in server.requests] == [BLEND_LOOKUP_PATH]
+
+
 def test_default_instance_id_with_the_fleet_leg_warns_once(caplog):
     caplog.set_level(logging.WARNING, logger="plugin.plugin")
 

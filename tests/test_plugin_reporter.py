@@ -84,6 +84,24 @@ def test_seq_counts_from_one_and_event_order_is_kept():
             ("server-1", reporter.incarnation)}
 
 
+def test_each_event_carries_its_own_tier_and_backend():
+    # A tier-aware host (LMCache's MP server) reports L1 and L2 placements of one chunk
+    # separately; batches split where (type, tier, backend) changes, order kept.
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url)
+        reporter.report_store(NS, [b"\x01"], [tok(0, 0, 0, 0)], [0])
+        reporter.report_store(NS, [b"\x01"], [None], [-1], tier="l2", backend="fs")
+        reporter.report_delete(NS, [b"\x01"], tier="l1", backend="dram")
+        with pytest.raises(ValueError, match="tier"):
+            reporter.report_delete(NS, [b"\x01"], tier="all")
+        with pytest.raises(ValueError, match="backend"):
+            reporter.report_store(NS, [b"\x01"], [tok(0, 0, 0, 0)], [0], backend="")
+        reporter.close()
+        assert [(b["seq"], b["event_type"], b["tier"], b["backend"])
+                for b in sent_batches(server)] == [
+            (1, "store", "l1", "dram"), (2, "store", "l2", "fs"), (3, "delete", "l1", "dram")]
+
+
 def test_a_new_reporter_for_the_same_instance_has_a_higher_incarnation():
     url = closed_port_url()
     first = reporter_for(url, start=False)

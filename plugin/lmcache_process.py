@@ -1,0 +1,342 @@
+"""Real LMCache 0.5.6 MP servers loading the plugin, and an engine-side client, for tests,
+the LMCache demo and benchmarks (not loaded by `import plugin`; needs LMCache and torch).
+
+- `start_lmcache_server(...)` starts `lmcache server` (HTTP front end: coordinator
+  registration, heartbeats, LMCache's own cache-event reporting) or the ZMQ-only
+  `python -m lmcache.v1.multiprocess.server`, blend engine, CPU device, on free loopback
+  ports, with `--server-module` loading `plugin.lmcache_adapter` (unless `plugin_module` is
+  False: a stock server). It waits until the server answers an RPC, or fails with the log
+  tail. Usage telemetry is off and its URL points at a dead loopback port.
+- `EngineClient` is what a serving engine does, over LMCache's own client API: register a
+  small CPU KV cache in shared memory, store token ranges, run `cb_unified_lookup` (ours, or
+  LMCache's built-in through the adapter's server-module method), retrieve, end sessions.
+  Every KV byte it stores is random and kept, so a retrieve can be checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+ADAPTER_MODULE = "plugin.lmcache_adapter"
+READY_TIMEOUT_S = 90.0  # a cold numba cache costs ~15 s per server on a shared 2-core box
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dead_port_url() -> str:
+    return f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+
+
+def quiet_lmcache_env(extra: dict | None = None) -> dict:
+    """The environment for an LMCache process that never phones home."""
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+           "LMCACHE_USAGE_TRACK_URL": _dead_port_url(), "LMCACHE_DISABLE_BANNER": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class LMCacheServer:
+    """One running LMCache MP server process."""
+
+    name: str
+    rpc_port: int
+    http_port: int | None
+    process: subprocess.Popen
+    log_path: Path
+    command: list[str]
+    instance_id: str
+
+    @property
+    def rpc_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.rpc_port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0, kill: bool = False) -> int:
+        """SIGTERM (or SIGKILL with `kill`), then wait; SIGKILL if it lingers. Idempotent."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_lmcache_server(name: str, *, front_end: bool = True, plugin_module: bool = True,
+                         module_config: dict | None = None, coordinator_url: str | None = None,
+                         event_reporting: bool = True, l2_dir: str | None = None,
+                         instance_id: str | None = None, chunk_size: int = 256,
+                         l1_size_gb: float = 0.25, extra_flags: Sequence[str] = (),
+                         env: dict | None = None, log_dir: str | None = None,
+                         cwd: str | None = None) -> LMCacheServer:
+    """Start one blend-engine LMCache server on free loopback ports; return when it serves."""
+    rpc_port = free_port()
+    http_port = free_port() if front_end else None
+    instance_id = instance_id or name
+    if front_end:
+        command = [str(Path(sys.executable).with_name("lmcache")), "server"]
+        if not Path(command[0]).exists():
+            command = [sys.executable, "-m", "lmcache.cli.main", "server"]
+    else:
+        command = [sys.executable, "-m", "lmcache.v1.multiprocess.server"]
+    command += ["--host", "127.0.0.1", "--port", str(rpc_port), "--chunk-size", str(chunk_size),
+                "--engine-type", "blend", "--l1-size-gb", str(l1_size_gb),
+                "--eviction-policy", "LRU", "--disable-metrics", "--instance-id", instance_id,
+                "--max-workers", "2"]
+    if front_end:
+        command += ["--http-host", "127.0.0.1", "--http-port", str(http_port)]
+    if coordinator_url:
+        command += ["--coordinator-url", coordinator_url]
+        if event_reporting:
+            command += ["--coordinator-event-reporting",
+                        "--coordinator-event-flush-interval", "0.05"]
+    if l2_dir:
+        command += ["--l2-adapter", json.dumps({"type": "fs", "base_path": l2_dir})]
+    if plugin_module:
+        command += ["--server-module", json.dumps({"module_path": ADAPTER_MODULE,
+                                                   "config": module_config or {}})]
+    command += list(extra_flags)
+    log_dir = log_dir or tempfile.mkdtemp(prefix="lmcache-logs-")
+    log_path = Path(log_dir) / f"{name}-{rpc_port}.log"
+    log = open(log_path, "w")
+    root = cwd or str(Path(__file__).resolve().parents[1])
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                               env=quiet_lmcache_env({"PYTHONPATH": root, **(env or {})}),
+                               )
+    log.close()
+    server = LMCacheServer(name, rpc_port, http_port, process, log_path, command, instance_id)
+    try:
+        _wait_ready(server)
+    except BaseException:
+        server.stop(kill=True)
+        raise
+    return server
+
+
+def _wait_ready(server: LMCacheServer) -> None:
+    marker = "LMCache HTTP server initialized" if server.http_port else \
+        "LMCache cache server is running..."
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"LMCache server {server.name} exited with code "
+                               f"{server.process.returncode}:\n{server.log_tail()}")
+        if marker in server.log_path.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"LMCache server {server.name} not ready within {READY_TIMEOUT_S:.0f} s:\n"
+                       f"{server.log_tail()}")
+
+
+@contextlib.contextmanager
+def launch_lmcache_server(name: str, **options) -> Iterator[LMCacheServer]:
+    server = start_lmcache_server(name, **options)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --- the engine side ---------------------------------------------------------------------------
+
+@dataclass
+class _Stored:
+    blocks: list[int]
+
+
+@dataclass
+class EngineClient:
+    """One engine worker (TP 1) on one server: a CPU KV cache in shared memory and the RPCs a
+    serving engine sends. Small KV shape (2 layers, 2 heads x 16) keeps transfers cheap."""
+
+    rpc_url: str
+    model: str = "fleet-model"
+    num_blocks: int = 1024
+    block_size: int = 16
+    num_layers: int = 2
+    instance_id: int = 1000
+    rpc_timeout_s: float = 20.0
+    _next_block: int = 0
+    _stored: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        import torch
+        import zmq
+        from lmcache.utils import EngineType
+        from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+        from lmcache.v1.multiprocess.transfer_context import create_transfer_context
+        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+        self._torch = torch
+        self._zmq = zmq.Context()
+        self._zmq.setsockopt(zmq.LINGER, 0)
+        self.rpc = RequestClientFactory.create(self.rpc_url, context=self._zmq)
+        self.chunk_size = int(self.rpc.get_chunk_size().result(timeout=self.rpc_timeout_s))
+        self.blocks_in_chunk = self.chunk_size // self.block_size
+        generator = torch.Generator().manual_seed(self.instance_id)
+        self.kv = {f"layer.{i}": torch.randn((2, self.num_blocks, self.block_size, 2, 16),
+                                             dtype=torch.float16, generator=generator)
+                   for i in range(self.num_layers)}
+        self.transfer = create_transfer_context(self.kv, mode="lmcache_driven",
+                                                instance_id=self.instance_id, req_client=self.rpc)
+        self.transfer.register(
+            self.kv, self.model, 1, self.blocks_in_chunk, self.rpc_timeout_s,
+            layout_hints={"kv_layout": "NHD"},
+            engine_group_infos=[EngineGroupInfo(engine_group_id=0,
+                                                layer_indices=tuple(range(self.num_layers)),
+                                                tokens_per_block=self.block_size)],
+            engine_type=EngineType.VLLM)
+        # CacheBlend's retrieve needs rope state; a NoPE model sends no rope caches.
+        self.rpc.cb_register_rope(self.instance_id, [], 16, True, [], [], [], ""
+                                  ).result(timeout=self.rpc_timeout_s)
+
+    def key(self, tokens: Sequence[int], request_id: str, *, start: int = 0,
+            end: int | None = None, worker: int | None = 0, salt: str = "",
+            model: str | None = None):
+        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+        tokens = tuple(int(t) for t in tokens)
+        return IPCCacheServerKey(model_name=model or self.model, world_size=1, worker_id=worker,
+                                 token_ids=tokens, start=start,
+                                 end=len(tokens) if end is None else end,
+                                 request_id=request_id, cache_salt=salt, num_kv_readers=1)
+
+    def _blocks(self, count: int) -> list[int]:
+        if self._next_block + count > self.num_blocks:
+            self._next_block = 0  # wrap: old blocks are only kept for byte checks
+        blocks = list(range(self._next_block, self._next_block + count))
+        self._next_block += count
+        return blocks
+
+    def store(self, tokens: Sequence[int], request_id: str, *, salt: str = "",
+              model: str | None = None) -> bool:
+        """Store every full chunk of `tokens` (from position 0), as an engine after prefill."""
+        full = len(tokens) // self.chunk_size * self.chunk_size
+        blocks = self._blocks(full // self.block_size)
+        for b in blocks:  # fresh KV content for these blocks
+            for tensor in self.kv.values():
+                tensor[:, b].normal_()
+        key = self.key(tokens, request_id, end=full, salt=salt, model=model)
+        event = self.transfer.create_recorded_event()
+        future = self.transfer.submit_store(request_id, key, self.kv, [blocks], event,
+                                            self.blocks_in_chunk)
+        ok = bool(future.result(timeout=self.rpc_timeout_s))
+        if ok:
+            self._stored[request_id] = _Stored(blocks)
+        return ok
+
+    def chunk_kv(self, request_id: str, chunk: int):
+        """The KV this client stored for chunk `chunk` of request `request_id` (layer 0)."""
+        blocks = self._stored[request_id].blocks[chunk * self.blocks_in_chunk:
+                                                 (chunk + 1) * self.blocks_in_chunk]
+        return self.kv["layer.0"][:, blocks].clone()
+
+    def lookup(self, tokens: Sequence[int], request_id: str, *, salt: str = "",
+               model: str | None = None, builtin: bool = False, timeout: float = 30.0):
+        """Poll `cb_unified_lookup` like a scheduler until it answers; (result, seconds, calls)."""
+        key = self.key(tokens, request_id, worker=None, salt=salt, model=model)
+        started, calls = time.perf_counter(), 0
+        while True:
+            calls += 1
+            result = self.lookup_once(key, builtin=builtin)
+            if result is not None:
+                return result, time.perf_counter() - started, calls
+            if time.perf_counter() - started > timeout:
+                raise TimeoutError(f"lookup {request_id} did not complete in {timeout} s")
+            time.sleep(0.0005)
+
+    def lookup_once(self, key, *, builtin: bool = False):
+        if not builtin:
+            return self.rpc.cb_unified_lookup(key, 1).result(timeout=self.rpc_timeout_s)
+        from plugin.lmcache_adapter import (BUILTIN_LOOKUP_METHOD, decode_lookup_result,
+                                            encode_lookup_call)
+        return decode_lookup_result(self.module_call(BUILTIN_LOOKUP_METHOD,
+                                                     encode_lookup_call(key, 1)))
+
+    def retrieve_blend(self, tokens: Sequence[int], request_id: str, segments) -> bool:
+        """`cb_retrieve_pre_computed` for a completed lookup: (scatter ran) as the server says."""
+        key = self.key(tokens, request_id, worker=0)
+        blocks = self._blocks(-(-len(tokens) // self.block_size))
+        from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend
+        device = self._torch.device("cpu")
+        event = self.transfer.create_recorded_event()
+        handle = get_event_ipc_backend(device).export_event(event, device)
+        _, ran = self.rpc.cb_retrieve_pre_computed(key, list(segments), [blocks],
+                                                   self.instance_id, handle
+                                                   ).result(timeout=self.rpc_timeout_s)
+        return bool(ran)
+
+    def retrieve_prefix(self, tokens: Sequence[int], request_id: str, chunks: int):
+        """LOOKUP + RETRIEVE of the first `chunks` chunks of `tokens` into fresh blocks; the
+        retrieved layer-0 KV of each chunk (None if the server did not deliver them)."""
+        end = chunks * self.chunk_size
+        key = self.key(tokens, request_id, end=end, worker=None)
+        self.rpc.lookup(key, 1).result(timeout=self.rpc_timeout_s)
+        deadline = time.monotonic() + self.rpc_timeout_s
+        while (hit := self.rpc.query_prefetch_status(request_id).result(
+                timeout=self.rpc_timeout_s)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("prefix lookup did not complete")
+            time.sleep(0.002)
+        if hit < chunks:
+            return None
+        blocks = self._blocks(end // self.block_size)
+        for tensor in self.kv.values():
+            tensor[:, blocks].zero_()
+        event = self.transfer.create_recorded_event()
+        ok = self.transfer.submit_retrieve(request_id, self.key(tokens, request_id, end=end),
+                                           self.kv, [blocks], event, self.blocks_in_chunk
+                                           ).result(timeout=self.rpc_timeout_s)
+        if not ok:
+            return None
+        return [self.kv["layer.0"][:, blocks[c * self.blocks_in_chunk:
+                                              (c + 1) * self.blocks_in_chunk]].clone()
+                for c in range(chunks)]
+
+    def end_session(self, request_id: str) -> None:
+        self.rpc.end_session(request_id).result(timeout=self.rpc_timeout_s)
+
+    def clear_l1(self) -> None:
+        """LMCache's CLEAR: drops every unlocked L1 object (L2 copies stay)."""
+        self.rpc.clear(False).result(timeout=self.rpc_timeout_s)
+
+    def module_call(self, method: str, payload: bytes = b"") -> bytes:
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+        reply = self.rpc.server_module_call(ServerModuleCallRequest(method=method, payload=payload)
+                                            ).result(timeout=self.rpc_timeout_s)
+        if not reply.success:
+            raise RuntimeError(f"server module method {method} failed: {reply.error}")
+        return reply.payload
+
+    def status(self) -> dict:
+        from plugin.lmcache_adapter import STATUS_METHOD
+        return json.loads(self.module_call(STATUS_METHOD))
+
+    def close(self) -> None:
+        for closer in (self.transfer.close, self.rpc.close, self._zmq.term):
+            try:
+                closer()
+            except Exception:
+                pass

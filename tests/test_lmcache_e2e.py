@@ -1,0 +1,282 @@
+"""End to end on real LMCache 0.5.6 MP servers loading the plugin (`--server-module`).
+
+Processes, all on free loopback ports: the bundled coordinator; servers A and B started as
+`lmcache server` (HTTP front end: registration, LMCache's own tier-aware cache events) with a
+shared filesystem L2; server C started ZMQ-only (`python -m lmcache.v1.multiprocess.server`),
+where the plugin reports events itself. Each client is an engine worker with a CPU KV cache
+in shared memory, speaking LMCache's own client API.
+
+The servers are shared by the whole module (starting one costs seconds), so the tests run in
+file order and later ones build on the state earlier ones leave: the coordinator outage, the
+side-by-side, the L1 eviction and A's restart come last. Every test uses its own documents.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from blend_wire import BLEND_LOOKUP_PATH, encode_tokens
+from coordinator_stub.process import start_coordinator
+from plugin.lmcache_process import EngineClient, start_lmcache_server
+
+C = 256
+MODEL = "fleet-model"  # EngineClient's default model
+BUDGET = 0.5
+MARGIN = 1.5  # "within budget, not hung": generous for a loaded 2-core CI machine
+rng = random.Random(20261129)
+
+
+def tokens(n: int) -> list[int]:
+    return [rng.randrange(1000, 60000) for _ in range(n)]
+
+
+def wait_until(condition, timeout: float = 20.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+class Fleet:
+    """The module's processes; `restart_*` replace one in place."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.l2_dir = str(tmp_path_factory.mktemp("shared-l2"))
+        self.log_dir = str(tmp_path_factory.mktemp("lmcache-logs"))
+        self.coordinator = start_coordinator("--enable-blend-lookup")
+        self.url = self.coordinator.url
+        self.servers, self.clients = {}, {}
+        for name, front_end in (("A", True), ("B", True), ("C", False)):
+            self.start(name, front_end)
+
+    def start(self, name: str, front_end: bool = True) -> None:
+        self.servers[name] = start_lmcache_server(
+            name, front_end=front_end, coordinator_url=self.url, l2_dir=self.l2_dir,
+            log_dir=self.log_dir, instance_id=f"server-{name}",
+            module_config={"builtin_lookup": True, "blend_timeout": BUDGET}
+            if front_end else {"blend_timeout": BUDGET})
+        self.clients[name] = EngineClient(self.servers[name].rpc_url,
+                                          instance_id=1000 + ord(name))
+
+    def restart(self, name: str) -> None:
+        self.clients.pop(name).close()
+        self.servers.pop(name).stop()
+        self.start(name)
+
+    def restart_coordinator(self) -> None:
+        port = self.coordinator.port
+        self.coordinator.stop()
+        self.coordinator = start_coordinator("--enable-blend-lookup", port=port)
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/directory/stats", timeout=5).json()
+
+    def l2_files(self) -> int:
+        return sum(len(files) for _, _, files in os.walk(self.l2_dir))
+
+    def fleet_matches(self, sequence: list[int], model: str = MODEL) -> int:
+        """How many chunks of `sequence` the coordinator's blend index offers."""
+        body = {"tokens_b64": encode_tokens(np.asarray(sequence, dtype=np.uint32)),
+                "model_name": model, "world_size": 1, "cache_salt": ""}
+        reply = httpx.post(f"{self.url}{BLEND_LOOKUP_PATH}", json=body, timeout=5)
+        return len(reply.json()["matches"])
+
+    def store_and_wait(self, name: str, sequence: list[int], request_id: str) -> None:
+        """Store on one server; wait until the coordinator indexed it and L2 holds it."""
+        chunks = len(sequence) // C
+        files = self.l2_files()
+        assert self.clients[name].store(sequence, request_id)
+        wait_until(lambda: self.fleet_matches(sequence) == chunks)
+        wait_until(lambda: self.l2_files() >= files + chunks)
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        for server in self.servers.values():
+            server.stop()
+        self.coordinator.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    running = Fleet(tmp_path_factory)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def found(result) -> list[tuple[int, int]]:
+    return [(s.old_st, s.cur_st) for s in result.non_prefix_segments]
+
+
+def test_each_server_runs_the_plugin_with_exactly_one_event_reporter(fleet):
+    a, c = fleet.clients["A"].status(), fleet.clients["C"].status()
+    # `lmcache server` reports cache events itself: the plugin adds no second stream.
+    assert a["reporting"] == "lmcache" and a["lmcache_coordinator_client"] == "open"
+    # The ZMQ-only server has no reporter of its own: the plugin's reports, and LMCache's
+    # coordinator client (whose lookup is replaced) is closed.
+    assert c["reporting"] == "plugin" and c["lmcache_coordinator_client"] == "closed"
+
+
+def test_b_finds_a_document_stored_behind_another_prefix_on_a(fleet):
+    a, b = fleet.clients["A"], fleet.clients["B"]
+    system_a, doc = tokens(C), tokens(3 * C)
+    fleet.store_and_wait("A", system_a + doc, "a-doc")
+    before = b.status()
+    query = tokens(100) + doc + tokens(40)  # another prefix, not chunk-aligned
+    result, seconds, _ = b.lookup(query, "b-finds-doc")
+    # All three chunks, at their new positions, from the fleet leg (B never stored them).
+    assert result.prefix_coverage_tokens == 0
+    assert found(result) == [(256, 100), (512, 356), (768, 612)]
+    after = b.status()
+    assert after["plugin"]["segments_fleet_only"] - before["plugin"]["segments_fleet_only"] == 3
+    # Prefetched: read-locked in B's L1 for the retrieve that follows, as LMCache leaves them.
+    assert after["l1_read_locked"] >= before["l1_read_locked"] + 3
+    # The engine's retrieve consumes them. (On a CPU-only machine LMCache 0.5.6's CacheBlend
+    # scatter kernel is GPU-only, so it answers "not scattered" and the engine recomputes; the
+    # locks are released either way.)
+    b.retrieve_blend(query, "b-finds-doc", result.non_prefix_segments)
+    assert b.status()["l1_read_locked"] == before["l1_read_locked"]
+    # The bytes B can load for those chunks are the KV A stored (through the shared L2).
+    loaded = b.retrieve_prefix(system_a + doc, "b-loads-a-doc", 4)
+    assert loaded is not None
+    assert all(torch.equal(loaded[c], a.chunk_kv("a-doc", c)) for c in range(4))
+
+
+def test_an_unknown_document_finds_nothing(fleet):
+    result, _, _ = fleet.clients["B"].lookup(tokens(5 * C), "b-unknown")
+    assert result.prefix_coverage_tokens == 0 and found(result) == []
+
+
+def test_another_cache_salt_finds_nothing(fleet):
+    doc = tokens(2 * C)
+    fleet.store_and_wait("A", tokens(C) + doc, "a-salted-doc")
+    b = fleet.clients["B"]
+    query = tokens(30) + doc
+    other, _, _ = b.lookup(query, "b-other-salt", salt="tenant-2")
+    assert found(other) == []
+    same, _, _ = b.lookup(query, "b-same-salt")
+    assert len(found(same)) == 2  # the document is there for its own tenant
+
+
+def test_an_abandoned_lookup_releases_its_locks(fleet):
+    b = fleet.clients["B"]
+    prefix = tokens(2 * C)
+    fleet.store_and_wait("A", prefix, "a-prefix")
+    baseline = b.status()["l1_read_locked"]
+    # The engine starts a lookup whose prefix is cached (the prefix leg loads it from the
+    # shared L2 and read-locks it), then drops the request without polling again.
+    key = b.key(prefix + tokens(C), "b-abandoned", worker=None)
+    b.lookup_once(key)
+    wait_until(lambda: b.status()["l1_read_locked"] >= baseline + 2)
+    b.end_session("b-abandoned")
+    status = wait_until(lambda: (s := b.status())["l1_read_locked"] == baseline and s)
+    assert status["host"]["in_flight"] == 0 and status["host"]["releasing"] == 0
+    assert status["plugin"]["cancelled"] >= 1
+    # A completed lookup whose retrieve never comes is released when its session ends too.
+    doc = tokens(2 * C)
+    fleet.store_and_wait("A", tokens(C) + doc, "a-doc-unretrieved")
+    result, _, _ = b.lookup(tokens(50) + doc, "b-unretrieved")
+    assert len(found(result)) == 2
+    assert b.status()["l1_read_locked"] >= baseline + 2
+    b.end_session("b-unretrieved")
+    wait_until(lambda: b.status()["l1_read_locked"] == baseline)
+
+
+def test_zmq_only_server_reports_its_l1_and_l2_placements_itself(fleet):
+    c, b = fleet.clients["C"], fleet.clients["B"]
+    doc = tokens(2 * C)
+    placements = fleet.stats()["num_placements"]
+    fleet.store_and_wait("C", doc, "c-doc")
+    # One L1 and one L2 placement per chunk, reported by the plugin with tier and backend.
+    wait_until(lambda: fleet.stats()["num_placements"] >= placements + 4)
+    assert c.status()["tracked_chunks"] >= 2
+    # An L1 eviction is one DELETE per chunk for tier L1; the L2 copies stay, so C keeps the
+    # chunks in its local matcher and the fleet still offers them.
+    c.clear_l1()
+    wait_until(lambda: fleet.stats()["num_placements"] == placements + 2)
+    assert c.status()["tracked_chunks"] >= 2
+    result, _, _ = b.lookup(tokens(70) + doc, "b-finds-c-doc")
+    assert [cur for _, cur in found(result)] == [70, 70 + C]
+
+
+def test_coordinator_down_b_answers_within_budget_local_only(fleet):
+    b = fleet.clients["B"]
+    remote_doc = tokens(2 * C)
+    fleet.store_and_wait("A", tokens(C) + remote_doc, "a-doc-before-outage")
+    fleet.coordinator.stop()
+    local_doc = tokens(2 * C)
+    assert b.store(tokens(C) + local_doc, "b-doc-during-outage")  # its events are lost
+    fleet.local_doc = local_doc
+    before = b.status()["plugin"]
+    query = tokens(20) + remote_doc + tokens(20) + local_doc
+    result, seconds, _ = b.lookup(query, "b-outage")
+    assert seconds < BUDGET + MARGIN
+    # Local only: its own document, not A's.
+    assert found(result) == [(256, 20 + 2 * C + 20), (512, 20 + 3 * C + 20)]
+    after = b.status()["plugin"]["fleet_outcomes"]
+    before = before["fleet_outcomes"]
+    assert sum(after.get(k, 0) - before.get(k, 0) for k in ("failed", "timeout", "declined")) == 1
+
+
+def test_side_by_side_ours_covers_strictly_more_than_lmcache_builtin(fleet):
+    # After the outage the coordinator knows what was stored since (A's new document), not
+    # what B stored meanwhile; B's local matcher knows that. Ours takes both legs; LMCache's
+    # built-in lookup in coordinator mode asks the coordinator only.
+    fleet.restart_coordinator()
+    b = fleet.clients["B"]
+    new_doc = tokens(3 * C)
+    fleet.store_and_wait("A", tokens(C) + new_doc, "a-doc-after-outage")
+    query = tokens(64) + new_doc + tokens(16) + fleet.local_doc + tokens(32)
+    ours, ours_s, _ = b.lookup(query, "b-side-ours")
+    theirs, theirs_s, _ = b.lookup(query, "b-side-builtin", builtin=True)
+    ours_tokens = sum(s.cur_ed - s.cur_st for s in ours.non_prefix_segments)
+    theirs_tokens = sum(s.cur_ed - s.cur_st for s in theirs.non_prefix_segments)
+    print(f"\n{'lookup':<28}{'reused tokens':>14}{'of':>6}{'ms':>8}")
+    print(f"{'ours (local + fleet)':<28}{ours_tokens:>14}{len(query):>6}{ours_s * 1e3:>8.1f}")
+    print(f"{'LMCache built-in (coord.)':<28}{theirs_tokens:>14}{len(query):>6}{theirs_s * 1e3:>8.1f}")
+    assert ours_tokens == 5 * C and theirs_tokens == 3 * C
+    assert ours_tokens > theirs_tokens
+    for rid in ("b-side-ours", "b-side-builtin"):
+        b.end_session(rid)
+
+
+def test_after_an_l1_eviction_on_a_with_the_l2_copy_kept_b_still_finds_it(fleet):
+    a, b = fleet.clients["A"], fleet.clients["B"]
+    doc = tokens(2 * C)
+    fleet.store_and_wait("A", tokens(C) + doc, "a-doc-evicted")
+    tracked = a.status()["tracked_chunks"]
+    a.clear_l1()
+    wait_until(lambda: a.status()["l1_objects"] == 0)
+    # L2 still holds them: A's local matcher keeps them, and the fleet still offers them.
+    assert a.status()["tracked_chunks"] == tracked
+    result, _, _ = b.lookup(tokens(10) + doc, "b-after-a-eviction")
+    assert found(result) == [(256, 10), (512, 10 + C)]
+    own, _, _ = a.lookup(tokens(10) + doc, "a-after-eviction")
+    assert found(own) == [(256, 10), (512, 10 + C)]
+
+
+def test_a_restarted_its_old_l1_placements_are_fenced(fleet):
+    doc = tokens(2 * C)
+    fleet.store_and_wait("A", tokens(C) + doc, "a-doc-before-restart")
+    fenced = fleet.stats()["counters"]["instances_fenced"]
+    fleet.restart("A")
+    # The new process reports under a higher incarnation (LMCache's: its start time): the
+    # coordinator first drops what the old process reported in L1.
+    new_doc = tokens(2 * C)
+    fleet.store_and_wait("A", tokens(C) + new_doc, "a-after-restart")
+    assert fleet.stats()["counters"]["instances_fenced"] == fenced + 1
+    assert fleet.clients["A"].status()["reporting"] == "lmcache"
+    result, _, _ = fleet.clients["B"].lookup(tokens(40) + new_doc, "b-after-a-restart")
+    assert [cur for _, cur in found(result)] == [40, 40 + C]
