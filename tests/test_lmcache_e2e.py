@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from blend_wire import BLEND_LOOKUP_PATH, encode_tokens
+from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, INSTANCES_PATH, encode_tokens
 from coordinator_stub.process import start_coordinator
 from plugin.lmcache_process import EngineClient, start_lmcache_server
 
@@ -91,6 +91,16 @@ class Fleet:
         reply = httpx.post(f"{self.url}{BLEND_LOOKUP_PATH}", json=body, timeout=5)
         return len(reply.json()["matches"])
 
+    def placements(self, sequence: list[int]) -> list[dict]:
+        """Every placement of `sequence`'s chunks (the tokens form hashes as LMCache does)."""
+        body = {"token_ids": sequence, "model_name": MODEL, "world_size": 1}
+        reply = httpx.post(f"{self.url}{DIRECTORY_LOOKUP_PATH}", json=body, timeout=5)
+        return [p for result in reply.json()["results"] for p in result["placements"]]
+
+    def instances(self) -> list[str]:
+        reply = httpx.get(f"{self.url}{INSTANCES_PATH}", timeout=5)
+        return [i["instance_id"] for i in reply.json()["instances"]]
+
     def store_and_wait(self, name: str, sequence: list[int], request_id: str) -> None:
         """Store on one server; wait until the coordinator indexed it and L2 holds it."""
         chunks = len(sequence) // C
@@ -127,6 +137,10 @@ def test_each_server_runs_the_plugin_with_exactly_one_event_reporter(fleet):
     # The ZMQ-only server has no reporter of its own: the plugin's reports, and LMCache's
     # coordinator client (whose lookup is replaced) is closed.
     assert c["reporting"] == "plugin" and c["lmcache_coordinator_client"] == "closed"
+    # Registration and heartbeats stay LMCache's: both `lmcache server`s are listed; the
+    # ZMQ-only entry point has no HTTP front end and does not register.
+    wait_until(lambda: {"server-A", "server-B"} <= set(fleet.instances()))
+    assert "server-C" not in fleet.instances()
 
 
 def test_b_finds_a_document_stored_behind_another_prefix_on_a(fleet):
@@ -196,18 +210,19 @@ def test_an_abandoned_lookup_releases_its_locks(fleet):
 
 def test_zmq_only_server_reports_its_l1_and_l2_placements_itself(fleet):
     c, b = fleet.clients["C"], fleet.clients["B"]
-    doc = tokens(2 * C)
-    placements = fleet.stats()["num_placements"]
-    fleet.store_and_wait("C", doc, "c-doc")
-    # One L1 and one L2 placement per chunk, reported by the plugin with tier and backend.
-    wait_until(lambda: fleet.stats()["num_placements"] >= placements + 4)
+    sequence = tokens(2 * C)
+    fleet.store_and_wait("C", sequence, "c-doc")
+    places = lambda: {(p["instance_id"], p["tier"], p["backend"])
+                      for p in fleet.placements(sequence)}
+    # Each chunk's L1 and L2 placement, reported by the plugin with its tier and backend.
+    wait_until(lambda: places() == {("server-C", "l1", "dram"), ("server-C", "l2", "fs")})
     assert c.status()["tracked_chunks"] >= 2
-    # An L1 eviction is one DELETE per chunk for tier L1; the L2 copies stay, so C keeps the
-    # chunks in its local matcher and the fleet still offers them.
+    # An L1 eviction is a DELETE for tier L1 only; the L2 copies stay, so C keeps the chunks
+    # in its local matcher and the fleet still offers them.
     c.clear_l1()
-    wait_until(lambda: fleet.stats()["num_placements"] == placements + 2)
+    wait_until(lambda: places() == {("server-C", "l2", "fs")})
     assert c.status()["tracked_chunks"] >= 2
-    result, _, _ = b.lookup(tokens(70) + doc, "b-finds-c-doc")
+    result, _, _ = b.lookup(tokens(70) + sequence, "b-finds-c-doc")
     assert [cur for _, cur in found(result)] == [70, 70 + C]
 
 
@@ -268,15 +283,16 @@ def test_after_an_l1_eviction_on_a_with_the_l2_copy_kept_b_still_finds_it(fleet)
 
 
 def test_a_restarted_its_old_l1_placements_are_fenced(fleet):
-    doc = tokens(2 * C)
-    fleet.store_and_wait("A", tokens(C) + doc, "a-doc-before-restart")
-    fenced = fleet.stats()["counters"]["instances_fenced"]
-    fleet.restart("A")
-    # The new process reports under a higher incarnation (LMCache's: its start time): the
-    # coordinator first drops what the old process reported in L1.
-    new_doc = tokens(2 * C)
-    fleet.store_and_wait("A", tokens(C) + new_doc, "a-after-restart")
-    assert fleet.stats()["counters"]["instances_fenced"] == fenced + 1
-    assert fleet.clients["A"].status()["reporting"] == "lmcache"
-    result, _, _ = fleet.clients["B"].lookup(tokens(40) + new_doc, "b-after-a-restart")
+    sequence = tokens(C) + tokens(2 * C)
+    fleet.store_and_wait("A", sequence, "a-doc-before-restart")
+    tiers = lambda: {(p["instance_id"], p["tier"]) for p in fleet.placements(sequence)}
+    wait_until(lambda: {("server-A", "l1"), ("server-A", "l2")} <= tiers())
+    fleet.restart("A")  # SIGTERM: LMCache deregisters, then a new process starts
+    # The old process's L1 is gone with it; its L2 copies stay in the shared L2 (and listed).
+    wait_until(lambda: ("server-A", "l1") not in tiers())
+    assert ("server-A", "l2") in tiers()
+    result, _, _ = fleet.clients["B"].lookup(tokens(40) + sequence[C:], "b-after-a-restart")
     assert [cur for _, cur in found(result)] == [40, 40 + C]
+    # The new process is registered again and serves the plugin.
+    wait_until(lambda: "server-A" in fleet.instances())
+    assert fleet.clients["A"].status()["reporting"] == "lmcache"
