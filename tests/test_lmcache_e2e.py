@@ -70,7 +70,8 @@ class Fleet:
 
     def restart(self, name: str) -> None:
         self.clients.pop(name).close()
-        self.servers.pop(name).stop()
+        # A graceful stop (LMCache deregisters on the way out); generous for a loaded box.
+        assert self.servers.pop(name).stop(timeout=60) is not None
         self.start(name)
 
     def restart_coordinator(self) -> None:
@@ -289,7 +290,7 @@ def test_a_restarted_its_old_l1_placements_are_fenced(fleet):
     wait_until(lambda: {("server-A", "l1"), ("server-A", "l2")} <= tiers())
     fleet.restart("A")  # SIGTERM: LMCache deregisters, then a new process starts
     # The old process's L1 is gone with it; its L2 copies stay in the shared L2 (and listed).
-    wait_until(lambda: ("server-A", "l1") not in tiers())
+    wait_until(lambda: ("server-A", "l1") not in tiers(), timeout=60)
     assert ("server-A", "l2") in tiers()
     result, _, _ = fleet.clients["B"].lookup(tokens(40) + sequence[C:], "b-after-a-restart")
     assert [cur for _, cur in found(result)] == [40, 40 + C]
