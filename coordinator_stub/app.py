@@ -45,6 +45,7 @@ import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -65,7 +66,7 @@ from blend_wire import (
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.connections import ConnectionGuard, connection_cap
 from coordinator_stub.metrics import CONTENT_TYPE, CoordinatorMetrics
-from coordinator_stub.service import BadRequest, Coordinator, TooLarge
+from coordinator_stub.service import BadRequest, Coordinator, ServiceUnavailable, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ METRICS = web.AppKey("metrics", CoordinatorMetrics)  # absent with metrics off
 #: Caps open connections when the app is served through it (`python -m coordinator_stub`).
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 _MATCH_POOL = web.AppKey("match_pool", concurrent.futures.ThreadPoolExecutor)
+#: The replica applying the event log (`--event-log`), or None for one in-memory process.
+REPLICA = web.AppKey("replica", object)
 
 T = TypeVar("T")
 _JSON = "application/json"
@@ -144,7 +147,7 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
             return _detail(413, str(exc), "too_large", request)
         except _Unreadable as exc:
             return _detail(exc.status, str(exc), "unreadable", request)
-        except _Busy as exc:
+        except (_Busy, ServiceUnavailable) as exc:
             response = _detail(503, str(exc), "busy", request)
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
             return response
@@ -178,6 +181,9 @@ async def _events(request: web.Request) -> bytes:
                     f"flight, --max-ingest-bytes); retry after {RETRY_AFTER_S} s")
     try:
         body = await _read_body(request)
+        replica = request.app[REPLICA]
+        if replica is not None:  # appended to the event log, then applied from it
+            return await replica.submit_events(body)
         return await asyncio.wrap_future(coordinator.submit_events(body))
     finally:
         release()
@@ -221,7 +227,11 @@ async def _directory_keys(request: web.Request) -> bytes:
 
 @_answers_errors
 async def _stats(request: web.Request) -> bytes:
-    return await _run(request, None, request.app[COORDINATOR].stats)
+    reply = await _run(request, None, request.app[COORDINATOR].stats)
+    replica = request.app[REPLICA]
+    if replica is not None:  # where this replica is in the log (an extra key of ours)
+        reply = encode({**msgspec.json.decode(reply), "replica": replica.stats()})
+    return reply
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -255,7 +265,10 @@ async def _heartbeat(request: web.Request) -> web.Response:
 
 async def _deregister(request: web.Request) -> web.Response:
     instance_id = request.match_info["instance_id"]
-    await _drop(request.app, instance_id)
+    try:
+        await _drop(request.app, instance_id)
+    except ServiceUnavailable as exc:  # the event log could not take it: nothing changed
+        return _detail(503, str(exc), "busy", request)
     return web.Response(status=204)
 
 
@@ -268,6 +281,11 @@ async def _drop(app: web.Application, instance_id: str) -> None:
     takes the directory lock, between two batches). A client that waits for its last
     `/events` reply before deregistering (LMCache's servers do) has it applied first."""
     coordinator = app[COORDINATOR]
+    replica = app[REPLICA]
+    if replica is not None:  # through the log, so every replica fences at the same point
+        await replica.submit_drop(instance_id)
+        coordinator.deregister(instance_id)
+        return
     coordinator.deregister(instance_id)
     await asyncio.get_running_loop().run_in_executor(
         None, coordinator.drop_instance, instance_id)
@@ -317,6 +335,14 @@ async def _reap_forever(app: web.Application, interval: float, timeout: float) -
             log.exception("reaping silent instances failed; retrying next interval")
 
 
+async def _replica_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """With `--event-log`: restore and catch up before serving; snapshot on the way out."""
+    replica = app[REPLICA]
+    await replica.start()
+    yield
+    await replica.stop()
+
+
 def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     """The coordinator as an aiohttp application (not yet started). With blend lookup on,
     this compiles every kernel first (see `Coordinator`), so a started app is ready."""
@@ -332,6 +358,11 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
                                           lambda: len(coordinator.instances))
     app.cleanup_ctx.append(_worker_pools)
     app.cleanup_ctx.append(_reaper)
+    app[REPLICA] = None
+    if config.cluster is not None:
+        from coordinator_stub.replica import LogReplica  # needs the `cluster` extra (nats-py)
+        app[REPLICA] = LogReplica(app[COORDINATOR], config.cluster, config.port)
+        app.cleanup_ctx.append(_replica_lifecycle)
     app.router.add_post(EVENTS_PATH, _events)
     app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)
     app.router.add_post(DIRECTORY_LOOKUP_PATH, _directory_lookup)

@@ -63,6 +63,8 @@ class CoordinatorConfig:
     health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL  # 0: never reap
     enable_metrics: bool = True
     log_level: str = "INFO"
+    # Replicas over an event log (`coordinator_stub.replica`); None: one process, in memory.
+    cluster: "ClusterConfig | None" = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "blend_probe_stride", "max_body_bytes", "max_query_tokens",
@@ -95,6 +97,38 @@ class CoordinatorConfig:
         if not 0 <= self.health_check_interval < float("inf"):
             raise ValueError("health_check_interval must be a finite number of seconds >= 0 "
                              f"(0: never reap), got {self.health_check_interval!r}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Replication over a NATS JetStream event log (README, "Replicas")."""
+
+    servers: tuple[str, ...]
+    stream: str = "blend-events"
+    replicas: int = 1
+    max_bytes: int = 1 << 30
+    max_msgs: int = 0  # 0: no limit
+    max_age_s: float = 0.0  # 0: no limit
+    snapshot_dir: str = ""  # "": no snapshots (a restart replays the whole stream)
+    snapshot_interval_s: float = 60.0
+    replica_name: str = ""  # "": host name and port
+    apply_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.servers or not all(url.startswith(("nats://", "tls://"))
+                                       for url in self.servers):
+            raise ValueError(f"--event-log needs nats://HOST:PORT URLs, comma-separated, got "
+                             f"{','.join(self.servers)!r}")
+        if not self.stream or any(c in self.stream for c in " .*>"):
+            raise ValueError(f"stream name {self.stream!r} must be non-empty, without "
+                             "spaces, dots or wildcards")
+        if not 1 <= self.replicas <= 5:
+            raise ValueError(f"stream replicas must be 1..5, got {self.replicas}")
+        if self.max_bytes < 0 or self.max_msgs < 0 or self.max_age_s < 0:
+            raise ValueError("event log retention limits must be >= 0 (0: no limit)")
+        if not 0 < self.snapshot_interval_s < float("inf"):
+            raise ValueError(f"snapshot interval must be a finite number of seconds > 0, "
+                             f"got {self.snapshot_interval_s!r}")
 
 
 def _positive_int(text: str) -> int:
@@ -199,7 +233,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level on stderr (default: %(default)s)")
+    cluster = parser.add_argument_group(
+        "replicas over an event log",
+        "Several coordinator processes share one NATS JetStream stream: /events taken by "
+        "any of them is appended to it, and each applies the stream in order, so all "
+        "answer alike. Without --event-log, one process holds everything in memory.")
+    cluster.add_argument("--event-log", metavar="nats://HOST:PORT[,...]", default="",
+                         help="NATS servers of the JetStream event log, comma-separated")
+    cluster.add_argument("--event-log-stream", default="blend-events",
+                         help="stream name, created if missing (default: %(default)s)")
+    cluster.add_argument("--event-log-replicas", type=_positive_int, default=1,
+                         help="copies of the stream when this replica creates it; 3 on a "
+                              "3-node NATS cluster survives a node (default: %(default)s)")
+    cluster.add_argument("--event-log-max-bytes", type=int, default=1 << 30,
+                         help="retention: the stream keeps at most this many bytes, oldest "
+                              "records dropped first; 0 = no limit (default: %(default)s)")
+    cluster.add_argument("--event-log-max-msgs", type=int, default=0,
+                         help="retention by record count; 0 = no limit (default: %(default)s)")
+    cluster.add_argument("--event-log-max-age", type=float, default=0.0,
+                         help="retention by age in seconds; 0 = no limit (default: "
+                              "%(default)s)")
+    cluster.add_argument("--snapshot-dir", default="",
+                         help="directory for this replica's snapshots (may be shared by the "
+                              "replicas); the newest is loaded on start. Without it a "
+                              "restart replays the whole stream")
+    cluster.add_argument("--snapshot-interval", type=_positive_seconds, default=60.0,
+                         help="seconds between snapshots; also one on shutdown. Keep it well "
+                              "under the stream's retention (default: %(default)s)")
+    cluster.add_argument("--replica-name", default="",
+                         help="names this replica in logs and snapshot files (default: host "
+                              "name and port)")
     return parser
+
+
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
+    if not args.event_log:
+        return None
+    return ClusterConfig(
+        servers=tuple(url.strip() for url in args.event_log.split(",") if url.strip()),
+        stream=args.event_log_stream, replicas=args.event_log_replicas,
+        max_bytes=args.event_log_max_bytes, max_msgs=args.event_log_max_msgs,
+        max_age_s=args.event_log_max_age, snapshot_dir=args.snapshot_dir,
+        snapshot_interval_s=args.snapshot_interval, replica_name=args.replica_name)
 
 
 def parse_args(argv: Sequence[str] | None = None,
@@ -218,7 +293,8 @@ def parse_args(argv: Sequence[str] | None = None,
             tls_key_file=args.tls_key,
             instance_timeout=args.instance_timeout,
             health_check_interval=args.health_check_interval,
-            enable_metrics=not args.disable_metrics, log_level=args.log_level)
+            enable_metrics=not args.disable_metrics, log_level=args.log_level,
+            cluster=_cluster_config(args))
     except ValueError as exc:
         build_parser().error(str(exc))
         raise  # unreachable: error() exits

@@ -844,6 +844,33 @@ class KeyDirectory:
                 found.append(namespace)
         return found
 
+    # --- snapshots (coordinator_stub.snapshot pickles the directory) --------------------
+
+    def __getstate__(self) -> dict:
+        """Everything but the lock and the packer (rebuilt on load). Take it while no
+        batch is being applied (the replica snapshots on its apply thread)."""
+        state = dict(vars(self))
+        del state["_lock"], state["_pack_tokens"]
+        return state
+
+    def restore_from(self, other: "KeyDirectory") -> None:
+        """Take `other`'s whole state (a loaded snapshot, or a fresh directory) in place,
+        so whoever holds this directory (the coordinator, the metrics) sees it."""
+        state = other.__getstate__()
+        with self._lock:
+            vars(self).update(state)
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._lock = threading.Lock()
+        self._pack_tokens = struct.Struct(f"={self.chunk_size}I").pack
+        # An indexed chunk's content is kept as a digest by `hash`, which is randomised
+        # per process: digest its tokens again with this process's.
+        for chunk_hash, binding in self._bindings.items():
+            if type(binding[0]) is int:
+                self._bindings[chunk_hash] = (
+                    _digest(self._writer.tokens_of(chunk_hash)),) + binding[1:]
+
     # --- inspection ---------------------------------------------------------------------
 
     def placements_of(self, keys: list[tuple[bytes, tuple]]) -> list[tuple[list, list, int]]:

@@ -243,6 +243,16 @@ def _decode_batch(raw: msgspec.Raw, index: int) -> CacheEventBatch:
                         kind=exc.kind, input=exc.input) from None
 
 
+def validated_batches(body: bytes) -> list[msgspec.Raw]:
+    """Every batch of an `/events` body as raw JSON, each validated (`WireError` names
+    the first that is not, as `FairIngest` would). For callers that forward the batches
+    rather than apply them here (the event log)."""
+    raws = decode(body, _Outline).batches
+    for i, raw in enumerate(raws):
+        _decode_batch(raw, i)
+    return raws
+
+
 def _finish(job: _Job) -> bool:
     applied, duplicates, stale = job.counts
     if not job.future.done():

@@ -83,6 +83,11 @@ class BadRequest(Exception):
     a token lookup whose names could not form a key. The message says why."""
 
 
+class ServiceUnavailable(Exception):
+    """A write the coordinator cannot take right now, e.g. its event log has no quorum
+    (-> 503 with Retry-After). The message says why."""
+
+
 _EMPTY_DIRECTORY_LOOKUP = encode(DirectoryLookupReply(chunks=0, results=[]))
 
 
@@ -273,4 +278,4 @@ def _rehearse(config: CoordinatorConfig) -> None:
         raise RuntimeError("coordinator self-test failed: the scratch directory kept keys")
 
 
-__all__ = ["BadRequest", "Coordinator", "TooLarge", "WireError"]
+__all__ = ["BadRequest", "Coordinator", "ServiceUnavailable", "TooLarge", "WireError"]

@@ -282,6 +282,17 @@ class ContentIndex:
             record = self._chunks.get(chunk_hash)
             return None if record is None else self._store.row(record[0]).copy()
 
+    def __getstate__(self) -> dict:
+        """Pickled without its lock (a snapshot is taken while nothing writes)."""
+        state = dict(vars(self))
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._lock = threading.Lock()
+        ContentStore.warm_up()
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             num_chunks = len(self._chunks)

@@ -73,6 +73,18 @@ class ContentStore:
         self._allocate_table(4)
         self._reserve(1)
 
+    def __getstate__(self) -> dict:
+        """Picklable: the numba list of token blocks travels as a plain list."""
+        state = dict(vars(self))
+        state["_blocks"] = list(self._blocks)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        blocks = List.empty_list(_BLOCK_TYPE)
+        for block in state["_blocks"]:
+            blocks.append(block)
+        vars(self).update(state, _blocks=blocks)
+
     # --- sizing ---------------------------------------------------------------------
 
     @property

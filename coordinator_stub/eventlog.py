@@ -1,0 +1,233 @@
+"""The event log: a NATS JetStream stream every coordinator replica appends to and applies.
+
+Contract:
+- `EventLog(settings)`; `await open()` connects to any of the NATS servers (it follows
+  the cluster on its own after that) and creates the stream if it does not exist (one
+  subject, `<stream>.records`, file storage, `settings.replicas` copies, retention
+  bounded by bytes, messages and age: the oldest records go first). An existing stream
+  is used as it is. `await close()` drains the connection.
+- `await append(kind, payload, record_id)` returns the stream sequence once JetStream
+  acknowledged the record (stored on a quorum of the stream's replicas). `record_id`
+  doubles as JetStream's `Nats-Msg-Id`: a retried append inside the duplicate window is
+  stored once. Raises `LogUnavailable` when the log cannot take it (no quorum, timeout).
+- `read_from(seq)`: an async iterator of lists of `LogRecord`, in stream order, starting
+  at stream sequence `seq`, for as long as the caller iterates. It survives losing a
+  NATS node (the consumer is re-created from the next sequence it needs). A record
+  missing in the sequence (removed by retention before it was read) raises `LogGap`:
+  the reader cannot go on without missing events, never silently.
+- `bounds()`: `(first_seq, last_seq)` of the stream now; `created`: when the stream was
+  created (a snapshot taken of another stream of the same name must not be resumed).
+- `max_record_bytes`: the largest payload a record may carry (the server's max_payload
+  less room for headers).
+
+A record is `kind` (header `Blend-Kind`), `record_id` (header `Nats-Msg-Id`) and an
+opaque payload; the log knows nothing of what records mean (`coordinator_stub.replica`
+does). Runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import nats
+from nats.errors import Error as NatsError
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+log = logging.getLogger(__name__)
+
+KIND_HEADER = "Blend-Kind"
+ID_HEADER = "Nats-Msg-Id"
+#: Headers and framing take a few hundred bytes of a message.
+_HEADER_ROOM = 1024
+#: Records fetched per round-trip while reading.
+_FETCH_BATCH = 256
+
+
+class LogUnavailable(RuntimeError):
+    """The log did not take (or serve) a record in time; the caller may retry."""
+
+
+class LogGap(RuntimeError):
+    """Records the reader needed are gone from the stream (retention removed them)."""
+
+    def __init__(self, expected: int, found: int) -> None:
+        super().__init__(f"the event log no longer holds records {expected}..{found - 1} "
+                         f"(retention removed them before this replica applied them)")
+        self.expected, self.found = expected, found
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    servers: tuple[str, ...]
+    stream: str = "blend-events"
+    replicas: int = 1
+    max_bytes: int = 1 << 30
+    max_msgs: int = 0  # 0: no limit by count
+    max_age_s: float = 0.0  # 0: no limit by age
+    duplicate_window_s: float = 120.0
+    append_timeout_s: float = 5.0
+    connect_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    seq: int
+    kind: str
+    record_id: str
+    payload: bytes
+
+
+class EventLog:
+    def __init__(self, settings: LogSettings) -> None:
+        self.settings = settings
+        self.subject = f"{settings.stream}.records"
+        self.created: str = ""
+        self._nc = None
+        self._js = None
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def open(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.connect_timeout_s
+        while True:
+            try:
+                self._nc = await nats.connect(
+                    servers=list(s.servers), connect_timeout=2, reconnect_time_wait=0.5,
+                    max_reconnect_attempts=-1, name=f"coordinator_stub:{s.stream}",
+                    error_cb=_log_error, disconnected_cb=_log_disconnected,
+                    reconnected_cb=_log_reconnected)
+                self._js = self._nc.jetstream(timeout=s.append_timeout_s)
+                info = await self._ensure_stream()
+                break
+            except (NatsError, OSError, asyncio.TimeoutError) as exc:
+                if self._nc is not None:
+                    await self._close_quietly()
+                if loop.time() > deadline:
+                    raise LogUnavailable(
+                        f"cannot open the event log stream {s.stream!r} at "
+                        f"{','.join(s.servers)} within {s.connect_timeout_s:g} s: "
+                        f"{exc!r}") from exc
+                log.info("event log not ready yet (%r); retrying", exc)
+                await asyncio.sleep(0.5)
+        self.created = str(info.created)
+        log.info("event log: stream %s (%d copies, records %d..%d) on %s",
+                 s.stream, info.config.num_replicas or 1, info.state.first_seq,
+                 info.state.last_seq, self._nc.connected_url.netloc
+                 if self._nc.connected_url else "?")
+
+    async def _ensure_stream(self):
+        s = self.settings
+        try:
+            return await self._js.stream_info(s.stream)
+        except NotFoundError:
+            pass
+        config = api.StreamConfig(
+            name=s.stream, subjects=[self.subject], retention=api.RetentionPolicy.LIMITS,
+            discard=api.DiscardPolicy.OLD, storage=api.StorageType.FILE,
+            num_replicas=s.replicas, max_bytes=s.max_bytes or -1,
+            max_msgs=s.max_msgs or -1, max_age=s.max_age_s or None,
+            duplicate_window=s.duplicate_window_s)
+        await self._js.add_stream(config)
+        return await self._js.stream_info(s.stream)
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._close_quietly()
+
+    async def _close_quietly(self) -> None:
+        nc, self._nc, self._js = self._nc, None, None
+        try:
+            await nc.close()
+        except Exception:  # closing is best effort: the connection may be half gone
+            log.debug("closing the NATS connection failed", exc_info=True)
+
+    # --- writing -----------------------------------------------------------------------
+
+    @property
+    def max_record_bytes(self) -> int:
+        return self._nc.max_payload - _HEADER_ROOM
+
+    async def append(self, kind: str, payload: bytes, record_id: str) -> int:
+        try:
+            ack = await self._js.publish(self.subject, payload, stream=self.settings.stream,
+                                         headers={KIND_HEADER: kind, ID_HEADER: record_id})
+        except (NatsError, asyncio.TimeoutError) as exc:
+            raise LogUnavailable(f"the event log did not acknowledge the append: "
+                                 f"{exc!r}") from exc
+        return ack.seq
+
+    # --- reading ------------------------------------------------------------------------
+
+    async def bounds(self) -> tuple[int, int]:
+        try:
+            info = await self._js.stream_info(self.settings.stream)
+        except (NatsError, asyncio.TimeoutError) as exc:
+            raise LogUnavailable(f"cannot read the event log's bounds: {exc!r}") from exc
+        return info.state.first_seq, info.state.last_seq
+
+    async def read_from(self, seq: int) -> AsyncIterator[list[LogRecord]]:
+        expected = seq
+        while True:
+            sub = None
+            try:
+                sub = await self._js.pull_subscribe(
+                    self.subject, stream=self.settings.stream, config=api.ConsumerConfig(
+                        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                        opt_start_seq=expected, ack_policy=api.AckPolicy.NONE,
+                        inactive_threshold=30.0, mem_storage=True, num_replicas=1))
+                idle = 0
+                while True:
+                    try:
+                        msgs = await sub.fetch(_FETCH_BATCH, timeout=1.0)
+                    except asyncio.TimeoutError:
+                        idle += 1
+                        if idle % 5 == 0:  # is our consumer (and its server) still there?
+                            await sub.consumer_info()
+                        continue
+                    idle = 0
+                    records = []
+                    for msg in msgs:
+                        found = msg.metadata.sequence.stream
+                        if found < expected:  # redelivered after a consumer re-creation
+                            continue
+                        if found > expected:
+                            raise LogGap(expected, found)
+                        headers = msg.headers or {}
+                        records.append(LogRecord(found, headers.get(KIND_HEADER, ""),
+                                                 headers.get(ID_HEADER, ""), msg.data))
+                        expected = found + 1
+                    if records:
+                        yield records
+            except LogGap:
+                raise
+            except (NatsError, asyncio.TimeoutError, OSError) as exc:
+                log.warning("event log reader lost its consumer (%r); re-creating it at "
+                            "record %d", exc, expected)
+                await asyncio.sleep(0.5)
+            finally:
+                if sub is not None:
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:  # the connection may be reconnecting
+                        pass
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("NATS: %r", exc)
+
+
+async def _log_disconnected() -> None:
+    log.warning("NATS: disconnected; reconnecting")
+
+
+async def _log_reconnected() -> None:
+    log.info("NATS: reconnected")
+
+
+__all__ = ["EventLog", "LogGap", "LogRecord", "LogSettings", "LogUnavailable"]

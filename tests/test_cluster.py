@@ -1,0 +1,336 @@
+"""Coordinator replicas over a NATS JetStream event log, with real processes.
+
+Each test starts its own 3-node NATS cluster on free loopback ports (stream replicas 3)
+and coordinator replicas with `--event-log`, and checks what an operator relies on:
+events taken by one replica are found by lookups on another; a replica killed with
+SIGKILL mid-ingest and restarted loses nothing; ingest and lookups go on with one NATS
+node down; replicas restarted from snapshots hold the same state; a replica that fell
+behind the stream's retention rebuilds from a (shared) snapshot or refuses to start,
+never silently missing events. "The same state" is checked against a single-process,
+in-memory coordinator fed the same bodies in the same order: every replica answers a set
+of lookups exactly as it does, and has the same key, placement and index counts.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from blend_wire import (
+    BLEND_LOOKUP_PATH,
+    EVENTS_PATH,
+    STATS_PATH,
+    encode,
+    encode_tokens,
+    pack_kv_rank,
+)
+from coordinator_stub.nats_process import launch_nats_cluster
+from coordinator_stub.process import launch_coordinator, start_coordinator
+
+CHUNK = 16
+MODELS = ("m", "n")
+
+
+@pytest.fixture
+def nats(tmp_path):
+    with launch_nats_cluster(3, tmp_path / "nats") as cluster:
+        yield cluster
+
+
+def replica_flags(nats, *extra: str, stream: str = "blend-test") -> tuple[str, ...]:
+    return ("--enable-blend-lookup", "--chunk-size", str(CHUNK), "--event-log", nats.urls,
+            "--event-log-stream", stream, "--event-log-replicas", "3", *extra)
+
+
+def start_replicas(*flag_sets: tuple[str, ...]):
+    """Start several coordinators at once (each takes a few seconds to load kernels)."""
+    with ThreadPoolExecutor(len(flag_sets)) as pool:
+        return list(pool.map(lambda flags: start_coordinator(*flags), flag_sets))
+
+
+# --- a workload: bodies from several emitters, and lookups over what they stored --------
+
+
+class Workload:
+    """Deterministic store/delete/fence traffic from three emitters over two models."""
+
+    def __init__(self, seed: int, chunks: int = 120) -> None:
+        rng = random.Random(seed)
+        self.contents = [[rng.randrange(50_000) for _ in range(CHUNK)] for _ in range(chunks)]
+        self.rng = rng
+        self.seqs: dict[str, int] = {}
+        self.incarnations: dict[str, int] = {}
+
+    def _batch(self, instance: str, event_type: str, entries: list[dict],
+               tier: str = "l1") -> dict:
+        self.seqs[instance] = self.seqs.get(instance, 0) + 1
+        return {"instance_id": instance, "incarnation": self.incarnations.get(instance, 0),
+                "seq": self.seqs[instance], "event_type": event_type, "tier": tier,
+                "backend": "dram", "entries": entries}
+
+    def _entry(self, i: int, model: str, with_tokens: bool = True) -> dict:
+        key = {"chunk_hash_hex": f"{i:04x}{model.encode().hex()}", "model_name": model,
+               "kv_rank": pack_kv_rank(1)}
+        return {"key": key, "token_ids": self.contents[i] if with_tokens else [],
+                "token_offset": CHUNK * (i % 7), "size_bytes": 100}
+
+    def bodies(self, count: int) -> list[bytes]:
+        rng, out = self.rng, []
+        for n in range(count):
+            instance = f"server-{rng.randrange(3)}"
+            if n and n % 37 == 0:  # a restart: the next batch fences what it held
+                self.incarnations[instance] = self.incarnations.get(instance, 0) + 1
+                self.seqs[instance] = 0
+            model = rng.choice(MODELS)
+            picks = rng.sample(range(len(self.contents)), 4)
+            if rng.random() < 0.2:
+                batch = self._batch(instance, "delete",
+                                    [self._entry(i, model, False) for i in picks])
+            else:
+                batch = self._batch(instance, "store",
+                                    [self._entry(i, model, rng.random() < 0.9) for i in picks],
+                                    tier=rng.choice(("l1", "l1", "l2")))
+            out.append(encode({"batches": [batch]}))
+        return out
+
+    def queries(self) -> list[bytes]:
+        rng, out = random.Random(7), []
+        for _ in range(30):
+            picks = rng.sample(self.contents, 5)
+            tokens = [t for content in picks for t in [rng.randrange(9)] + content]
+            for model in MODELS:
+                out.append(encode({"tokens_b64": encode_tokens(tokens), "model_name": model}))
+        return out
+
+
+def post(url: str, body: bytes, timeout: float = 30.0) -> dict:
+    """POST /events, retrying while the log is briefly unavailable (503), as a reporter
+    would; a replica that is down raises."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = httpx.post(url + EVENTS_PATH, content=body, timeout=15)
+        if reply.status_code != 503 or time.monotonic() > deadline:
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+        time.sleep(0.2)
+
+
+def answers(url: str, queries: list[bytes]) -> list[list[dict]]:
+    with httpx.Client(base_url=url, timeout=15) as http:
+        return [http.post(BLEND_LOOKUP_PATH, content=q).json()["matches"] for q in queries]
+
+
+def state_of(url: str) -> dict:
+    stats = httpx.get(url + STATS_PATH, timeout=15).json()
+    return {"num_keys": stats["num_keys"], "num_placements": stats["num_placements"],
+            **{k: stats["blend"][k] for k in ("num_contents", "num_chunks", "num_claims",
+                                              "num_namespaces")}}
+
+
+def replica_stats(url: str) -> dict:
+    return httpx.get(url + STATS_PATH, timeout=15).json()["replica"]
+
+
+#: A single in-memory coordinator: fed the same bodies in the same order, it is what every
+#: replica must match.
+REFERENCE = ("--enable-blend-lookup", "--chunk-size", str(CHUNK))
+
+
+def feed(reference, bodies: list[bytes]):
+    for body in bodies:
+        post(reference.url, body)
+    return reference
+
+
+def assert_same_as(reference_url: str, urls: list[str], queries: list[bytes]) -> None:
+    expected = answers(reference_url, queries)
+    assert sum(len(m) for m in expected) > 20, "the queries should find plenty"
+    expected_state = state_of(reference_url)
+    for url in urls:
+        assert answers(url, queries) == expected, url
+        assert state_of(url) == expected_state, url
+
+
+# --- the tests -----------------------------------------------------------------------------
+
+
+def test_events_posted_to_one_replica_are_found_by_lookups_on_another(nats):
+    workload = Workload(seed=1)
+    bodies = workload.bodies(60)
+    a, b, reference = start_replicas(replica_flags(nats, "--replica-name", "a"),
+                                     replica_flags(nats, "--replica-name", "b"), REFERENCE)
+    feed(reference, bodies)
+    try:
+        for i, body in enumerate(bodies):
+            reply = post((a if i % 2 else b).url, body)
+            # The reply comes after the append is acknowledged and applied here.
+            assert reply["applied"] + reply["duplicates"] + reply["stale"] == 1
+        last = replica_stats(a.url)["applied_seq"]
+        assert last == 60
+        deadline = time.monotonic() + 10
+        while replica_stats(b.url)["applied_seq"] < last and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_same_as(reference.url, [a.url, b.url], workload.queries())
+    finally:
+        for running in (a, b, reference):
+            running.stop()
+
+
+def test_a_malformed_body_appends_nothing(nats):
+    (a,) = start_replicas(replica_flags(nats, "--replica-name", "a"))
+    try:
+        bad = encode({"batches": [{"instance_id": "s", "seq": 0, "event_type": "store",
+                                   "tier": "l1", "backend": "dram", "entries": []}]})
+        reply = httpx.post(a.url + EVENTS_PATH, content=bad, timeout=10)
+        assert reply.status_code == 422 and "seq" in reply.text
+        assert replica_stats(a.url)["applied_seq"] == 0
+    finally:
+        a.stop()
+
+
+def test_replica_killed_mid_ingest_restarts_from_its_snapshot_and_loses_nothing(nats, tmp_path):
+    workload = Workload(seed=2)
+    bodies = workload.bodies(240)
+    flags_b = replica_flags(nats, "--replica-name", "b", "--snapshot-dir",
+                            str(tmp_path / "snap-b"), "--snapshot-interval", "0.5")
+    a, b, reference = start_replicas(replica_flags(nats, "--replica-name", "a"), flags_b,
+                                     REFERENCE)
+    feed(reference, bodies)
+    try:
+        killed = threading.Event()
+        posted = 0
+
+        def ingest() -> None:
+            nonlocal posted
+            for i, body in enumerate(bodies):
+                target = b if i % 2 and not killed.is_set() else a
+                try:
+                    post(target.url, body)
+                except httpx.TransportError:  # b died under us: send it to a instead
+                    post(a.url, body)
+                posted = i + 1
+
+        writer = threading.Thread(target=ingest)
+        writer.start()
+        deadline = time.monotonic() + 30
+        while (replica_stats(b.url)["snapshot_seq"] == 0 or posted < 120) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert posted < len(bodies), "the kill should land mid-ingest"
+        b.process.kill()  # SIGKILL: no final snapshot, nothing flushed
+        killed.set()
+        b.process.wait()
+        writer.join()
+        b = start_coordinator(*flags_b)
+        restored = replica_stats(b.url)
+        assert restored["restored_from_seq"] > 0, "it should start from its snapshot"
+        assert restored["applied_seq"] == replica_stats(a.url)["applied_seq"] >= len(bodies)
+        assert_same_as(reference.url, [a.url, b.url], workload.queries())
+    finally:
+        for running in (a, b, reference):
+            running.stop()
+
+
+def test_ingest_and_lookups_go_on_with_one_nats_node_down(nats):
+    workload = Workload(seed=3)
+    bodies = workload.bodies(80)
+    a, b, reference = start_replicas(replica_flags(nats, "--replica-name", "a"),
+                                     replica_flags(nats, "--replica-name", "b"), REFERENCE)
+    feed(reference, bodies)
+    try:
+        for body in bodies[:40]:
+            post(a.url, body)
+        nats.stop_node(0)
+        for i, body in enumerate(bodies[40:]):
+            post((a if i % 2 else b).url, body)
+        deadline = time.monotonic() + 20
+        while (replica_stats(a.url)["applied_seq"] < 80
+               or replica_stats(b.url)["applied_seq"] < 80) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_same_as(reference.url, [a.url, b.url], workload.queries())
+    finally:
+        for running in (a, b, reference):
+            running.stop()
+
+
+def test_every_replica_restarted_from_snapshots_holds_the_same_state(nats, tmp_path):
+    workload = Workload(seed=4)
+    bodies = workload.bodies(100)
+    flag_sets = [replica_flags(nats, "--replica-name", name, "--snapshot-dir",
+                               str(tmp_path / f"snap-{name}")) for name in ("a", "b")]
+    *replicas, reference = start_replicas(*flag_sets, REFERENCE)
+    feed(reference, bodies)
+    try:
+        for i, body in enumerate(bodies):
+            post(replicas[i % 2].url, body)
+        queries = workload.queries()
+        before = answers(replicas[0].url, queries)
+        for running in replicas:
+            assert running.stop() == 0  # SIGTERM: a snapshot on the way out
+        # A corrupt newest snapshot is refused; the replica falls back to the stream.
+        newest_b = sorted((tmp_path / "snap-b").glob("snapshot-*"))[-1]
+        newest_b.write_bytes(newest_b.read_bytes()[:-10] + b"0123456789")
+        replicas = start_replicas(*flag_sets)
+        a_stats, b_stats = (replica_stats(r.url) for r in replicas)
+        assert a_stats["restored_from_seq"] == a_stats["applied_seq"] == 100
+        assert b_stats["restored_from_seq"] == 0 and b_stats["applied_seq"] == 100
+        assert answers(replicas[1].url, queries) == before
+        assert_same_as(reference.url, [r.url for r in replicas], queries)
+    finally:
+        for running in (*replicas, reference):
+            running.stop()
+
+
+def test_a_replica_behind_the_retention_rebuilds_from_a_shared_snapshot(nats, tmp_path):
+    """Stream keeps 30 records. b stops at record 10; a goes on to 80 and snapshots into
+    the directory both share: b restarts from a's snapshot. With only its own old
+    snapshot, a replica refuses to start and says which records are gone."""
+    workload = Workload(seed=5)
+    bodies = workload.bodies(80)
+    shared = tmp_path / "shared"
+    flags = [replica_flags(nats, "--replica-name", name, "--event-log-max-msgs", "30",
+                           "--snapshot-dir", str(directory), "--snapshot-interval", "0.3")
+             for name, directory in (("a", shared), ("b", shared),
+                                     ("c", tmp_path / "own-c"))]
+    a, b, c, reference = start_replicas(*flags, REFERENCE)
+    feed(reference, bodies)
+    try:
+        for body in bodies[:10]:
+            post(a.url, body)
+        for running in (b, c):
+            deadline = time.monotonic() + 10
+            while replica_stats(running.url)["applied_seq"] < 10 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert running.stop() == 0
+        for body in bodies[10:]:
+            post(a.url, body)
+        deadline = time.monotonic() + 10
+        while replica_stats(a.url)["snapshot_seq"] < 80 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        b = start_coordinator(*flags[1])
+        assert replica_stats(b.url)["restored_from_seq"] >= 51
+        assert_same_as(reference.url, [a.url, b.url], workload.queries())
+        refused = subprocess.run(
+            [sys.executable, "-m", "coordinator_stub", "--port", "0", *flags[2]],
+            capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0
+        assert "are gone" in refused.stderr and "snapshot" in refused.stderr
+    finally:
+        for running in (a, b, c, reference):
+            running.stop()
+
+
+def test_bad_event_log_flags_are_refused_at_start():
+    result = subprocess.run([sys.executable, "-m", "coordinator_stub", "--event-log",
+                             "http://127.0.0.1:4222"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "nats://" in result.stderr
