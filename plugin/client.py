@@ -21,12 +21,18 @@ Contract:
   what is left of the deadline, and bounds the whole round-trip (plugin.http).
 - Every failure (refused, timeout, 5xx, 422, non-JSON, wrong shape) becomes `FAILED` and a
   log warning; no method raises into the serving path.
-- Circuit breaker: `breaker_threshold` consecutive failed round-trips open it (only failures
+- Several coordinators (replicas over one event log, `base_url` comma-separated or a
+  list): queries take turns over the replicas whose breaker admits them, and a query whose
+  round-trip fails for an unhealthy reason (connection, timeout, 5xx) is sent on to the
+  next admitted replica while its deadline leaves time. One URL behaves exactly as one.
+- Circuit breaker, one per coordinator URL: `breaker_threshold` consecutive failed
+  round-trips open it (only failures
   that say the coordinator is unwell count: connection errors, timeouts, 5xx; a 4xx or a bad
   reply shape is one caller's or one reply's problem and must not turn the leg off for the
-  whole process); while open, `submit` declines at once (the lookup goes local-only with no
-  added latency); after `breaker_cooldown_s` one probe query is let through, and its
-  outcome closes or re-opens it.
+  whole process); while open, that coordinator gets no query, and while every breaker is
+  open `submit` declines at once (the lookup goes local-only with no added latency); after
+  `breaker_cooldown_s` one probe query is let through, and its outcome closes or re-opens
+  it. `breaker_state` is the best of them (closed if any coordinator is).
 - Memory is bounded: finished results nobody takes expire after `result_ttl_s`, and at most
   `max_tracked` queries are tracked (the oldest unclaimed result makes room first; when all
   are in flight, the new query is declined).
@@ -41,7 +47,7 @@ import threading
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import httpx
 import numpy as np
@@ -78,6 +84,7 @@ class ClientStats:
     cancelled: int = 0
     late_discarded: int = 0
     breaker_opened: int = 0
+    failed_over: int = 0  # round-trips sent on to another coordinator after a failure
     tracked: int = 0
     in_flight: int = 0
     breaker: BreakerState = BreakerState.CLOSED
@@ -97,11 +104,25 @@ class _QueryFailed(Exception):
 
 
 @dataclass(eq=False)
+class _Endpoint:
+    """One coordinator URL: its connections and its circuit breaker (guarded by the
+    client's lock)."""
+
+    url: str
+    http: httpx.Client
+    breaker: BreakerState = BreakerState.CLOSED
+    opened_at: float = 0.0
+    probe_out: bool = False
+    failures: int = 0  # consecutive unhealthy failures
+
+
+@dataclass(eq=False)
 class _Query:
     request_id: str
     tokens: np.ndarray
     namespace: BlendNamespace
     deadline: float
+    endpoint: _Endpoint | None = None  # where it goes next
     is_probe: bool = False
     reply: FleetReply | None = None  # set once, when it is done
     done_at: float = 0.0
@@ -110,7 +131,7 @@ class _Query:
 class BlendCoordinatorClient:
     """Asks a coordinator which stored chunks a token sequence contains; see module doc."""
 
-    def __init__(self, base_url: str, *, chunk_size: int = 256, timeout: float = 1.0,
+    def __init__(self, base_url: str | Sequence[str], *, chunk_size: int = 256, timeout: float = 1.0,
                  match_concurrency: int = 8, breaker_threshold: int = 3,
                  breaker_cooldown_s: float = 5.0, result_ttl_s: float = 30.0,
                  max_tracked: int = 4096, executor: Executor | None = None,
@@ -118,7 +139,11 @@ class BlendCoordinatorClient:
                  ca_file: str | None = None) -> None:
         if match_concurrency < 1:
             raise ValueError(f"match_concurrency={match_concurrency} must be >= 1")
-        self.base_url = base_url.rstrip("/")
+        urls = base_url.split(",") if isinstance(base_url, str) else list(base_url)
+        urls = [url.strip().rstrip("/") for url in urls if url.strip()]
+        if not urls:
+            raise ValueError("at least one coordinator URL is needed")
+        self.base_url = ",".join(urls)
         self.chunk_size = chunk_size
         self.timeout = timeout
         self.match_concurrency = match_concurrency
@@ -128,9 +153,11 @@ class BlendCoordinatorClient:
         self.max_tracked = max_tracked
         self._clock = clock
         # One connection per round-trip in flight, so none waits for a connection.
-        self._http = coordinator_http(self.base_url, timeout=timeout,
-                                      connections=match_concurrency, token=token,
-                                      ca_file=ca_file)
+        self._endpoints = [_Endpoint(url, coordinator_http(url, timeout=timeout,
+                                                           connections=match_concurrency,
+                                                           token=token, ca_file=ca_file))
+                           for url in urls]
+        self._turn = 0  # the endpoint the next query tries first
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(match_concurrency,
                                                         thread_name_prefix="blend-match")
@@ -141,11 +168,6 @@ class BlendCoordinatorClient:
         self._drained = threading.Condition(self._lock)  # notified when _drainers hits 0
         self._closed = False
         self._last_purge = clock()
-        # Circuit breaker state, guarded by _lock.
-        self._breaker = BreakerState.CLOSED
-        self._opened_at = 0.0
-        self._probe_out = False
-        self._failures = 0  # consecutive unhealthy failures
         self._in_flight = 0
         self._stats = ClientStats()
 
@@ -176,8 +198,7 @@ class BlendCoordinatorClient:
                                    "%s goes local-only. Take results with take().",
                                    len(self._tracked), request_id)
                     return False
-                admitted, query.is_probe = self._admit_locked(now)
-                if not admitted:
+                if not self._route_locked(query, now):
                     self._stats.skipped_breaker += 1
                     return False
                 self._tracked[request_id] = query
@@ -219,14 +240,20 @@ class BlendCoordinatorClient:
 
     @property
     def breaker_state(self) -> BreakerState:
+        """The best breaker: closed if any coordinator's is, else half-open if any is."""
         with self._lock:
-            return self._breaker
+            return self._best_locked().breaker
+
+    def _best_locked(self) -> _Endpoint:
+        rank = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+        return min(self._endpoints, key=lambda e: (rank[e.breaker], e.failures))
 
     def stats(self) -> ClientStats:
         with self._lock:
+            best = self._best_locked()
             return dataclasses.replace(self._stats, tracked=len(self._tracked),
-                                       in_flight=self._in_flight, breaker=self._breaker,
-                                       consecutive_failures=self._failures)
+                                       in_flight=self._in_flight, breaker=best.breaker,
+                                       consecutive_failures=best.failures)
 
     def close(self) -> None:
         """Decline new queries, drop queued ones, wait for the round-trips in flight (each
@@ -241,54 +268,73 @@ class BlendCoordinatorClient:
             self._drained.wait_for(lambda: self._drainers == 0, self.timeout + 1.0)
         if self._owns_executor:
             self._executor.shutdown(wait=True)
-        self._http.close()
+        for endpoint in self._endpoints:
+            endpoint.http.close()
 
-    # --- breaker, guarded by _lock ------------------------------------------------------------
+    # --- breakers, guarded by _lock -----------------------------------------------------------
 
-    def _admit_locked(self, now: float) -> tuple[bool, bool]:
+    def _route_locked(self, query: _Query, now: float, tried: tuple = ()) -> bool:
+        """Send `query` next to the first endpoint, in turn, whose breaker admits it and
+        that it has not tried; False if there is none."""
+        count = len(self._endpoints)
+        for step in range(count):
+            endpoint = self._endpoints[(self._turn + step) % count]
+            if endpoint in tried:
+                continue
+            admitted, is_probe = self._admit_locked(endpoint, now)
+            if admitted:
+                self._turn = (self._turn + step + 1) % count
+                query.endpoint, query.is_probe = endpoint, is_probe
+                return True
+        return False
+
+    def _admit_locked(self, endpoint: _Endpoint, now: float) -> tuple[bool, bool]:
         """(admitted, is_probe)."""
-        if self._breaker is BreakerState.CLOSED:
+        if endpoint.breaker is BreakerState.CLOSED:
             return True, False
-        if self._breaker is BreakerState.OPEN:
-            if now - self._opened_at < self.breaker_cooldown_s:
+        if endpoint.breaker is BreakerState.OPEN:
+            if now - endpoint.opened_at < self.breaker_cooldown_s:
                 return False, False
-            self._breaker = BreakerState.HALF_OPEN
-            self._probe_out = False
-        if self._probe_out:
+            endpoint.breaker = BreakerState.HALF_OPEN
+            endpoint.probe_out = False
+        if endpoint.probe_out:
             return False, False
-        self._probe_out = True
+        endpoint.probe_out = True
         return True, True
 
     def _record_locked(self, query: _Query, failure: _QueryFailed | None, now: float) -> None:
-        stats = self._stats
+        stats, endpoint = self._stats, query.endpoint
         if failure is None:
-            if self._breaker is not BreakerState.CLOSED:
-                log.info("coordinator at %s answers again; fleet lookups resume", self.base_url)
-            self._breaker, self._probe_out, self._failures = BreakerState.CLOSED, False, 0
+            if endpoint.breaker is not BreakerState.CLOSED:
+                log.info("coordinator at %s answers again; fleet lookups resume",
+                            endpoint.url)
+            endpoint.breaker, endpoint.probe_out, endpoint.failures = (
+                BreakerState.CLOSED, False, 0)
             return
         if not failure.unhealthy:
             # A 4xx or a malformed reply: this lookup goes local-only, the breaker is left as
             # it was (a failed probe just lets the next query probe instead).
             if query.is_probe:
-                self._probe_out = False
+                endpoint.probe_out = False
             log.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
                            failure)
             return
-        self._failures += 1
-        if self._breaker is BreakerState.HALF_OPEN and query.is_probe:
-            self._breaker, self._opened_at, self._probe_out = BreakerState.OPEN, now, False
-            log.warning("coordinator probe failed (%s); fleet leg stays off for %.1f s",
-                           failure, self.breaker_cooldown_s)
-        elif self._breaker is BreakerState.CLOSED:
-            if self._failures >= self.breaker_threshold:
-                self._breaker, self._opened_at = BreakerState.OPEN, now
+        endpoint.failures += 1
+        if endpoint.breaker is BreakerState.HALF_OPEN and query.is_probe:
+            endpoint.breaker, endpoint.opened_at, endpoint.probe_out = (
+                BreakerState.OPEN, now, False)
+            log.warning("coordinator probe failed (%s); %s gets no lookups for %.1f s",
+                           failure, endpoint.url, self.breaker_cooldown_s)
+        elif endpoint.breaker is BreakerState.CLOSED:
+            if endpoint.failures >= self.breaker_threshold:
+                endpoint.breaker, endpoint.opened_at = BreakerState.OPEN, now
                 stats.breaker_opened += 1
                 log.warning("coordinator blend-lookup failed %d times in a row (last: %s); "
-                               "circuit breaker open, lookups go local-only for %.1f s",
-                               self._failures, failure, self.breaker_cooldown_s)
+                               "circuit breaker of %s open for %.1f s", endpoint.failures,
+                               failure, endpoint.url, self.breaker_cooldown_s)
             else:
-                log.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
-                               failure)
+                log.warning("coordinator blend-lookup failed (%s); this lookup goes to "
+                               "another replica, or local-only", failure)
 
     # --- bookkeeping, guarded by _lock ----------------------------------------------------------
 
@@ -330,41 +376,52 @@ class BlendCoordinatorClient:
                 log.exception("coordinator query failed on request %s", query.request_id)
 
     def _serve(self, query: _Query) -> None:
-        with self._lock:
-            current = self._tracked.get(query.request_id) is query
-            now = self._clock()
-            if not current or now >= query.deadline - _MIN_USEFUL_S:
-                # Taken/cancelled, or too late to be of use: do not spend a round-trip.
-                if current:
-                    self._stats.skipped_deadline += 1
-                    self._finish_locked(query, FleetReply(MatchState.FAILED), now)
+        tried: tuple[_Endpoint, ...] = ()
+        while True:
+            with self._lock:
+                current = self._tracked.get(query.request_id) is query
+                now = self._clock()
+                if not current or now >= query.deadline - _MIN_USEFUL_S:
+                    # Taken/cancelled, or too late to be of use: do not spend a round-trip.
+                    if current:
+                        self._stats.skipped_deadline += 1
+                        self._finish_locked(query, FleetReply(MatchState.FAILED), now)
+                    else:
+                        self._stats.skipped_cancelled += 1
+                    if query.is_probe:
+                        query.endpoint.probe_out = False  # let the next query probe instead
+                    return
+                budget = min(self.timeout, query.deadline - now)
+                self._in_flight += 1
+                self._stats.sent += 1
+            failure, reply = None, FleetReply(MatchState.FAILED)
+            try:
+                reply = FleetReply(MatchState.DONE, self._round_trip(query, budget))
+            except _QueryFailed as exc:
+                failure = exc
+            except Exception as exc:  # anything else is a failure too, never an exception upward
+                failure = _QueryFailed(f"unexpected {type(exc).__name__}: {exc}", unhealthy=False)
+            with self._lock:
+                self._in_flight -= 1
+                now = self._clock()
+                if failure is None:
+                    self._stats.succeeded += 1
                 else:
-                    self._stats.skipped_cancelled += 1
-                if query.is_probe:
-                    self._probe_out = False  # let the next query probe instead
+                    self._stats.failed += 1
+                self._record_locked(query, failure, now)
+                tracked = self._tracked.get(query.request_id) is query
+                if (failure is not None and failure.unhealthy and tracked
+                        and now < query.deadline - _MIN_USEFUL_S):
+                    # Another replica may answer in the time left: fail over to it.
+                    tried += (query.endpoint,)
+                    if self._route_locked(query, now, tried):
+                        self._stats.failed_over += 1
+                        continue
+                if tracked:
+                    self._finish_locked(query, reply, now)
+                else:
+                    self._stats.late_discarded += 1
                 return
-            budget = min(self.timeout, query.deadline - now)
-            self._in_flight += 1
-            self._stats.sent += 1
-        failure, reply = None, FleetReply(MatchState.FAILED)
-        try:
-            reply = FleetReply(MatchState.DONE, self._round_trip(query, budget))
-        except _QueryFailed as exc:
-            failure = exc
-        except Exception as exc:  # anything else is a failure too, never an exception upward
-            failure = _QueryFailed(f"unexpected {type(exc).__name__}: {exc}", unhealthy=False)
-        with self._lock:
-            self._in_flight -= 1
-            now = self._clock()
-            if failure is None:
-                self._stats.succeeded += 1
-            else:
-                self._stats.failed += 1
-            self._record_locked(query, failure, now)
-            if self._tracked.get(query.request_id) is query:
-                self._finish_locked(query, reply, now)
-            else:
-                self._stats.late_discarded += 1
 
     def _round_trip(self, query: _Query, budget: float) -> tuple[CBMatchResult, ...]:
         namespace = query.namespace
@@ -373,27 +430,27 @@ class BlendCoordinatorClient:
                                          world_size=namespace.world_size,
                                          cache_salt=namespace.cache_salt))
         try:
-            response = self._http.post(BLEND_LOOKUP_PATH, content=body, timeout=budget,
+            response = query.endpoint.http.post(BLEND_LOOKUP_PATH, content=body, timeout=budget,
                                        headers=_JSON)
         except httpx.TimeoutException as exc:
-            raise _QueryFailed(f"no reply from {self.base_url} within {budget:.3f} s "
+            raise _QueryFailed(f"no reply from {query.endpoint.url} within {budget:.3f} s "
                                f"({type(exc).__name__})", unhealthy=True) from None
         except httpx.HTTPError as exc:
-            raise _QueryFailed(f"{type(exc).__name__} talking to {self.base_url}: {exc}",
+            raise _QueryFailed(f"{type(exc).__name__} talking to {query.endpoint.url}: {exc}",
                                unhealthy=True) from None
         if response.status_code != 200:
-            raise _QueryFailed(f"HTTP {response.status_code} from {self.base_url}"
+            raise _QueryFailed(f"HTTP {response.status_code} from {query.endpoint.url}"
                                f"{BLEND_LOOKUP_PATH}: {response.text[:200]!r}",
                                unhealthy=response.status_code >= 500)
         try:
             reply = decode(response.content, BlendLookupReply)
         except WireError as exc:
-            raise _QueryFailed(f"reply from {self.base_url} is not a blend-lookup reply: {exc}",
+            raise _QueryFailed(f"reply from {query.endpoint.url} is not a blend-lookup reply: {exc}",
                                unhealthy=False) from None
         if not reply.matches and b'"matches"' not in response.content:
             # The shape defaults `matches` to empty; a reply without it at all is some other
             # service answering, not "nothing found".
-            raise _QueryFailed(f"reply from {self.base_url} has no `matches`: "
+            raise _QueryFailed(f"reply from {query.endpoint.url} has no `matches`: "
                                f"{response.text[:200]!r}", unhealthy=False)
         return self._segments(reply, len(query.tokens))
 

@@ -98,10 +98,14 @@ class PluginConfig:
     max_tracked_lookups: int = 4096
 
     def __post_init__(self) -> None:
-        url = (self.coordinator_url or "").strip().rstrip("/") or None
-        object.__setattr__(self, "coordinator_url", url)
-        if url is not None and not url.startswith(("http://", "https://")):
-            raise ConfigError(f"coordinator_url={url!r} must start with http:// or https://")
+        # One URL, or several replicas of one coordinator, comma-separated.
+        urls = [part.strip().rstrip("/") for part in (self.coordinator_url or "").split(",")]
+        urls = [url for url in urls if url]
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"coordinator_url={url!r} must start with http:// or "
+                                  "https:// (several replicas: comma-separated URLs)")
+        object.__setattr__(self, "coordinator_url", ",".join(urls) or None)
         _check_positive("event_flush_interval", self.event_flush_interval)
         _check_positive("blend_timeout", self.blend_timeout)
         _check_int_at_least("match_concurrency", self.match_concurrency, 1)
@@ -125,6 +129,11 @@ class PluginConfig:
         if self.coordinator_ca_file is not None and not os.path.isfile(self.coordinator_ca_file):
             raise ConfigError(f"coordinator_ca_file={self.coordinator_ca_file!r} is not a file "
                               f"({ENV_COORDINATOR_CA_FILE}: a PEM file of CA certificates)")
+
+    @property
+    def coordinator_urls(self) -> tuple[str, ...]:
+        """Every coordinator URL (replicas over one event log), in the order given."""
+        return tuple(self.coordinator_url.split(",")) if self.coordinator_url else ()
 
     @property
     def match_budget_s(self) -> float:

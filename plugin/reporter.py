@@ -26,6 +26,10 @@ Contract:
   reported meanwhile queue behind them.
 - The queue is bounded (`max_events` entries, formed batches included): when it is full the
   oldest events are dropped first and counted in `stats().dropped_events`.
+- Several coordinator URLs (replicas sharing one event log, comma-separated): events go
+  to one at a time; a connection error or a 5xx other than 503 sends the same body on to
+  the next replica at once (a replica that appended it before failing makes the copy a
+  duplicate, which the gate drops). One URL behaves as before.
 - A batch the coordinator rejects as invalid (422) can never succeed: it is dropped, counted
   and logged, so it cannot wedge the queue.
 - A coordinator that sheds load (503 or 429) is honoured: nothing is posted again until its
@@ -119,7 +123,7 @@ def encode_key(namespace: BlendNamespace, chunk_hash: bytes) -> EncodedObjectKey
 class CacheEventReporter:
     """Queues cache events and delivers them in order in the background; see module doc."""
 
-    def __init__(self, base_url: str, *, instance_id: str, incarnation: int | None = None,
+    def __init__(self, base_url: str | Sequence[str], *, instance_id: str, incarnation: int | None = None,
                  flush_interval: float = 1.0, timeout: float = 1.0, max_events: int = 100_000,
                  tier: str = "l1", backend: str = "dram", max_entries_per_batch: int = 1024,
                  max_entries_per_post: int = 4096, executor: Executor | None = None,
@@ -127,7 +131,11 @@ class CacheEventReporter:
                  ca_file: str | None = None) -> None:
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
-        self.base_url = base_url.rstrip("/")
+        urls = base_url.split(",") if isinstance(base_url, str) else list(base_url)
+        self._urls = [url.strip().rstrip("/") for url in urls if url.strip()]
+        if not self._urls:
+            raise ValueError("at least one coordinator URL is needed")
+        self.base_url = self._urls[0]  # where events go now; see `_post`
         self.instance_id = instance_id
         self.incarnation = next_incarnation() if incarnation is None else incarnation
         self.flush_interval = flush_interval
@@ -135,8 +143,12 @@ class CacheEventReporter:
         self.tier, self.backend = tier, backend
         self.max_entries_per_batch = max_entries_per_batch
         self.max_entries_per_post = max_entries_per_post
-        self._http = coordinator_http(self.base_url, timeout=timeout, token=token,
-                                      ca_file=ca_file)
+        # One client per coordinator replica; events go to one at a time (they share one
+        # event log) and move on to the next when it fails.
+        self._clients = [coordinator_http(url, timeout=timeout, token=token, ca_file=ca_file)
+                         for url in self._urls]
+        self._current = 0
+        self._http = self._clients[0]
         self._lock = threading.Lock()         # guards the queue, the outbox and the stats
         self._flush_lock = threading.Lock()   # one flush at a time keeps the order
         self._events: collections.deque[_Event] = collections.deque()
@@ -303,10 +315,21 @@ class CacheEventReporter:
 
     def _post(self, batches: list[CacheEventBatch]) -> bool:
         body = encode(EventsRequest(batches=batches))
-        try:
-            response = self._http.post(EVENTS_PATH, content=body, headers=_JSON)
-        except httpx.HTTPError as exc:
-            return self._failed(f"{type(exc).__name__}: {exc}")
+        for attempt in range(len(self._clients)):
+            if attempt:  # the previous replica failed: the next one takes the events
+                self._current = (self._current + 1) % len(self._clients)
+                self._http = self._clients[self._current]
+                self.base_url = self._urls[self._current]
+            try:
+                response = self._http.post(EVENTS_PATH, content=body, headers=_JSON)
+            except httpx.HTTPError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code < 500 or response.status_code == 503:
+                break  # 503: the replicas share one log; its Retry-After holds for all
+            failure = f"HTTP {response.status_code}: {response.text[:200]!r}"
+        else:
+            return self._failed(failure)
         if response.status_code == 422:
             self._remove_sent(batches)
             with self._lock:
@@ -395,7 +418,8 @@ class CacheEventReporter:
                 self._flusher.result()  # it saw _stop; at most its last POST remains
             if self._owns_executor:
                 self._executor.shutdown(wait=True)
-            self._http.close()
+            for client in self._clients:
+                client.close()
 
 
 def _retry_after_s(value: str | None) -> float:

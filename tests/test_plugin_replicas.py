@@ -1,0 +1,115 @@
+"""The plugin with several coordinator URLs (replicas over one event log).
+
+Real loopback servers stand in for replicas: lookups take turns over the healthy ones,
+fail over within the budget when one is down, and each replica has its own breaker; the
+reporter posts to one replica and moves on when it fails. One URL behaves as before
+(the rest of the plugin tests run with one).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import LoopbackServer, Reply, closed_port_url, take_when_done, wait_until
+from plugin import BlendCoordinatorClient, BlendNamespace, FleetReply, MatchState, PluginConfig
+from plugin.config import ConfigError
+from plugin.reporter import CacheEventReporter
+
+C = 16
+NS = BlendNamespace("model", "", 1)
+TOKENS = np.arange(4 * C, dtype=np.uint32)
+
+
+def found(name: str):
+    return lambda path, body: Reply(200, {"matches": [
+        {"chunk_hash": name, "old_st": 0, "cur_st": 0}]})
+
+
+def make_client(urls, **options) -> BlendCoordinatorClient:
+    settings = dict(chunk_size=C, timeout=0.5, match_concurrency=1, breaker_threshold=2,
+                    breaker_cooldown_s=60.0)
+    settings.update(options)
+    return BlendCoordinatorClient(urls, **settings)
+
+
+def ask(client, request_id: str) -> FleetReply:
+    assert client.submit(request_id, TOKENS, NS)
+    return take_when_done(client, request_id)
+
+
+def test_lookups_take_turns_over_the_replicas():
+    with LoopbackServer(found("aa")) as a, LoopbackServer(found("bb")) as b:
+        client = make_client(f"{a.url},{b.url}")
+        try:
+            answered = [ask(client, f"r{i}").matches[0].hash for i in range(6)]
+        finally:
+            client.close()
+        assert sorted(answered) == [b"\xaa"] * 3 + [b"\xbb"] * 3
+        assert len(a.requests) == len(b.requests) == 3
+
+
+def test_a_replica_down_fails_over_and_opens_only_its_own_breaker():
+    with LoopbackServer(found("bb")) as b:
+        client = make_client([closed_port_url(), b.url])
+        try:
+            for i in range(6):  # every lookup is answered, by b
+                reply = ask(client, f"r{i}")
+                assert reply.state is MatchState.DONE and reply.matches[0].hash == b"\xbb"
+            stats = client.stats()
+            assert stats.failed_over == 2  # then the dead replica's breaker opened
+            assert stats.breaker_opened == 1
+            assert client.breaker_state == "closed"  # the leg stays on: b is healthy
+            assert len(b.requests) == 6
+        finally:
+            client.close()
+
+
+def test_every_replica_down_declines_at_once_like_one_url():
+    client = make_client([closed_port_url(), closed_port_url()])
+    try:
+        for i in range(2):
+            assert ask(client, f"r{i}").state is MatchState.FAILED
+        assert client.breaker_state == "open"
+        assert not client.submit("late", TOKENS, NS)  # local-only at once
+    finally:
+        client.close()
+
+
+def test_a_client_error_does_not_fail_over():
+    """A 4xx is this query's problem, not the replica's: no second replica is asked."""
+    with LoopbackServer(lambda p, body: Reply(422, {"error": "bad"})) as a, \
+            LoopbackServer(found("bb")) as b:
+        client = make_client([a.url, b.url])
+        try:
+            assert ask(client, "r0").state is MatchState.FAILED
+            assert len(a.requests) + len(b.requests) == 1
+        finally:
+            client.close()
+
+
+def test_the_reporter_moves_on_to_a_healthy_replica():
+    with LoopbackServer() as b:
+        reporter = CacheEventReporter(f"{closed_port_url()},{b.url}", instance_id="s",
+                                      flush_interval=60, timeout=0.5, start=False)
+        try:
+            reporter.report_store(NS, [b"\x01"], [np.arange(C, dtype=np.uint32)], [0])
+            reporter.flush()
+            assert wait_until(lambda: len(b.bodies("/events")) == 1)
+            reporter.report_store(NS, [b"\x02"], [np.arange(C, dtype=np.uint32)], [C])
+            reporter.flush()  # stays with the replica that works
+            assert len(b.bodies("/events")) == 2
+            assert [batch["seq"] for body in b.bodies("/events")
+                    for batch in body["batches"]] == [1, 2]
+        finally:
+            reporter.close()
+
+
+def test_config_takes_comma_separated_urls():
+    config = PluginConfig.from_env({"LMCACHE_COORDINATOR_URL":
+                                    " http://a:1/ , http://b:2 ,",
+                                    "LMCACHE_COORDINATOR_EVENT_REPORTING": "1"})
+    assert config.coordinator_urls == ("http://a:1", "http://b:2")
+    assert PluginConfig(coordinator_url="http://a:1").coordinator_urls == ("http://a:1",)
+    with pytest.raises(ConfigError, match="b:2"):
+        PluginConfig(coordinator_url="http://a:1,b:2")
