@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
 
-.PHONY: demo demo-lmcache test bench bench-local bench-coordinator bench-unified bench-popular clean
+.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 demo-lmcache: $(STAMP)
 	$(PY) examples/lmcache_demo.py
 
+# The same demo on two coordinator replicas over a 3-node NATS JetStream cluster.
+demo-cluster: $(STAMP)
+	$(PY) examples/fleet_demo.py --cluster
+
 test: $(STAMP)
 	$(PY) -m pytest -q
 
@@ -31,6 +35,9 @@ bench-local: $(STAMP)
 
 bench-coordinator: $(STAMP)
 	$(PY) -m benchmarks.bench_coordinator $(ARGS)
+
+bench-cluster: $(STAMP)
+	$(PY) -m benchmarks.bench_cluster $(ARGS)
 
 bench-unified: $(STAMP)
 	$(PY) -m benchmarks.bench_unified_lookup $(ARGS)

@@ -39,7 +39,8 @@ def nats_server_binary() -> str:
     return found
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now."""
     sockets = []
     try:
         for _ in range(count):
@@ -133,7 +134,7 @@ async def _wait_jetstream(servers: list[str], timeout: float) -> None:
 
 
 def start_nats_cluster(nodes: int, workdir: str | os.PathLike) -> NatsCluster:
-    ports = _free_ports(2 * nodes)
+    ports = free_ports(2 * nodes)
     cluster = NatsCluster(Path(workdir), ports[:nodes], ports[nodes:], [None] * nodes)
     cluster.workdir.mkdir(parents=True, exist_ok=True)
     try:

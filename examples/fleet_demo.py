@@ -10,21 +10,33 @@ Each request is looked up twice on the same server: by the fleet-enabled plugin,
 local-only twin that sees the same stores but no coordinator. The table shows where the reused
 tokens came from; the summary compares reuse with the fleet leg against local-only.
 
-Run: `make demo` (or `python examples/fleet_demo.py`). Exits 0 when the demo ran.
+With `--cluster` (`make demo-cluster`) the coordinator is two replicas over a NATS
+JetStream event log (a 3-node NATS cluster on loopback, stream replicas 3); the servers
+get both URLs. Half-way through the requests one replica is killed (SIGKILL) and
+restarted from its snapshot; the lookups go on through the other replica, and at the
+end both replicas answer every request's lookup identically.
+
+Run: `make demo` (or `python examples/fleet_demo.py [--cluster]`). Exits 0 when the demo
+ran (and, with `--cluster`, the replicas agree).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
+from blend_wire import BLEND_LOOKUP_PATH, encode, encode_tokens  # noqa: E402
 from coordinator_stub.process import start_coordinator  # noqa: E402
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig, Source  # noqa: E402
 
@@ -67,13 +79,72 @@ def lookup(plugin: BlendPlugin, key: LookupKey):
     return result, time.perf_counter() - started
 
 
-def main() -> int:
+class Replicas:
+    """Two coordinator replicas over a 3-node NATS cluster, on fixed ports so a restarted
+    replica comes back at the same URL."""
+
+    def __init__(self, workdir: Path) -> None:
+        from coordinator_stub.nats_process import free_ports, start_nats_cluster
+
+        self.nats = start_nats_cluster(3, workdir / "nats")
+        self.ports = free_ports(2)
+        self.flags = [("--enable-blend-lookup", "--chunk-size", str(C), "--event-log",
+                       self.nats.urls, "--event-log-replicas", "3", "--replica-name", name,
+                       "--snapshot-dir", str(workdir / f"snapshots-{name}"),
+                       "--snapshot-interval", "1") for name in ("a", "b")]
+        self.running = [None, None]
+        for i in range(2):
+            self.start(i)
+
+    def start(self, i: int) -> None:
+        self.running[i] = start_coordinator(*self.flags[i], port=self.ports[i],
+                                            stderr=subprocess.DEVNULL)
+
+    def kill(self, i: int) -> None:
+        self.running[i].process.kill()
+        self.running[i].process.wait()
+
+    @property
+    def url(self) -> str:
+        return ",".join(f"http://127.0.0.1:{port}" for port in self.ports)
+
+    def stop(self) -> None:
+        for running in self.running:
+            if running is not None:
+                running.stop()
+        self.nats.stop()
+
+
+def replicas_agree(urls: list[str], queries: list[np.ndarray]) -> bool:
+    answers = []
+    for url in urls:
+        with httpx.Client(base_url=url, timeout=10) as http:
+            answers.append([http.post(BLEND_LOOKUP_PATH, content=encode(
+                {"tokens_b64": encode_tokens(q), "model_name": MODEL})).json()
+                for q in queries])
+    return all(a == answers[0] for a in answers[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", action="store_true",
+                        help="two coordinator replicas over NATS JetStream; one is killed "
+                             "and restarted half-way")
+    cluster = parser.parse_args(argv).cluster
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     rng = np.random.default_rng(2024)
-    coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", str(C),
-                                    stderr=subprocess.DEVNULL)
-    url = coordinator.url
-    print(f"coordinator: {url} (blend lookup on, chunk size {C})")
+    workdir = tempfile.TemporaryDirectory(prefix="fleet-demo-")
+    if cluster:
+        coordinator = Replicas(Path(workdir.name))
+        url = coordinator.url
+        print(f"coordinator: two replicas {url} over NATS JetStream "
+              f"({coordinator.nats.urls}; blend lookup on, chunk size {C})")
+    else:
+        coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", str(C),
+                                        stderr=subprocess.DEVNULL)
+        url = coordinator.url
+        print(f"coordinator: {url} (blend lookup on, chunk size {C})")
+    queries: list[np.ndarray] = []
     l2: dict = {}
     servers = [Server(i, url, l2) for i in range(NUM_SERVERS)]
     try:
@@ -106,6 +177,12 @@ def main() -> int:
         print("-" * len(header))
         totals = dict(tokens=0, fleet=0, local_only=0, time=[])
         for r in range(NUM_REQUESTS):
+            if cluster and r == NUM_REQUESTS // 2:
+                coordinator.kill(1)
+                print("     -- replica b killed (SIGKILL); lookups go to replica a --")
+            if cluster and r == NUM_REQUESTS // 2 + 2:
+                coordinator.start(1)
+                print("     -- replica b restarted from its snapshot + the event log --")
             server = servers[r % NUM_SERVERS]
             foreign = [d for d in range(NUM_DOCS) if d not in server.stored_docs]
             picked = list(rng.choice(foreign, size=2 if r % 2 else 3, replace=False))
@@ -118,6 +195,7 @@ def main() -> int:
             pieces.append(rng.integers(1000, 60000, 40, dtype=np.uint32))  # the question
             tokens = np.concatenate(pieces)
 
+            queries.append(tokens)
             key = LookupKey(f"req-{r}", tokens, MODEL)
             result, seconds = lookup(server.fleet, key)
             trace = server.fleet.trace(key.request_id)
@@ -145,11 +223,16 @@ def main() -> int:
               f"{totals['fleet'] - totals['local_only']} fewer tokens to prefill")
         print(f"lookup time (fleet)       : median {np.median(times):.2f} ms, max {times.max():.2f} ms "
               f"(budget {servers[0].fleet.config.match_budget_s * 1e3:.0f} ms)")
+        if cluster:
+            agree = replicas_agree(url.split(","), queries)
+            print(f"replicas agree on all {len(queries)} lookups: {'yes' if agree else 'NO'}")
+            return 0 if agree else 1
         return 0
     finally:
         for server in servers:
             server.close()
         coordinator.stop()
+        workdir.cleanup()
         print("coordinator stopped")
 
 
