@@ -88,6 +88,7 @@ class EventLog:
         self.created: str = ""
         self._nc = None
         self._js = None
+        self._closing = False
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -96,11 +97,12 @@ class EventLog:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.connect_timeout_s
         while True:
+            self._closing = False
             try:
                 self._nc = await nats.connect(
                     servers=list(s.servers), connect_timeout=2, reconnect_time_wait=0.5,
                     max_reconnect_attempts=-1, name=f"coordinator_stub:{s.stream}",
-                    error_cb=_log_error, disconnected_cb=_log_disconnected,
+                    error_cb=_log_error, disconnected_cb=self._disconnected,
                     reconnected_cb=_log_reconnected)
                 self._js = self._nc.jetstream(timeout=s.append_timeout_s)
                 info = await self._ensure_stream()
@@ -140,7 +142,12 @@ class EventLog:
         if self._nc is not None:
             await self._close_quietly()
 
+    async def _disconnected(self) -> None:
+        if not self._closing:
+            log.warning("NATS: disconnected; reconnecting")
+
     async def _close_quietly(self) -> None:
+        self._closing = True
         nc, self._nc, self._js = self._nc, None, None
         try:
             await nc.close()
@@ -220,10 +227,6 @@ class EventLog:
 
 async def _log_error(exc: Exception) -> None:
     log.warning("NATS: %r", exc)
-
-
-async def _log_disconnected() -> None:
-    log.warning("NATS: disconnected; reconnecting")
 
 
 async def _log_reconnected() -> None:

@@ -74,7 +74,8 @@ class LogReplica:
             max_bytes=cluster.max_bytes, max_msgs=cluster.max_msgs,
             max_age_s=cluster.max_age_s))
         self.snapshots = SnapshotDir(cluster.snapshot_dir) if cluster.snapshot_dir else None
-        self.applied = 0  # stream sequence of the last record applied here
+        self.applied = 0  # stream sequence of the last record applied here (loop's view)
+        self._in_directory = 0  # ... the apply thread's: what a snapshot includes
         self.snapshot_seq = 0  # ... and of the last snapshot written or loaded
         self.restored_from = 0  # ... and of the snapshot this replica started from
         self.records_rejected = 0
@@ -157,7 +158,7 @@ class LogReplica:
                                      probe_stride=config.blend_probe_stride,
                                      enable_blend_lookup=config.enable_blend_lookup)
         self.coordinator.directory.restore_from(directory)
-        self.applied = self.snapshot_seq = self.restored_from = seq
+        self.applied = self._in_directory = self.snapshot_seq = self.restored_from = seq
 
     async def _caught_up(self, seq: int) -> None:
         while self.applied < seq:
@@ -199,6 +200,7 @@ class LogReplica:
         directory = self.coordinator.directory
         results = []
         for record in records:
+            self._in_directory = record.seq  # records are applied whole (or skipped)
             if record.kind == DROP:
                 directory.drop_instance(record.payload.decode())
                 results.append((record.record_id, None))
@@ -285,10 +287,12 @@ class LogReplica:
 
     def _snapshot(self) -> None:
         """On the apply thread, so no record is half applied."""
-        if self._broken or self.applied <= self.snapshot_seq:
+        # `_in_directory`, not `applied`: a stop may cancel the consumer after a batch of
+        # records was applied but before the loop saw it.
+        seq = self._in_directory
+        if self._broken or seq <= self.snapshot_seq:
             return
         started = time.monotonic()
-        seq = self.applied
         path = self.snapshots.save({"directory": self.coordinator.directory},
                                    dict(self._expect(), seq=seq, replica=self.name,
                                         written_at=time.time()))

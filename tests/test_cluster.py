@@ -257,10 +257,8 @@ def test_ingest_and_lookups_go_on_with_one_nats_node_down(nats):
         nats.stop_node(0)
         for i, body in enumerate(bodies[40:]):
             post((a if i % 2 else b).url, body)
-        deadline = time.monotonic() + 20
-        while (replica_stats(a.url)["applied_seq"] < 80
-               or replica_stats(b.url)["applied_seq"] < 80) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_applied(a.url, 80)
+        wait_applied(b.url, 80)
         assert_same_as(reference.url, [a.url, b.url], workload.queries())
     finally:
         for running in (a, b, reference):
@@ -312,10 +310,7 @@ def test_a_replica_behind_the_retention_rebuilds_from_a_shared_snapshot(nats, tm
         for body in bodies[:10]:
             post(a.url, body)
         for running in (b, c):
-            deadline = time.monotonic() + 10
-            while replica_stats(running.url)["applied_seq"] < 10 \
-                    and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_applied(running.url, 10)
             assert running.stop() == 0
         for body in bodies[10:]:
             post(a.url, body)
