@@ -14,6 +14,9 @@ Contract:
   `setdefault`; `add`, `discard`, `remove`); the others raise rather than mutate
   silently.
 
+Picklable (a replica's snapshot holds the directory): each structure travels with its
+journal and its plain contents.
+
 Not thread-safe: used under the directory lock, by one writer at a time.
 """
 
@@ -109,6 +112,9 @@ class JournaledDict(dict):
 
     update = popitem = clear = __ior__ = _refuse
 
+    def __reduce__(self):
+        return JournaledDict, (self.journal, dict(self))
+
 
 class JournaledSet(set):
     __slots__ = ("journal",)
@@ -139,3 +145,6 @@ class JournaledSet(set):
 
     pop = clear = update = difference_update = intersection_update = \
         symmetric_difference_update = __ior__ = __iand__ = __isub__ = __ixor__ = _refuse
+
+    def __reduce__(self):
+        return JournaledSet, (self.journal, set(self))
