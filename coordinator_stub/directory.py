@@ -48,8 +48,16 @@ With blend lookup off, no content is recorded or hashed and no index exists. Ena
 it later creates an empty index; content recorded from then on is indexed, nothing from
 before is back-filled.
 
+What directory queries show as a chunk's tokens is what LMCache shows: the token ids of
+the latest STORE that carried any (of any length; one with an id outside uint32 changes
+nothing), blend lookup on or off. They are the binding's content when that STORE's
+tokens became it (the common case: no second copy); otherwise (blend lookup off, or a
+list that is not one chunk long) they are kept aside as `reported`, for display only:
+never hashed, never indexed.
+
 Representation (why it looks the way it does): a binding is one tuple
-`(content, offset, holds, accesses)`. `accesses` holds the counts of the chunk's keys
+`(content, offset, holds, accesses, reported)` (`reported`: None, or the displayed
+tokens as native uint32 bytes when they are not the content). `accesses` holds the counts of the chunk's keys
 that were ever accessed (usually none): a flat tuple of `(key_no, count)` pairs, or past
 `_FEW` keys a dict {key_no: count}, so counting and forgetting stay O(1) per key. A place number
 stands for the whole place, size included: an instance reports one size per tier and
@@ -499,7 +507,7 @@ class KeyDirectory:
             else:  # many keys accessed: a dict, O(1) per key from now on
                 accesses = JournaledDict(self._journal, zip(accesses[0::2], accesses[1::2]))
                 accesses[key_no] = 1
-        self._bindings[chunk_hash] = binding[:3] + (accesses,)
+        self._bindings[chunk_hash] = binding[:3] + (accesses,) + binding[4:]
 
     def _key_no(self, key: EncodedObjectKey) -> int:
         raw = (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id)
@@ -519,10 +527,11 @@ class KeyDirectory:
         key_no = self._key_no(entry.key)
         chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
         binding = self._bindings.get(chunk_hash)
-        content, offset, holds, accesses = binding if binding is not None else (
-            None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES)
+        content, offset, holds, accesses, reported = binding if binding is not None else (
+            None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES, None)
         holds, new_claim = self._add_placement(holds, key_no, place_no)
         held.add(chunk_hash)
+        stamped = None
         if self._writer is not None:  # blend lookup off: no content is recorded (or hashed)
             stamped = self._stamped_tokens(entry)
             claimant = self._key_ns[key_no] if new_claim else None
@@ -532,7 +541,11 @@ class KeyDirectory:
             elif claimant is not None and self._indexed(content, offset):
                 # STORE without tokens, content known: claim it for the key's namespace.
                 self._claim_for(chunk_hash, content, offset, claimant)
-        self._bindings[chunk_hash] = (content, offset, holds, accesses)
+        if stamped is not None:
+            reported = None  # the content shows them
+        elif entry.token_ids:
+            reported = _packed(entry.token_ids, reported)
+        self._bindings[chunk_hash] = (content, offset, holds, accesses, reported)
 
     def _stamped_tokens(self, entry: CacheEventEntry) -> bytes | None:
         """The entry's tokens as native uint32 bytes, or None when it carries no usable
@@ -681,14 +694,14 @@ class KeyDirectory:
         """Placements gone: each namespace left without a key drops its claim (the last
         claim drops the occupant), and each key gone its access count; a binding without
         placements is forgotten."""
-        content, offset, _, accesses = binding
+        content, offset, _, accesses, reported = binding
         if self._writer is not None and self._indexed(content, offset):
             for namespace in lost:
                 self._writer.remove_claim(chunk_hash, namespace)
         if holds:
             if accesses and gone:
                 accesses = _forget_accesses(accesses, gone)
-            self._bindings[chunk_hash] = (content, offset, holds, accesses)
+            self._bindings[chunk_hash] = (content, offset, holds, accesses, reported)
         else:
             del self._bindings[chunk_hash]
 
@@ -889,7 +902,7 @@ class KeyDirectory:
                     continue
                 tokens = tokens_of.get(chunk_hash)
                 if tokens is None:
-                    tokens = tokens_of[chunk_hash] = self._tokens_of(chunk_hash, binding[0])
+                    tokens = tokens_of[chunk_hash] = self._tokens_of(chunk_hash, binding)
                 key_no = self._key_nos.get(raw_key)
                 if key_no is None:
                     results.append(([], tokens, 0))
@@ -938,14 +951,16 @@ class KeyDirectory:
         only grow), so a listing walks a consistent snapshot while ingest goes on.
         """
         with self._lock:
-            snapshot = [(chunk_hash, content, holds if type(holds) is tuple
-                         else self._placements_in(holds),
+            snapshot = [(chunk_hash,
+                         len(reported) // 4 if reported is not None
+                         else 0 if content is None else self.chunk_size,
+                         holds if type(holds) is tuple else self._placements_in(holds),
                          accesses if type(accesses) is tuple else dict(accesses))
-                        for chunk_hash, (content, _, holds, accesses)
+                        for chunk_hash, (content, _, holds, accesses, reported)
                         in self._bindings.items()]
         places, key_raw = self._places, self._key_raw
         total, page = 0, []
-        for chunk_hash, content, holds, accesses in snapshot:
+        for chunk_hash, num_tokens, holds, accesses in snapshot:
             pairs = zip(holds[0::2], holds[1::2]) if type(holds) is tuple else holds
             by_key: dict[int, list] = {}
             for key_no, place_no in pairs:
@@ -957,13 +972,16 @@ class KeyDirectory:
             for key_no, matching in by_key.items():
                 if offset <= total < offset + limit:
                     matching.sort(key=_place_order)
-                    page.append((chunk_hash, key_raw[key_no], matching,
-                                 0 if content is None else self.chunk_size,
+                    page.append((chunk_hash, key_raw[key_no], matching, num_tokens,
                                  _access_count(accesses, key_no)))
                 total += 1
         return total, page
 
-    def _tokens_of(self, chunk_hash: bytes, content: Content) -> list[int]:
+    def _tokens_of(self, chunk_hash: bytes, binding: tuple) -> list[int]:
+        """The tokens directory queries show for a chunk (see the module docstring)."""
+        content, reported = binding[0], binding[4]
+        if reported is not None:
+            return np.frombuffer(reported, dtype=np.uint32).tolist()
         if content is None:
             return []
         if type(content) is bytes:
@@ -1017,6 +1035,15 @@ class KeyDirectory:
                      "capacity_bytes": value[0], "capacity_revision": value[1]}
                     for place, value in self._capacity.items()],
             }
+
+
+def _packed(token_ids: list[int], unchanged: bytes | None) -> bytes | None:
+    """Token ids of any length as native uint32 bytes; `unchanged` if one is outside
+    uint32 (LMCache then leaves the chunk's tokens as they were)."""
+    try:
+        return struct.pack(f"={len(token_ids)}I", *token_ids)
+    except struct.error:
+        return unchanged
 
 
 def _place_order(place: Place) -> tuple[str, str, str]:
