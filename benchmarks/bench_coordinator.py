@@ -19,7 +19,12 @@ neither competes with the other for the cores):
    requester's tenant at random offsets, from 8 concurrent clients for 10 s: lookups/s,
    p50, p99, the coordinator's CPU time per lookup, and recall (every planted chunk must
    come back with its stored offset);
-5. prints ours next to LMCache's with the ratios, and the load generator's own CPU use.
+5. noisy neighbour (`--noisy-duration`, 0 skips it): a victim instance posts small batches
+   (16 chunks) one after another while a victim client asks lookups one after another,
+   first alone ("quiet"), then while `--noisy-flooders` other instances post multi-MiB
+   bodies back to back ("flooded"): the victim's ingest and lookup p50/p99 in both
+   windows, their flooded/quiet ratio, and what the flood got through;
+6. prints ours next to LMCache's with the ratios, and the load generator's own CPU use.
    Both get the same corpus, the same requests in the same order. When LMCache is not
    importable (or `--reference stated`), the ratios are against LMCache's figures as
    stated in issue 3 instead, and the output says so on every line.
@@ -292,6 +297,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=8, help="concurrent lookup clients")
     parser.add_argument("--duration", type=float, default=10.0, help="lookup window, seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noisy-duration", type=float, default=10.0,
+                        help="seconds of each noisy-neighbour window (quiet, then flooded); "
+                             "0 skips the noisy-neighbour run")
+    parser.add_argument("--noisy-flooders", type=int, default=4,
+                        help="instances flooding /events in the noisy-neighbour run")
+    parser.add_argument("--noisy-batches", type=int, default=8,
+                        help="batches (of --batch-entries) per flood body")
+    parser.add_argument("--noisy-bodies", type=int, default=6,
+                        help="distinct bodies per flooder (then re-sent: duplicates)")
     parser.add_argument("--reference", choices=("lmcache", "stated"), default="lmcache",
                         help="measure LMCache's own coordinator in this run (default), or "
                              "compare with the figures issue 3 states for it")
@@ -326,6 +340,7 @@ class Figures:
     lookup_gen_cores: float = 0.0
     recall: float = 0.0
     extra: int = 0
+    noisy: dict | None = None  # noisy-neighbour figures (see noisy_neighbour)
     exit_code: int | None = None
 
 
@@ -396,9 +411,139 @@ def measure(name: str, running, corpus: Corpus, args: argparse.Namespace) -> Fig
         figures.p50, figures.p99 = (float(np.percentile(latencies, q)) * 1e3 for q in (50, 99))
         figures.recall, figures.extra = recall_of(samples, queries)
         figures.lookup_rate = len(samples) / figures.lookup_s
+
+        # (3) noisy neighbour
+        if args.noisy_duration > 0:
+            figures.noisy = noisy_neighbour(host, port, corpus, queries, args)
     finally:
         figures.exit_code = running.stop(timeout=30)
     return figures
+
+
+# --- noisy neighbour --------------------------------------------------------------------------
+
+
+def _store_body(instance: str, seq: int, rows: np.ndarray, corpus: Corpus, first: int,
+                batches: int) -> bytes:
+    """One `/events` body of `batches` store batches over fresh chunk hashes (derived from
+    the corpus rows' tokens, so the content is real and indexable)."""
+    kv_rank, size = pack_kv_rank(1), len(rows) // batches
+    out = []
+    for b in range(batches):
+        entries = [{
+            "key": {"chunk_hash_hex": hashlib.blake2b(
+                        f"{instance}/{first + b * size + j}".encode(), digest_size=32).hexdigest(),
+                    "model_name": MODEL, "kv_rank": kv_rank, "object_group_id": 0,
+                    "cache_salt": "noisy"},
+            "size_bytes": 1 << 20, "token_ids": corpus.tokens[row].tolist(),
+            "token_offset": int(corpus.offsets[row])}
+            for j, row in enumerate(rows[b * size:(b + 1) * size])]
+        out.append({"instance_id": instance, "incarnation": 0, "seq": seq + b,
+                    "event_type": "store", "tier": "l1", "backend": "dram",
+                    "entries": entries})
+    return encode({"batches": out})
+
+
+def noisy_neighbour(host: str, port: int, corpus: Corpus, queries: list[Query],
+                    args: argparse.Namespace) -> dict:
+    """Victim ingest and lookup latency, alone and while other instances flood `/events`."""
+    rng = np.random.default_rng(args.seed + 2)
+    rows = lambda n: rng.integers(0, len(corpus.hashes), n)  # noqa: E731
+    per_body = args.noisy_batches * args.batch_entries
+    flood = [[http_request("POST", EVENTS_PATH, host, port,
+                           _store_body(f"flood-{k}", 1 + i * args.noisy_batches,
+                                       rows(per_body), corpus, i * per_body,
+                                       args.noisy_batches))
+              for i in range(args.noisy_bodies)] for k in range(args.noisy_flooders)]
+    victim = [http_request("POST", EVENTS_PATH, host, port,
+                           _store_body("victim", i + 1, rows(16), corpus, i * 16, 1))
+              for i in range(20_000)]
+    body_mib = (len(flood[0][0]) / 2**20) if flood and flood[0] else 0.0
+
+    async def window(duration: float, flooders: int, victim_from: int) -> dict:
+        stop = time.perf_counter() + duration
+        ingest_ms: list[float] = []
+        lookup_ms: list[float] = []
+        flooded = {"bodies": 0, "refused": 0}
+
+        async def victim_ingest() -> None:
+            connection = await Connection.open(host, port)
+            index = victim_from
+            try:
+                while time.perf_counter() < stop and index < len(victim):
+                    started = time.perf_counter()
+                    status, body = await connection.roundtrip(victim[index])
+                    if status != 200:
+                        raise RuntimeError(f"victim ingest answered {status}: {body[:200]!r}")
+                    ingest_ms.append((time.perf_counter() - started) * 1e3)
+                    index += 1
+            finally:
+                connection.close()
+            window.next_victim = index
+
+        async def victim_lookups() -> None:
+            connection = await Connection.open(host, port)
+            index = 0
+            try:
+                while time.perf_counter() < stop:
+                    started = time.perf_counter()
+                    status, body = await connection.roundtrip(queries[index % len(queries)].request)
+                    if status != 200:
+                        raise RuntimeError(f"victim lookup answered {status}: {body[:200]!r}")
+                    lookup_ms.append((time.perf_counter() - started) * 1e3)
+                    index += 1
+            finally:
+                connection.close()
+
+        async def flooder(bodies: list[bytes]) -> None:
+            connection = await Connection.open(host, port)
+            index = 0
+            try:
+                while time.perf_counter() < stop:
+                    status, _ = await connection.roundtrip(bodies[index % len(bodies)])
+                    if status == 503:  # shed: what a well-behaved client does next
+                        flooded["refused"] += 1
+                        await asyncio.sleep(0.05)
+                        continue
+                    flooded["bodies"] += 1
+                    index += 1
+            finally:
+                connection.close()
+
+        await asyncio.gather(victim_ingest(), victim_lookups(),
+                             *(flooder(bodies) for bodies in flood[:flooders]))
+        return {"ingest": _percentiles(ingest_ms), "lookups": _percentiles(lookup_ms),
+                **flooded}
+
+    window.next_victim = 0
+    quiet = asyncio.run(window(args.noisy_duration, 0, 0))
+    flooded = asyncio.run(window(args.noisy_duration, args.noisy_flooders, window.next_victim))
+    return {"quiet": quiet, "flooded": flooded, "body_mib": body_mib,
+            "flood_chunks_s": flooded["bodies"] * per_body / args.noisy_duration}
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0, "p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    array = np.array(values)
+    return {"n": len(values), "p50": float(np.percentile(array, 50)),
+            "p99": float(np.percentile(array, 99)), "max": float(array.max())}
+
+
+def report_noisy(f: Figures, args: argparse.Namespace) -> None:
+    if not f.noisy:
+        return
+    n = f.noisy
+    print(f"  noisy neighbour: {args.noisy_flooders} flooders posting {n['body_mib']:.1f} MiB "
+          f"bodies ({args.noisy_batches} batches of {args.batch_entries}) back to back for "
+          f"{args.noisy_duration:.0f} s: {n['flooded']['bodies']} bodies, "
+          f"{n['flood_chunks_s']:,.0f} chunks/s through, {n['flooded']['refused']} refused (503)")
+    for what, label in (("ingest", "victim ingest (16 chunks)"), ("lookups", "victim lookup")):
+        quiet, flooded = n["quiet"][what], n["flooded"][what]
+        print(f"    {label:<26} quiet p50 {quiet['p50']:8.2f} p99 {quiet['p99']:8.2f} ms "
+              f"(n={quiet['n']}); flooded p50 {flooded['p50']:8.2f} p99 {flooded['p99']:8.2f} "
+              f"max {flooded['max']:8.2f} ms (n={flooded['n']}); p99 flooded/quiet "
+              f"{flooded['p99'] / quiet['p99']:.1f}x")
 
 
 def report(f: Figures, args: argparse.Namespace) -> None:
@@ -418,6 +563,7 @@ def report(f: Figures, args: argparse.Namespace) -> None:
           f"({f.extra} unexpected matches); coordinator CPU {f.lookup_cpu_ms:.2f} ms per "
           f"lookup ({f.lookup_cores:.0%} of one core), load generator CPU "
           f"{f.lookup_gen_cores:.0%}")
+    report_noisy(f, args)
     print(f"  exit code on SIGTERM: {f.exit_code}")
 
 

@@ -9,9 +9,15 @@ Contract:
 - Work is cut into steps, each about one batch's work: scanning a body's outline (its
   batches as raw JSON, cheap: no objects built), validating one batch, applying one batch.
   Every emitter (the `instance_id` of a body's first batch) has its own FIFO of bodies,
-  and emitters take turns a step at a time, as does the queue of bodies not yet scanned.
-  So a small body waits for at most one step of each other busy emitter, never for
-  another emitter's whole body.
+  and emitters take turns, as does the queue of bodies not yet scanned. A turn is one
+  step, or several while they add up to at most `TURN_BYTES` of JSON (deficit round
+  robin in bytes: a step of a large batch takes a turn of its own, a small body is
+  validated and applied within one). So another emitter's small body waits for at most
+  one step of each busy emitter, never for a flood's whole body. A body is queued with
+  its emitter at once when its text begins `{"batches": [{"instance_id": "..."` (what
+  LMCache's encoder and ours write); any other body is scanned first, in a queue of its
+  own, and then queued with its emitter. (A body whose opening names one emitter and
+  whose batches another can only misplace itself: batches are gated by their own ids.)
 - All or nothing per body: every batch is validated before the first is applied. A body
   that breaks the contract anywhere is rejected whole, its message naming the field as
   `$.batches[i]...` like a whole-body decode would. Per emitter, bodies apply in the order
@@ -56,8 +62,15 @@ class _Route(msgspec.Struct):
 
 
 _PATH = re.compile(r"`\$")
+#: The first batch's instance id, when the body opens with it (no escapes in it).
+_OPENING = re.compile(rb'\s*\{\s*"batches"\s*:\s*\[\s*\{\s*"instance_id"\s*:\s*"([^"\\]*)"')
 _SCAN, _VALIDATE, _APPLY = "scan", "validate", "apply"
 _NOBODY = object()  # `_running` when no participant's step is running
+#: A turn goes on while its steps add up to less than this much JSON (about 40 chunks of
+#: 256 tokens): small bodies finish in one turn, a large batch's step is a turn of its own.
+TURN_BYTES = 64 << 10
+#: Scanning is a byte scan without building objects: this many times cheaper per byte.
+_SCAN_DISCOUNT = 8
 
 
 class _Job:
@@ -122,7 +135,7 @@ class FairIngest:
             if self._closed:
                 _fail(job, IngestClosed("the coordinator is shutting down"))
                 return job.future
-            self._enqueue_locked(None, job)
+            self._enqueue_locked(_peek_route(body), job)
         return job.future
 
     @property
@@ -151,28 +164,33 @@ class FairIngest:
                     return
                 key, _ = self._ready.popitem(last=False)
                 self._running = key
-                job = self._queues[key][0]
-            try:
-                done = self._step(job)
-            except Exception as exc:  # an internal error fails this body, never the thread
-                log.exception("ingest step failed; the body is answered with an error")
-                _fail(job, exc)
-                done = True
-            self.steps += 1
-            with self._cond:
-                self._running = _NOBODY
                 queue = self._queues[key]
-                if done:
-                    queue.popleft()
-                    self._kept -= job.kept
-                    job.kept = 0
-                elif key is None:  # scanned: now it queues behind its emitter's bodies
-                    queue.popleft()
-                    self._enqueue_locked(_route(job), job)
-                if queue:
-                    self._ready[key] = None
-                else:
-                    del self._queues[key]
+            spent = 0
+            while True:  # one turn: steps of this participant's bodies, up to TURN_BYTES
+                job = queue[0]  # only this thread takes from a queue
+                spent += _cost(job)
+                try:
+                    done = self._step(job)
+                except Exception as exc:  # an internal error fails this body, not the thread
+                    log.exception("ingest step failed; the body is answered with an error")
+                    _fail(job, exc)
+                    done = True
+                self.steps += 1
+                with self._cond:
+                    if done:
+                        queue.popleft()
+                        self._kept -= job.kept
+                        job.kept = 0
+                    elif key is None:  # scanned: now it queues behind its emitter's bodies
+                        queue.popleft()
+                        self._enqueue_locked(_route(job), job)
+                    if not queue or spent >= TURN_BYTES or self._closed:
+                        self._running = _NOBODY
+                        if queue:
+                            self._ready[key] = None
+                        else:
+                            del self._queues[key]
+                        break
 
     def _step(self, job: _Job) -> bool:
         """One step of `job`; True when it is finished (future resolved)."""
@@ -214,6 +232,24 @@ class FairIngest:
         job.next += 1
         return _finish(job) if job.next == len(job.raws) else False
 
+
+
+def _peek_route(body: bytes) -> str | None:
+    """The emitter named at the very start of the body, or None (scan it first)."""
+    found = _OPENING.match(body, 0, 4096)
+    if found is None:
+        return None
+    try:
+        return found.group(1).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _cost(job: _Job) -> int:
+    """Bytes of JSON the job's next step works through."""
+    if job.phase == _SCAN:
+        return len(job.body) // _SCAN_DISCOUNT
+    return len(job.raws[job.next]) if job.next < len(job.raws) else 0
 
 
 def _route(job: _Job) -> str:
