@@ -29,13 +29,13 @@ Invariants (all under `self._lock`, which is never held while calling out):
   index of a million chunks adds no GC pause.
 - slot `s`: `_slot_chunk[s]` its chunk, `_slot_ns[s]` its namespace id,
   `_slot_offset[s]` the chunk's stored offset (the same in every slot of a chunk),
-  `_next[s]` and `_prev[s]` its neighbours in its list; at a list's head, `_length[s]`
-  the list's length. Free slots are chained through `_next` from `_free_slot`.
+  `_next[s]` and `_prev[s]` its neighbours in its circular list (the head's prev is
+  the tail). Free slots are chained through `_next` from `_free_slot`.
 - the list of (cid, ns) starts at `_head[cid]` if `_slot_ns[_head[cid]] == ns`, else at
   `_more_heads[ns << 32 | cid]`: most contents are claimed by one namespace, so their
   only list costs no dict entry.
-- `_num_chunks[cid]` occupants and `_num_lists[cid]` namespace lists per content. A
-  content is stored iff it has an occupant; a chunk exists iff a namespace claims it.
+- `_num_chunks[cid]` occupants per content. A content is stored iff it has an
+  occupant; a chunk exists iff a namespace claims it.
 - `store.ns_mask[cid]` holds bit `id % 64` of every namespace with a list on `cid`; it
   may carry stale extra bits (a cheap pre-test), never miss one.
 - A namespace's id is recycled once nothing claims it, so the ids stay small.
@@ -104,15 +104,11 @@ class ContentIndex:
         self._slot_offset = array("q")
         self._next = array("i")
         self._prev = array("i")
-        self._length = array("i")
         self._free_slot = _NONE
         # Per content id (grown with the store).
         self._head = array("i")
         self._num_chunks = array("i")
-        self._num_lists = array("i")
         self._more_heads: dict[int, int] = {}
-        # (cid, ns_id) of lists created since the last `_settle`: their mask bits.
-        self._new_lists: list[tuple[int, int]] = []
         # Namespaces.
         self._ns_ids: dict[Hashable, int] = {}
         self._ns_names: list[Hashable] = []
@@ -160,21 +156,30 @@ class ContentIndex:
             self._grow_contents()
             chunks, num_chunks, vacated = self._chunks, self._num_chunks, []
             ns_id = self._namespace_id(namespace)
+            bits, claimed = _mask_bit(ns_id), 0  # counted once per batch
             for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
                 record = chunks.get(chunk_hash)
                 if record is not None and record[0] != cid:
                     # The hash now names other content: retire it from the old one first.
+                    self._count_claims(ns_id, claimed)
                     vacated.append(record[0])
                     self._drop(chunk_hash, record)
-                    record = None
+                    record, claimed = None, 0
                     ns_id = self._namespace_id(namespace)  # the drop may have retired it
+                    bits |= _mask_bit(ns_id)
                 if record is None:
                     chunks[chunk_hash] = (cid, self._claim(chunk_hash, cid, ns_id, offset))
                     num_chunks[cid] += 1
+                    claimed += 1
                     continue
-                claim = self._with_claim(chunk_hash, cid, record[1], ns_id, offset)
+                claim, added = self._with_claim(chunk_hash, cid, record[1], ns_id, offset)
+                claimed += added
                 if claim is not record[1]:
                     chunks[chunk_hash] = (cid, claim)
+            self._count_claims(ns_id, claimed)
+            # Every content of the batch is claimed by the namespace now (a stale extra bit
+            # where a drop retired and renumbered it costs nothing but a comparison).
+            self._store.ns_mask[cids] |= np.uint64(bits)
             # Released only now: a later row of this batch may have found that content.
             self._settle(vacated)
 
@@ -246,11 +251,10 @@ class ContentIndex:
             # Zero-copy views of the slot arrays, dropped before the lock is released
             # (an array.array cannot grow while a view of it lives).
             views = [np.frombuffer(a, dtype=np.int32) for a in
-                     (self._head, self._slot_ns, self._length, self._next)]
+                     (self._head, self._slot_ns, self._next)]
             try:
-                heads, lengths = self._heads_of(found[1], ns_id, *views[:3])
-                positions, slots = store.take_occupants(tokens, *found, heads, lengths,
-                                                        views[3])
+                heads = self._heads_of(found[1], ns_id, *views[:2])
+                positions, slots = store.take_occupants(tokens, *found, heads, views[2])
                 offsets = np.frombuffer(self._slot_offset, dtype=np.int64)[slots].tolist()
             finally:
                 del views
@@ -258,9 +262,9 @@ class ContentIndex:
             return list(map(BlendMatch, [slot_chunk[s] for s in slots.tolist()], offsets,
                             positions.tolist()))
 
-    def _heads_of(self, cids: np.ndarray, ns_id: int, head: np.ndarray, slot_ns: np.ndarray,
-                  length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per content, the head slot of `ns_id`'s list (-1: none) and its length."""
+    def _heads_of(self, cids: np.ndarray, ns_id: int, head: np.ndarray, slot_ns: np.ndarray
+                  ) -> np.ndarray:
+        """Per content, the head slot of `ns_id`'s list (-1: none)."""
         heads = head[cids].astype(np.int64)
         own = heads != _NONE
         own[own] = slot_ns[heads[own]] == ns_id
@@ -268,10 +272,7 @@ class ContentIndex:
             more = self._more_heads
             for i in np.flatnonzero(~own).tolist():
                 heads[i] = more.get(ns_id << _NS_SHIFT | int(cids[i]), _NONE) if more else _NONE
-        lengths = np.zeros(heads.size, dtype=np.int64)
-        listed = heads != _NONE
-        lengths[listed] = length[heads[listed]]
-        return heads, lengths
+        return heads
 
     def tokens_of(self, chunk_hash: Hashable) -> np.ndarray | None:
         """A copy of an indexed chunk's content, or None if the chunk is not indexed.
@@ -296,8 +297,8 @@ class ContentIndex:
     def stats(self) -> dict[str, int]:
         with self._lock:
             num_chunks = len(self._chunks)
-            arrays = (self._slot_ns, self._slot_offset, self._next, self._prev, self._length,
-                      self._head, self._num_chunks, self._num_lists)
+            arrays = (self._slot_ns, self._slot_offset, self._next, self._prev,
+                      self._head, self._num_chunks)
             python_bytes = (sys.getsizeof(self._chunks) + num_chunks * _RECORD_BYTES
                             + sys.getsizeof(self._slot_chunk)
                             + sys.getsizeof(self._more_heads)
@@ -318,7 +319,6 @@ class ContentIndex:
         if missing > 0:
             self._head.extend(array("i", [_NONE]) * missing)
             self._num_chunks.extend(array("i", [0]) * missing)
-            self._num_lists.extend(array("i", [0]) * missing)
 
     def _namespace_id(self, namespace: Hashable) -> int:
         ns_id = self._ns_ids.get(namespace)
@@ -357,42 +357,44 @@ class ContentIndex:
             self._more_heads[ns_id << _NS_SHIFT | cid] = new
 
     def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int, offset: int) -> int:
-        """Append a claim of `ns_id` on `chunk_hash` (content `cid`) to its list; the slot."""
+        """Append a claim of `ns_id` on `chunk_hash` (content `cid`) to its list; the slot.
+
+        Runs once per stored chunk, so it does the least it can: the caller counts the
+        claim (`_count_claims`) and sets the namespace's mask bit."""
+        slot_ns, next_slot, prev_slot = self._slot_ns, self._next, self._prev
+        head = self._head[cid]
+        if head != _NONE and slot_ns[head] != ns_id:
+            head = self._more_heads.get(ns_id << _NS_SHIFT | cid, _NONE)
         slot = self._free_slot
         if slot == _NONE:
-            slot = len(self._slot_chunk)
+            slot = len(slot_ns)
             self._slot_chunk.append(chunk_hash)
-            self._slot_ns.append(ns_id)
+            slot_ns.append(ns_id)
             self._slot_offset.append(offset)
-            self._next.append(slot)
-            self._prev.append(slot)
-            self._length.append(1)
+            next_slot.append(slot)
+            prev_slot.append(slot)
         else:
-            self._free_slot = self._next[slot]
+            self._free_slot = next_slot[slot]
             self._slot_chunk[slot] = chunk_hash
-            self._slot_ns[slot] = ns_id
+            slot_ns[slot] = ns_id
             self._slot_offset[slot] = offset
-        next_slot, prev_slot = self._next, self._prev
-        head = self._head_of(cid, ns_id)
-        if head == _NONE:
             next_slot[slot] = prev_slot[slot] = slot
-            self._length[slot] = 1
+        if head == _NONE:  # the namespace's first claim on this content: a new list
             if self._head[cid] == _NONE:
                 self._head[cid] = slot
             else:
                 self._more_heads[ns_id << _NS_SHIFT | cid] = slot
-            self._num_lists[cid] += 1
-            self._new_lists.append((cid, ns_id))
-        else:
+        else:  # at the tail, which is the head's prev
             tail = prev_slot[head]
             next_slot[tail] = slot
             prev_slot[slot] = tail
             next_slot[slot] = head
             prev_slot[head] = slot
-            self._length[head] += 1
-        self._ns_claim_counts[ns_id] += 1
-        self._num_claims += 1
         return slot
+
+    def _count_claims(self, ns_id: int, claimed: int) -> None:
+        self._ns_claim_counts[ns_id] += claimed
+        self._num_claims += claimed
 
     def _unclaim(self, slot: int, cid: int) -> None:
         """Splice a claim's slot out of its list and free it; retire the namespace's id
@@ -400,23 +402,14 @@ class ContentIndex:
         next_slot, prev_slot = self._next, self._prev
         ns_id = self._slot_ns[slot]
         following = next_slot[slot]
-        if following == slot:  # the list's only slot: the list goes
-            self._set_head(cid, ns_id, slot, _NONE)
-            self._num_lists[cid] -= 1
-            remaining = self._head[cid]
-            if self._num_lists[cid] == 1 and remaining != _NONE:
-                # One namespace left, and we know which: the mask is exact again.
-                self._store.ns_mask[cid] = _mask_bit(self._slot_ns[remaining])
+        if following == slot:  # the list's only slot: the list goes (its mask bit may
+            self._set_head(cid, ns_id, slot, _NONE)  # stay: a stale bit costs a compare)
         else:
             preceding = prev_slot[slot]
             next_slot[preceding] = following
             prev_slot[following] = preceding
-            head = self._head_of(cid, ns_id)
-            if head == slot:
-                self._length[following] = self._length[slot] - 1
+            if self._head_of(cid, ns_id) == slot:
                 self._set_head(cid, ns_id, slot, following)
-            else:
-                self._length[head] -= 1
         self._slot_chunk[slot] = None
         next_slot[slot] = self._free_slot
         self._free_slot = slot
@@ -427,29 +420,31 @@ class ContentIndex:
             self._ns_names[ns_id] = None
             self._free_ns_ids.append(ns_id)
 
-    def _with_claim(self, chunk_hash: Hashable, cid: int, claim, ns_id: int, offset: int):
-        """A chunk's `claim` with `ns_id`'s added if it is missing, every slot at `offset`
-        (the same object if nothing but offsets changed)."""
+    def _with_claim(self, chunk_hash: Hashable, cid: int, claim, ns_id: int, offset: int
+                    ) -> tuple[object, bool]:
+        """(a chunk's `claim` with `ns_id`'s added if it was missing, whether it was),
+        every slot at `offset`. The same object if nothing but offsets changed."""
         slot_ns, slot_offset = self._slot_ns, self._slot_offset
         if type(claim) is dict:
             for slot in claim.values():
                 slot_offset[slot] = offset
-            if ns_id not in claim:
-                claim[ns_id] = self._claim(chunk_hash, cid, ns_id, offset)
-            return claim
+            if ns_id in claim:
+                return claim, False
+            claim[ns_id] = self._claim(chunk_hash, cid, ns_id, offset)
+            return claim, True
         slots = (claim,) if type(claim) is int else claim
         claimed = False
         for slot in slots:
             slot_offset[slot] = offset
             claimed |= slot_ns[slot] == ns_id
         if claimed:
-            return claim
+            return claim, False
         added = self._claim(chunk_hash, cid, ns_id, offset)
         if len(slots) < _FEW_CLAIMS:
-            return slots + (added,)
+            return slots + (added,), True
         many = {slot_ns[slot]: slot for slot in slots}
         many[ns_id] = added
-        return many
+        return many, True
 
     def _without_claim(self, claim, ns_id: int) -> tuple[int, object]:
         """(the slot of `ns_id`'s claim or _NONE, what is left of `claim`: None if
@@ -475,13 +470,7 @@ class ContentIndex:
         self._num_chunks[cid] -= 1
 
     def _settle(self, touched: Iterable[int]) -> None:
-        """Set the mask bits of lists created since the last call; free each touched
-        content left without an occupant."""
-        if self._new_lists:
-            cids, ns_ids = zip(*self._new_lists)
-            bits = np.left_shift(np.uint64(1), np.array(ns_ids, dtype=np.uint64) & np.uint64(63))
-            np.bitwise_or.at(self._store.ns_mask, np.array(cids, dtype=np.int64), bits)
-            self._new_lists.clear()
+        """Free each touched content left without an occupant."""
         vacant = [cid for cid in set(touched) if self._num_chunks[cid] == 0]
         if vacant:
             vacant_ids = np.array(vacant, dtype=np.int64)

@@ -154,16 +154,17 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
 
 
 @njit(cache=True, nogil=True)
-def take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid, cursor, budget,
+def take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid, cursor, first,
                    next_slot, blocks):
     """Give each verified occurrence an occupant: the caller's lists, not the store's.
 
     `probe`'s first occurrences and repeat candidates are merged in position order. A
-    first occurrence takes ``cursor[cid]``, the head of the requester's list on that
-    content (-1: none). A repeat candidate is compared token by token only while
-    ``budget[cid]`` (the list's length - 1) lasts; if equal it takes the next slot,
-    ``next_slot[cursor[cid]]``, and spends one. The caller sets `cursor` and `budget` for
-    every content among the first occurrences. Returns (positions, slots), ascending.
+    first occurrence takes ``cursor[cid]``, the head of the requester's circular list on
+    that content (-1: none). A repeat candidate is compared token by token only while
+    the list has a slot left (``next_slot[cursor[cid]]`` is not back at the head,
+    ``first[cid]``); if equal it takes that slot. The caller sets `cursor` and `first`
+    to the head for every content among the first occurrences. Returns
+    (positions, slots), ascending.
     """
     num_first, num_repeat = first_pos.shape[0], repeat_pos.shape[0]
     out_pos = np.empty(num_first + num_repeat, dtype=np.int64)
@@ -179,13 +180,15 @@ def take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid, cursor, 
             i += 1
         else:
             cid = repeat_cid[j]
-            if budget[cid] > 0 and _same_tokens(query, repeat_pos[j], _row(blocks, cid)):
-                budget[cid] -= 1
-                slot = next_slot[cursor[cid]]
-                cursor[cid] = slot
-                out_pos[k] = repeat_pos[j]
-                out_slot[k] = slot
-                k += 1
+            current = cursor[cid]
+            if current != -1:
+                slot = next_slot[current]
+                if slot != first[cid] and _same_tokens(query, repeat_pos[j],
+                                                        _row(blocks, cid)):
+                    cursor[cid] = slot
+                    out_pos[k] = repeat_pos[j]
+                    out_slot[k] = slot
+                    k += 1
             j += 1
     return out_pos[:k], out_slot[:k]
 

@@ -48,7 +48,7 @@ class ContentStore:
         query = np.arange(12, dtype=np.uint32)
         found = store.probe(query, 1, 1)
         heads = np.zeros(found[1].size, dtype=np.int64)
-        store.take_occupants(query, *found, heads, heads + 1, np.zeros(1, dtype=np.int32))
+        store.take_occupants(query, *found, heads, np.zeros(1, dtype=np.int32))
         store.row(int(cids[0]))  # the typed list's item access compiles on first use (~0.3 s)
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
@@ -65,7 +65,7 @@ class ContentStore:
         self._epoch = 0
         self._blocks = List.empty_list(_BLOCK_TYPE)
         self.ns_mask = np.zeros(0, dtype=np.uint64)
-        self._budget = np.zeros(0, dtype=np.int64)
+        self._first = np.zeros(0, dtype=np.int64)
         self._cursor = np.zeros(0, dtype=np.int64)
         self._seen = np.zeros(0, dtype=np.int64)
         self._free_ids = np.zeros(0, dtype=np.int64)
@@ -101,7 +101,7 @@ class ContentStore:
 
     @property
     def nbytes(self) -> int:
-        arrays = (*self._blocks, self.ns_mask, self._budget, self._cursor, self._seen,
+        arrays = (*self._blocks, self.ns_mask, self._first, self._cursor, self._seen,
                   self._free_ids,
                   self._table_fp, self._table_cid, self._filter)
         return sum(a.nbytes for a in arrays)
@@ -122,7 +122,7 @@ class ContentStore:
             # Rows are written before any read; fresh pages are mapped lazily on first write.
             self._blocks.append(np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32))
             self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
-            self._budget = np.concatenate([self._budget, np.zeros(new - old, dtype=np.int64)])
+            self._first = np.concatenate([self._first, np.zeros(new - old, dtype=np.int64)])
             self._cursor = np.concatenate([self._cursor, np.zeros(new - old, dtype=np.int64)])
             self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
             free = int(self._free_top[0])
@@ -177,15 +177,14 @@ class ContentStore:
 
     def take_occupants(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
                        repeat_pos: np.ndarray, repeat_cid: np.ndarray, heads: np.ndarray,
-                       lengths: np.ndarray, next_slot: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
+                       next_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(positions, slots) of the occurrences `probe` found, each given an occupant.
 
         The occupants are the caller's: per first-found content, the head slot of the
-        requester's list (`heads`, -1: none) and its length (`lengths`); `next_slot`
-        links each slot to the next of its list. The first occurrence of a content takes
-        the head, each verified repeat the next slot, until the list is used up."""
+        requester's circular list (`heads`, -1: none); `next_slot` links each slot to the
+        next of its list. The first occurrence of a content takes the head, each verified
+        repeat the next slot, until the list comes back round to its head."""
         self._cursor[first_cid] = heads
-        self._budget[first_cid] = np.maximum(lengths - 1, 0)
+        self._first[first_cid] = heads
         return kernels.take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid,
-                                      self._cursor, self._budget, next_slot, self._blocks)
+                                      self._cursor, self._first, next_slot, self._blocks)
