@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
 
-.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular clean
+.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,10 @@ bench-unified: $(STAMP)
 bench-popular: $(STAMP)
 	$(PY) -m benchmarks.bench_popular_documents $(ARGS)
 
-bench: bench-local bench-coordinator bench-unified bench-popular
+bench-lmcache: $(STAMP)
+	$(PY) -m benchmarks.bench_lmcache_lookup $(ARGS)
+
+bench: bench-local bench-coordinator bench-unified bench-popular bench-lmcache
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -145,3 +145,38 @@ def test_the_adapter_module_is_the_only_one_importing_lmcache_internals():
             offenders.append(path.name)
     assert offenders == []
     assert lmcache_adapter.__doc__ and "--server-module" in lmcache_adapter.__doc__
+
+
+# --- the segmented prefix is carried through ------------------------------------------------
+
+def test_the_segmented_prefix_tail_is_carried_into_the_result():
+    # `--enable-segmented-prefix`: chunks the prefix leg retained after a gap come back at
+    # their own positions, as LMCache's lookup returns them, next to our segments.
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+    from lmcache.v1.multiprocess.session import SessionManager
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    from plugin.lmcache_adapter import LMCacheHost, _Op
+    from plugin.types import CBMatchResult, CBUnifiedLookupResult
+
+    C = 4
+    hasher = TokenHasher(chunk_size=C)
+    sessions = SessionManager(hasher, cleanup_interval=None)
+    context = SimpleNamespace(storage_manager=None, chunk_size=C, session_manager=sessions)
+    host = LMCacheHost(SimpleNamespace(context=context))
+    tokens = tuple(range(100, 100 + 5 * C + 2))
+    key = IPCCacheServerKey(model_name="m", world_size=1, worker_id=None, token_ids=tokens,
+                            start=0, end=len(tokens), request_id="r1", num_kv_readers=1)
+    sessions.get_or_create("r1").set_tokens(list(tokens))
+    hashes = [TokenHasher.hash_to_bytes(h) for h in sessions.get("r1").get_hashes(0, 5 * C)]
+    # Prefix: chunk 0, then a gap at chunk 1; chunks 2 and 4 retained behind it.
+    host._ops["r1"] = _Op(key, 1, segmented=True, prefix_done=True, leading=1, retained=[0, 2, 4])
+    ours = CBMatchResult(0, C, 3 * C, 4 * C, b"peer")
+    result = host.finish("r1", CBUnifiedLookupResult(C, [ours]))
+    assert result.prefix_coverage_tokens == C
+    assert [(s.old_st, s.cur_st, s.hash) for s in result.non_prefix_segments] == [
+        (0, 3 * C, b"peer")]
+    assert [(s.old_st, s.old_ed, s.cur_st, s.cur_ed, s.hash)
+            for s in result.segmented_prefix_segments] == [
+        (2 * C, 3 * C, 2 * C, 3 * C, hashes[2]), (4 * C, 5 * C, 4 * C, 5 * C, hashes[4])]
+    assert host.stats()["in_flight"] == 0 and host.stats()["releasing"] == 0
