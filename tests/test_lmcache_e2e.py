@@ -199,6 +199,15 @@ def test_an_abandoned_lookup_releases_its_locks(fleet):
     status = wait_until(lambda: (s := b.status())["l1_read_locked"] == baseline and s)
     assert status["host"]["in_flight"] == 0 and status["host"]["releasing"] == 0
     assert status["plugin"]["cancelled"] >= 1
+    # A lookup nobody polls again and whose session never ends is released after
+    # `abandon_after_s` (four match budgets), at the next lookup.
+    key = b.key(prefix + tokens(2 * C), "b-forgotten", worker=None)
+    b.lookup_once(key)
+    wait_until(lambda: b.status()["l1_read_locked"] >= baseline + 2)
+    time.sleep(4 * BUDGET + 0.5)
+    b.lookup(tokens(2 * C), "b-after-the-horizon")
+    status = wait_until(lambda: (s := b.status())["l1_read_locked"] == baseline and s)
+    assert status["plugin"]["abandoned"] >= 1 and status["host"]["in_flight"] == 0
     # A completed lookup whose retrieve never comes is released when its session ends too.
     doc = tokens(2 * C)
     fleet.store_and_wait("A", tokens(C) + doc, "a-doc-unretrieved")
@@ -289,11 +298,14 @@ def test_a_restarted_its_old_l1_placements_are_fenced(fleet):
     tiers = lambda: {(p["instance_id"], p["tier"]) for p in fleet.placements(sequence)}
     wait_until(lambda: {("server-A", "l1"), ("server-A", "l2")} <= tiers())
     fleet.restart("A")  # SIGTERM: LMCache deregisters, then a new process starts
-    # The old process's L1 is gone with it; its L2 copies stay in the shared L2 (and listed).
+    # The old process's L1 died with it. (Its L2 copies are the coordinator's call: LMCache's
+    # keeps them; the bundled one fences every placement of an older incarnation, so when the
+    # old process's last events land after its deregistration, they go too.)
     wait_until(lambda: ("server-A", "l1") not in tiers(), timeout=60)
-    assert ("server-A", "l2") in tiers()
-    result, _, _ = fleet.clients["B"].lookup(tokens(40) + sequence[C:], "b-after-a-restart")
-    assert [cur for _, cur in found(result)] == [40, 40 + C]
-    # The new process is registered again and serves the plugin.
+    # The new process is registered again, serves the plugin, and its documents are found.
     wait_until(lambda: "server-A" in fleet.instances())
     assert fleet.clients["A"].status()["reporting"] == "lmcache"
+    new_doc = tokens(2 * C)
+    fleet.store_and_wait("A", tokens(C) + new_doc, "a-after-restart")
+    result, _, _ = fleet.clients["B"].lookup(tokens(40) + new_doc, "b-after-a-restart")
+    assert [cur for _, cur in found(result)] == [40, 40 + C]
