@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import io
+
 from aiohttp.test_utils import TestClient, TestServer
 
 from blend_wire import (
@@ -76,6 +78,9 @@ class Coordinator:
         return self.coordinator.directory
 
     async def call(self, method: str, path: str, expect: int = 200, **kwargs):
+        data = kwargs.get("data")
+        if isinstance(data, bytes) and len(data) > 1 << 20:
+            kwargs["data"] = io.BytesIO(data)  # aiohttp warns of a large body given as bytes
         response = await self.client.request(method, path, **kwargs)
         assert response.status == expect, (path, response.status, await response.text())
         return response
