@@ -153,18 +153,19 @@ async def test_the_reaper_deregisters_a_silent_instance_and_fences_its_l1(start)
 
 
 async def test_a_heartbeating_instance_is_never_reaped(start):
-    coord = await start(health_check_interval=0.05, instance_timeout=0.25)
+    # The timeout leaves room for a loaded machine to stall this loop between beats.
+    coord = await start(health_check_interval=0.05, instance_timeout=1.0)
     await coord.register("alive")
-    for _ in range(12):  # 0.6 s: more than twice the timeout
+    for _ in range(30):  # 1.5 s: longer than the timeout
         await coord.call("PUT", f"{INSTANCES_PATH}/alive/heartbeat")
         await asyncio.sleep(0.05)
     assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
 
 
 async def test_reregistering_counts_as_a_heartbeat(start):
-    coord = await start(health_check_interval=0.05, instance_timeout=0.25)
+    coord = await start(health_check_interval=0.05, instance_timeout=1.0)
     await coord.register("alive")
-    for _ in range(12):  # 0.6 s: more than twice the timeout, re-registering only
+    for _ in range(30):  # 1.5 s: longer than the timeout, re-registering only
         await coord.register("alive")
         await asyncio.sleep(0.05)
     assert [i["instance_id"] for i in await coord.instances()] == ["alive"]

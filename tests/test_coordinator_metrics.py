@@ -101,7 +101,7 @@ async def test_a_scrape_does_not_wait_for_ingest(start):
     pending = asyncio.ensure_future(coord.post_events(batch(entry("bb02"), seq=2)))
     try:
         assert await asyncio.to_thread(entered.wait, 5)
-        samples = await asyncio.wait_for(scrape(coord), 2)
+        samples = await asyncio.wait_for(scrape(coord), 5)
         assert samples[("blend_coordinator_directory_keys", ())] == 1
         assert not pending.done()
     finally:
