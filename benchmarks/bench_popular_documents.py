@@ -18,7 +18,8 @@ For each P in `--prefixes` (default 1 and 100) it reports lookup p50/p99, matche
 reply bytes per query, tokens covered per query (the union of matched windows; the most
 a query can get is printed), and, where there are enough occupants, the time to delete
 `--delete` occupants (the earliest stored: the heads of every list) next to deleting
-one eighth as many, so linear work shows as equal time per occupant. Then the ratios the
+one eighth as many, so linear work shows as equal time per occupant (over HTTP both
+deletes run beside one client doing lookups, whose latency is printed). Then the ratios the
 targets are about: lookup time and reply size at the largest P over the smallest
 (target: within 1.5x), delete time per occupant large/small (target: ~1, linear), and
 tokens covered against LMCache's (target: at least as many).
@@ -506,20 +507,21 @@ def run_coordinator(work: Workload, queries: list[Query], large: int) -> Result:
             result.delete_small_n, result.delete_large_n = len(small), len(big)
             small_requests = stream.requests(small, "delete")
             big_requests = stream.requests(big, "delete")
-            result.delete_small_s = timed(
-                lambda: asyncio.run(send_all(host, port, small_requests)))
 
-            async def delete_while_looking_up() -> list[tuple[float, bytes]]:
+            async def delete_while_looking_up(deletes: list[list[bytes]]
+                                              ) -> tuple[float, list[float]]:
+                """Both deletes run next to one lookup client, so their times compare."""
                 stop = asyncio.Event()
                 looking = asyncio.create_task(lookups_over_http(host, port, requests, stop))
                 started = time.perf_counter()
-                await send_all(host, port, big_requests)
-                result.delete_large_s = time.perf_counter() - started
+                await send_all(host, port, deletes)
+                elapsed = time.perf_counter() - started
                 stop.set()
-                return await looking
+                return elapsed, [latency for latency, _ in await looking]
 
-            result.during_delete = [latency for latency, _ in
-                                    asyncio.run(delete_while_looking_up())]
+            result.delete_small_s, _ = asyncio.run(delete_while_looking_up(small_requests))
+            result.delete_large_s, result.during_delete = asyncio.run(
+                delete_while_looking_up(big_requests))
             samples = asyncio.run(lookups_over_http(host, port, requests))
             record_lookups(result, work, queries, replayed(samples), one_namespace=False,
                            after_delete=True)
