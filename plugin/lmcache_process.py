@@ -85,14 +85,32 @@ class LMCacheServer:
         return self.process.returncode
 
 
-def start_lmcache_server(name: str, *, front_end: bool = True, plugin_module: bool = True,
-                         module_config: dict | None = None, coordinator_url: str | None = None,
-                         event_reporting: bool = True, l2_dir: str | None = None,
-                         instance_id: str | None = None, chunk_size: int = 256,
-                         l1_size_gb: float = 0.25, extra_flags: Sequence[str] = (),
-                         env: dict | None = None, log_dir: str | None = None,
-                         cwd: str | None = None) -> LMCacheServer:
-    """Start one blend-engine LMCache server on free loopback ports; return when it serves."""
+class _PortTaken(RuntimeError):
+    """A port picked as free was taken before the server bound it (another process won)."""
+
+
+def start_lmcache_server(name: str, *, attempts: int = 3, **options) -> LMCacheServer:
+    """Start one blend-engine LMCache server on free loopback ports; return when it serves.
+
+    LMCache cannot bind port 0, so ports are picked free and handed over; another process
+    may take one in between, and then the start is retried on fresh ports.
+    """
+    for attempt in range(attempts):
+        try:
+            return _start_once(name, **options)
+        except _PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True,
+                module_config: dict | None = None, coordinator_url: str | None = None,
+                event_reporting: bool = True, l2_dir: str | None = None,
+                instance_id: str | None = None, chunk_size: int = 256,
+                l1_size_gb: float = 0.25, extra_flags: Sequence[str] = (),
+                env: dict | None = None, log_dir: str | None = None,
+                cwd: str | None = None) -> LMCacheServer:
     rpc_port = free_port()
     http_port = free_port() if front_end else None
     instance_id = instance_id or name
@@ -144,8 +162,11 @@ def _wait_ready(server: LMCacheServer) -> None:
         if server.process.poll() is not None:
             raise RuntimeError(f"LMCache server {server.name} exited with code "
                                f"{server.process.returncode}:\n{server.log_tail()}")
-        if marker in server.log_path.read_text(errors="replace"):
+        log = server.log_path.read_text(errors="replace")
+        if marker in log:
             return
+        if "Address already in use" in log:
+            raise _PortTaken(f"LMCache server {server.name}: a port was taken before it bound")
         time.sleep(0.1)
     raise RuntimeError(f"LMCache server {server.name} not ready within {READY_TIMEOUT_S:.0f} s:\n"
                        f"{server.log_tail()}")
