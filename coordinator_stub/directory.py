@@ -26,8 +26,8 @@ cursor are snapshotted), and its index updates are queued, not sent, until the d
 part is done. If anything raises, the journal is rolled back, the cursor restored and the
 queued index updates dropped, so the gate and the directory are as they were and a retry
 of the same batch applies it. If the index itself fails part-way through the queued
-updates, the chunks the batch touched are re-indexed from the restored bindings. Numbers
-interned for a rolled-back batch (keys) stay interned: harmless, a retry reuses them.
+updates, the chunks the batch touched are re-indexed from the restored bindings. Key and
+place numbers no placement refers to after a batch (committed or rolled back) are freed.
 Whoever adds state that a batch mutates in place makes it a `JournaledDict` /
 `JournaledSet` (or snapshots it in `_apply_atomically`); tests/hostile/test_hostile_atomic.py
 compares everything the directory reports before and after a failed batch.
@@ -272,6 +272,13 @@ class KeyDirectory:
         self._next_ident = 0
         self._free_place_nos: list[int] = []
         self._maybe_unused: set[int] = set()
+        # Keys likewise: chunks holding each key number (journaled), keys per interned
+        # namespace, free numbers; so keys (salts, models, ranks, groups) nobody holds any
+        # more cost nothing, however many a client made up.
+        self._key_refs: dict[int, int] = JournaledDict(self._journal)
+        self._namespace_refs: dict[BlendNamespace, int] = {}
+        self._free_key_nos: list[int] = []
+        self._maybe_unused_keys: set[int] = set()
         self._capacity: dict[tuple[str, str, str], tuple[int, int]] = JournaledDict(
             self._journal)
         self._num_keys = 0
@@ -370,9 +377,11 @@ class KeyDirectory:
             log.exception("batch %d of %s failed while being applied; rolled back, nothing "
                           "of it is applied", batch.seq, batch.instance_id)
             self._free_unused_places()
+            self._free_unused_keys()
             raise
         self._journal.commit()
         self._free_unused_places()
+        self._free_unused_keys()
 
     def _touched_chunks(self) -> set[bytes]:
         bindings = self._bindings
@@ -515,10 +524,33 @@ class KeyDirectory:
         if key_no is None:
             namespace = key.namespace
             namespace = self._namespaces.setdefault(namespace, namespace)
-            key_no = self._key_nos[raw] = len(self._key_ns)
-            self._key_ns.append(namespace)
-            self._key_raw.append(raw)
+            self._namespace_refs[namespace] = self._namespace_refs.get(namespace, 0) + 1
+            if self._free_key_nos:
+                key_no = self._free_key_nos.pop()
+                self._key_ns[key_no], self._key_raw[key_no] = namespace, raw
+            else:
+                key_no = len(self._key_ns)
+                self._key_ns.append(namespace)
+                self._key_raw.append(raw)
+            self._key_nos[raw] = key_no
+            self._maybe_unused_keys.add(key_no)  # freed after the batch if nothing holds it
         return key_no
+
+    def _free_unused_keys(self) -> None:
+        """Forget keys no chunk holds (after a batch, committed or not)."""
+        refs = self._key_refs
+        for key_no in self._maybe_unused_keys:
+            if key_no in refs or self._key_raw[key_no] is None:
+                continue
+            del self._key_nos[self._key_raw[key_no]]
+            namespace = self._key_ns[key_no]
+            self._namespace_refs[namespace] -= 1
+            if not self._namespace_refs[namespace]:
+                del self._namespace_refs[namespace]
+                del self._namespaces[namespace]
+            self._key_ns[key_no] = self._key_raw[key_no] = None
+            self._free_key_nos.append(key_no)
+        self._maybe_unused_keys.clear()
 
     # --- the lifecycle table, one step per row ----------------------------------------------
 
@@ -660,6 +692,7 @@ class KeyDirectory:
                 if self._writer is not None:
                     self._writer.flush()
                 self._free_unused_places()
+                self._free_unused_keys()
 
     def _fence(self, instance_id: str, l1_only: bool = False) -> None:
         """Instance restarted: drop every placement it reported (and what they held); or,
@@ -746,7 +779,9 @@ class KeyDirectory:
             instance = self._places[place_no][0]
             holds.placements_of[instance] = holds.placements_of.get(instance, 0) + 1
             holds.count += 1
-        self._num_keys += new_key
+        if new_key:
+            self._key_refs[key_no] = self._key_refs.get(key_no, 0) + 1
+            self._num_keys += 1
         self._num_placements += 1
         self._count(place_no, 1)
         return holds, new_claim
@@ -822,7 +857,14 @@ class KeyDirectory:
             holds.count -= 1
             if holds.count <= _FEW // 2:  # small again: back to a flat tuple
                 holds = tuple(v for k, p in self._placements_in(holds) for v in (k, p))
-        self._num_keys -= key_gone
+        if key_gone:
+            refs = self._key_refs[key_no] - 1
+            if refs:
+                self._key_refs[key_no] = refs
+            else:
+                del self._key_refs[key_no]
+                self._maybe_unused_keys.add(key_no)
+            self._num_keys -= 1
         self._num_placements -= 1
         self._count(place_no, -1)
         return holds, key_gone, claim_gone, instance_gone

@@ -202,3 +202,25 @@ def test_rollback_restores_access_counts_of_a_many_keys_chunk(monkeypatch):
     with pytest.raises(_Boom):
         directory.ingest([_batch(*keys, seq=3, event_type="access")])
     assert _state(directory, {"e": tokens}) == before
+
+
+def test_made_up_keys_cost_nothing_once_deleted():
+    """A client inventing salts, models, ranks and groups leaves no key behind when it
+    deletes (or is fenced out of) what it stored."""
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    tokens = _tokens()
+    directory.ingest([_batch(_entry("aa", tokens, offset=0), seq=1, instance="steady")])
+    sizes = (len(directory._key_nos), len(directory._namespaces))
+    junk = [_entry(f"{i:04x}", tokens, offset=0, salt=f"s{i}", group=i) for i in range(300)]
+    directory.ingest([_batch(*junk, seq=1, instance="junk")])
+    assert len(directory._key_nos) == sizes[0] + 300
+    directory.ingest([_batch(*junk[:150], seq=2, instance="junk", event_type="delete")])
+    directory.ingest([_batch(_entry("ab", tokens, offset=4), seq=1, instance="junk",
+                             incarnation=1)])  # a restart fences the other 150
+    directory.drop_instance("junk")
+    assert (len(directory._key_nos), len(directory._namespaces)) == sizes
+    assert [m.chunk_hash for m in directory.match(np.array(tokens, dtype=np.uint32), NS)] \
+        == [b"\xaa"]
+    # Numbers are reused, not grown.
+    directory.ingest([_batch(*junk[:10], seq=1, instance="again")])
+    assert len(directory._key_raw) <= sizes[0] + 300
