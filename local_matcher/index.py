@@ -363,8 +363,11 @@ class ContentIndex:
         claim (`_count_claims`) and sets the namespace's mask bit."""
         slot_ns, next_slot, prev_slot = self._slot_ns, self._next, self._prev
         head = self._head[cid]
-        if head != _NONE and slot_ns[head] != ns_id:
-            head = self._more_heads.get(ns_id << _NS_SHIFT | cid, _NONE)
+        if head == _NONE or slot_ns[head] != ns_id:
+            # Not the primary list; the namespace's list may still be among the others
+            # (the primary one may have gone while they stayed): as `_head_of`.
+            head = (self._more_heads.get(ns_id << _NS_SHIFT | cid, _NONE)
+                    if self._more_heads else _NONE)
         slot = self._free_slot
         if slot == _NONE:
             slot = len(slot_ns)
