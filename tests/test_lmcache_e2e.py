@@ -53,11 +53,15 @@ class Fleet:
     def __init__(self, tmp_path_factory) -> None:
         self.l2_dir = str(tmp_path_factory.mktemp("shared-l2"))
         self.log_dir = str(tmp_path_factory.mktemp("lmcache-logs"))
+        self.servers, self.clients = {}, {}
         self.coordinator = start_coordinator("--enable-blend-lookup")
         self.url = self.coordinator.url
-        self.servers, self.clients = {}, {}
-        for name, front_end in (("A", True), ("B", True), ("C", False)):
-            self.start(name, front_end)
+        try:
+            for name, front_end in (("A", True), ("B", True), ("C", False)):
+                self.start(name, front_end)
+        except BaseException:
+            self.close()  # no process outlives a failed set-up
+            raise
 
     def start(self, name: str, front_end: bool = True) -> None:
         self.servers[name] = start_lmcache_server(
