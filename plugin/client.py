@@ -195,8 +195,8 @@ class BlendCoordinatorClient:
                 if not self._make_room_locked(now):
                     self._stats.declined_full += 1
                     log.warning("coordinator client tracks %d queries (max_tracked); request "
-                                   "%s goes local-only. Take results with take().",
-                                   len(self._tracked), request_id)
+                                "%s goes local-only. Take results with take().",
+                                len(self._tracked), request_id)
                     return False
                 if not self._route_locked(query, now):
                     self._stats.skipped_breaker += 1
@@ -307,7 +307,7 @@ class BlendCoordinatorClient:
         if failure is None:
             if endpoint.breaker is not BreakerState.CLOSED:
                 log.info("coordinator at %s answers again; fleet lookups resume",
-                            endpoint.url)
+                         endpoint.url)
             endpoint.breaker, endpoint.probe_out, endpoint.failures = (
                 BreakerState.CLOSED, False, 0)
             return
@@ -317,24 +317,24 @@ class BlendCoordinatorClient:
             if query.is_probe:
                 endpoint.probe_out = False
             log.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
-                           failure)
+                        failure)
             return
         endpoint.failures += 1
         if endpoint.breaker is BreakerState.HALF_OPEN and query.is_probe:
             endpoint.breaker, endpoint.opened_at, endpoint.probe_out = (
                 BreakerState.OPEN, now, False)
             log.warning("coordinator probe failed (%s); %s gets no lookups for %.1f s",
-                           failure, endpoint.url, self.breaker_cooldown_s)
+                        failure, endpoint.url, self.breaker_cooldown_s)
         elif endpoint.breaker is BreakerState.CLOSED:
             if endpoint.failures >= self.breaker_threshold:
                 endpoint.breaker, endpoint.opened_at = BreakerState.OPEN, now
                 stats.breaker_opened += 1
                 log.warning("coordinator blend-lookup failed %d times in a row (last: %s); "
-                               "circuit breaker of %s open for %.1f s", endpoint.failures,
-                               failure, endpoint.url, self.breaker_cooldown_s)
+                            "circuit breaker of %s open for %.1f s", endpoint.failures,
+                            failure, endpoint.url, self.breaker_cooldown_s)
             else:
                 log.warning("coordinator blend-lookup failed (%s); this lookup goes to "
-                               "another replica, or local-only", failure)
+                            "another replica, or local-only", failure)
 
     # --- bookkeeping, guarded by _lock ----------------------------------------------------------
 
@@ -477,7 +477,7 @@ class BlendCoordinatorClient:
             with self._lock:
                 self._stats.dropped_entries += dropped
             log.warning("dropped %d invalid match(es) from the coordinator reply (first: %s)",
-                           dropped, first_reason)
+                        dropped, first_reason)
         kept.sort(key=lambda s: s.cur_st)
         return tuple(kept)
 

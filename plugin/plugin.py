@@ -142,13 +142,13 @@ class BlendPlugin:
         self._workers: ThreadPoolExecutor | None = None
         if config.coordinator_url and not config.event_reporting:
             log.warning("%s is set but %s is off: the coordinator would hold no cache state "
-                           "to match, so the fleet leg stays off. Set %s=1 to enable it.",
-                           ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_EVENT_REPORTING)
+                        "to match, so the fleet leg stays off. Set %s=1 to enable it.",
+                        ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_EVENT_REPORTING)
         if config.fleet_enabled and config.instance_id_is_default:
             log.warning("instance id defaulted to %r (hostname:pid), which changes when this "
-                           "process restarts, so the coordinator cannot fence what the previous "
-                           "process reported. Set %s to a stable per-server name.",
-                           config.instance_id, ENV_INSTANCE_ID)
+                        "process restarts, so the coordinator cannot fence what the previous "
+                        "process reported. Set %s to a stable per-server name.",
+                        config.instance_id, ENV_INSTANCE_ID)
         if config.fleet_enabled:
             # The round-trips in flight, plus the reporter's periodic flush.
             self._workers = ThreadPoolExecutor(config.match_concurrency + 1,
@@ -219,7 +219,7 @@ class BlendPlugin:
                                            [tokens[o:o + size] for o in offsets], offsets)
         except Exception:
             log.exception("on_store failed for request %s; the range is not indexed",
-                             getattr(key, "request_id", "?"))
+                          getattr(key, "request_id", "?"))
 
     def on_evict(self, chunk_hashes: Sequence[bytes]) -> None:
         """Evicted chunks: removed from the local matcher (every namespace), DELETE events
@@ -251,7 +251,7 @@ class BlendPlugin:
         if not bad:
             return True
         log.error("%s: chunk hashes must be bytes, got %s; the whole call (%d chunk(s)) is "
-                     "skipped", caller, type(bad[0]).__name__, len(hashes))
+                  "skipped", caller, type(bad[0]).__name__, len(hashes))
         return False
 
     # --- the lookup path -----------------------------------------------------------------------
@@ -317,9 +317,9 @@ class BlendPlugin:
             if not self._warned_not_asked:
                 self._warned_not_asked = True
                 log.warning("lookup %s has model_name=%r, world_size=%r, cache_salt=%r: "
-                               "the coordinator cannot answer that, so such lookups go "
-                               "local-only", state.request_id, namespace.model_name,
-                               namespace.world_size, namespace.cache_salt[:40])
+                            "the coordinator cannot answer that, so such lookups go "
+                            "local-only", state.request_id, namespace.model_name,
+                            namespace.world_size, namespace.cache_salt[:40])
         elif self.client.submit(state.request_id, state.tokens, namespace, state.deadline):
             state.fleet_status = FleetStatus.PENDING
         else:
@@ -427,7 +427,7 @@ class BlendPlugin:
                     host_cancel(state.request_id)
             except Exception:
                 log.exception("could not cancel what lookup %s left in flight",
-                                 state.request_id)
+                              state.request_id)
 
     # --- introspection and lifecycle -------------------------------------------------------------
 

@@ -335,7 +335,7 @@ class CacheEventReporter:
             with self._lock:
                 self._stats.rejected_batches += len(batches)
             log.error("coordinator rejected %d event batch(es) as invalid and they were "
-                         "dropped: %s", len(batches), response.text[:300])
+                      "dropped: %s", len(batches), response.text[:300])
             return True
         if response.status_code in (429, 503):
             delay = _retry_after_s(response.headers.get("retry-after"))
