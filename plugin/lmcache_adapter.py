@@ -72,7 +72,7 @@ from plugin.plugin import BlendPlugin
 from plugin.reporter import CacheEventReporter
 from plugin.types import CBMatchResult, CBUnifiedLookupResult as PluginResult, LookupKey
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 LMCACHE_VERSION = "0.5.6"
 STATUS_METHOD = "fleet_blend.status"
@@ -274,8 +274,8 @@ class LMCacheHost:
         resolved = self._blend._resolve_cb_read_layouts(key.model_name, key.world_size)
         if not matches or resolved is None:
             if resolved is None:
-                logger.error("no CB KV-cache layout registered for model %s world size %d: "
-                             "nothing can be prefetched", key.model_name, key.world_size)
+                log.error("no CB KV-cache layout registered for model %s world size %d: "
+                          "nothing can be prefetched", key.model_name, key.world_size)
             op.found = set()
             return
         handle, per_hash, hash_to_col = self._blend._sparse_prefetch_submit(key, resolved, matches)
@@ -515,16 +515,16 @@ class FleetBlendModule:
         self.tiers = TierWatcher(self.plugin.on_evict, self.reporter)
         bus = self._ctx.event_bus
         if not bus.enabled:
-            logger.warning("LMCache's event bus is disabled (--disable-observability): evicted "
-                           "chunks stay in the local matcher (the prefetch then skips them) and "
-                           "no placement events are reported")
+            log.warning("LMCache's event bus is disabled (--disable-observability): evicted "
+                        "chunks stay in the local matcher (the prefetch then skips them) and "
+                        "no placement events are reported")
         bus.register_subscriber(self.tiers)
         self._ctx.session_manager.destroy_listeners.append(self._session_ended)
         if blend._coordinator is not None and not builtin_lookup:
             blend._coordinator.close()  # its lookup is not served any more
             blend._coordinator = None
-        logger.info("fleet blend lookup loaded (fleet leg %s, event reporting by %s)",
-                    "on" if config.fleet_enabled else "off", self.reporting)
+        log.info("fleet blend lookup loaded (fleet leg %s, event reporting by %s)",
+                 "on" if config.fleet_enabled else "off", self.reporting)
 
     @property
     def context(self):
@@ -547,7 +547,7 @@ class FleetBlendModule:
                 return None
             return self.host.finish(rid, result)
         except Exception:
-            logger.exception("fleet blend lookup failed for %s; answering no reuse", rid)
+            log.exception("fleet blend lookup failed for %s; answering no reuse", rid)
             self.plugin.cancel(rid)
             return CBUnifiedLookupResult(0, [], [])
 
@@ -567,8 +567,8 @@ class FleetBlendModule:
                 tokens = np.asarray(key.token_ids, dtype=np.uint32)
                 self.tiers.track(hashes, tokens, key.start, self.host.chunk_size)
             except Exception:
-                logger.exception("fleet blend: could not prepare %s for the local matcher",
-                                 key.request_id)
+                log.exception("fleet blend: could not prepare %s for the local matcher",
+                              key.request_id)
                 hashes = []
         handle, ok = self._blend.store(key, instance_id, gpu_block_ids, event_ipc_handle)
         if ok and hashes:
