@@ -13,10 +13,11 @@ Run: `python -m benchmarks.bench_cluster [--chunks N] [--clients 8] [--duration 
    through it (each `/events` reply waits for the append to be acknowledged by a quorum
    of the 3 NATS nodes and for A to apply it), lookups on A;
 4. replay: replica B starts with no snapshot and replays the whole stream before it
-   serves: records/s and chunks/s (its start-up time less the in-memory coordinator's);
+   serves: records/s and chunks/s (as B reports it: from its restore to caught up);
 5. lookups spread over A and B (clients split between them): aggregate lookups/s;
 6. restart from a snapshot: A stops (SIGTERM writes a snapshot) and starts again: time
-   until it serves, and the snapshot's size.
+   until it serves (process start-up included; the in-memory coordinator's is printed
+   next to it), time to load the snapshot, and the snapshot's size.
 
 Figures are of a shared machine: the NATS servers, both replicas and this load
 generator share its cores (`machine_description`), so lookups/s over two replicas say
@@ -33,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 
@@ -101,6 +103,10 @@ def lookups(targets, queries, args) -> dict:
             "cpu_ms": cpu / len(samples) * 1e3, "recall": recall}
 
 
+def replica_stats(running) -> dict:
+    return httpx.get(running.url + "/directory/stats", timeout=60).json()["replica"]
+
+
 def timed_start(*flags: str):
     started = time.perf_counter()
     running = start_coordinator(*flags, stderr=subprocess.DEVNULL, startup_timeout=1800)
@@ -142,10 +148,11 @@ def main(argv=None) -> int:
         log_lookups = lookups([a], queries, args)
 
         # --- replay: replica b from an empty state ------------------------------------------
-        records = args.chunks // args.batch + args.instances
         b, b_start_s = timed_start(*log_flags, "--replica-name", "b")
         running.append(b)
-        replay_s = max(b_start_s - memory_start_s, 1e-9)
+        b_stats = replica_stats(b)
+        replay_s = max(b_stats["replay_s"], 1e-9)
+        records = b_stats["replayed_records"]
         two = lookups([a, b], queries, args)
 
         # --- restart from a snapshot -----------------------------------------------------------
@@ -156,6 +163,7 @@ def main(argv=None) -> int:
         snapshot = max((work / "snap-a").glob("snapshot-*"), key=lambda p: p.stat().st_mtime)
         a, restart_s = timed_start(*a_flags)
         running.append(a)
+        a_stats = replica_stats(a)
     finally:
         for process in running:
             process.stop()
@@ -182,11 +190,12 @@ def main(argv=None) -> int:
           f"servers and the load generator")
     print(f"replay (replica b from nothing): {records:,} records / {args.chunks:,} chunks in "
           f"{replay_s:.1f} s = {records / replay_s:,.0f} records/s, "
-          f"{args.chunks / replay_s:,.0f} chunks/s (start-up {b_start_s:.1f} s less the "
-          f"in-memory coordinator's {memory_start_s:.1f} s)")
+          f"{args.chunks / replay_s:,.0f} chunks/s ({b_start_s:.1f} s from launch to serving)")
     print(f"restart from a snapshot ({args.chunks:,} chunks, {snapshot.stat().st_size / 2**20:,.0f}"
-          f" MiB on disk): stop with snapshot {stop_s:.1f} s, start until serving "
-          f"{restart_s:.1f} s (in-memory start-up: {memory_start_s:.1f} s)")
+          f" MiB on disk): stop with snapshot {stop_s:.1f} s; start until serving "
+          f"{restart_s:.1f} s, of which loading the snapshot {a_stats['restore_s']:.1f} s and "
+          f"replaying {a_stats['replayed_records']} records {a_stats['replay_s']:.1f} s "
+          f"(the in-memory coordinator's start-up: {memory_start_s:.1f} s)")
     return 0
 
 

@@ -79,6 +79,9 @@ class LogReplica:
         self.snapshot_seq = 0  # ... and of the last snapshot written or loaded
         self.restored_from = 0  # ... and of the snapshot this replica started from
         self.records_rejected = 0
+        # How the last start went: loading the snapshot, then replaying up to the log's end.
+        self.restore_s = self.replay_s = 0.0
+        self.replayed = 0
         self._apply = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apply")
         self._validate = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="validate")
@@ -91,13 +94,18 @@ class LogReplica:
 
     async def start(self) -> None:
         await self.log.open()
+        started = time.monotonic()
         await self._restore()
+        self.restore_s = time.monotonic() - started
         _, last = await self.log.bounds()
         self._tasks.append(asyncio.create_task(self._consume(), name="log-consumer"))
         started = time.monotonic()
         await self._caught_up(last)
-        log.info("replica %s caught up with the log at record %d in %.1f s", self.name,
-                 last, time.monotonic() - started)
+        self.replay_s = time.monotonic() - started
+        self.replayed = last - self.restored_from
+        log.info("replica %s restored (snapshot at record %d) in %.1f s, replayed %d records "
+                 "in %.1f s", self.name, self.restored_from, self.restore_s, self.replayed,
+                 self.replay_s)
         if self.snapshots is not None:
             self._tasks.append(asyncio.create_task(self._snapshot_every(), name="snapshots"))
 
@@ -303,7 +311,8 @@ class LogReplica:
     def stats(self) -> dict:
         return {"replica": self.name, "stream": self.cluster.stream,
                 "applied_seq": self.applied, "snapshot_seq": self.snapshot_seq,
-                "restored_from_seq": self.restored_from,
+                "restored_from_seq": self.restored_from, "restore_s": self.restore_s,
+                "replayed_records": self.replayed, "replay_s": self.replay_s,
                 "records_rejected": self.records_rejected}
 
 

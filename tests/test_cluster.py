@@ -13,6 +13,7 @@ of lookups exactly as it does, and has the same key, placement and index counts.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import sys
@@ -335,3 +336,29 @@ def test_bad_event_log_flags_are_refused_at_start():
                              "http://127.0.0.1:4222"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "nats://" in result.stderr
+
+
+def test_the_log_reader_never_skips_records_retention_removed(tmp_path):
+    """A reader that needs records the stream no longer holds gets `LogGap` (the replica
+    then reloads a snapshot or stops), never the next record as if nothing was missing."""
+    from coordinator_stub.eventlog import EventLog, LogGap, LogSettings
+
+    async def scenario(url: str) -> None:
+        log = EventLog(LogSettings(servers=(url,), stream="gap", max_msgs=5))
+        await log.open()
+        try:
+            for i in range(12):
+                assert await log.append("events", b"{}", f"r{i}") == i + 1
+            assert await log.bounds() == (8, 12)
+            records = log.read_from(9)  # still held: read in order
+            assert [r.seq for r in await records.__anext__()] == [9, 10, 11, 12]
+            await records.aclose()
+            with pytest.raises(LogGap) as gap:  # not records 8.. as if 3..7 never were
+                await asyncio.wait_for(log.read_from(3).__anext__(), 10)
+            assert (gap.value.expected, gap.value.found) == (3, 8)
+            assert "3..7" in str(gap.value)
+        finally:
+            await log.close()
+
+    with launch_nats_cluster(1, tmp_path / "nats") as single:
+        asyncio.run(scenario(single.url(0)))
