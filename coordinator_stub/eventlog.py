@@ -12,9 +12,10 @@ Contract:
   stored once. Raises `LogUnavailable` when the log cannot take it (no quorum, timeout).
 - `read_from(seq)`: an async iterator of lists of `LogRecord`, in stream order, starting
   at stream sequence `seq`, for as long as the caller iterates. It survives losing a
-  NATS node (the consumer is re-created from the next sequence it needs). A record
-  missing in the sequence (removed by retention before it was read) raises `LogGap`:
-  the reader cannot go on without missing events, never silently.
+  NATS node or its connection (the consumer is re-created from the next sequence it
+  needs; a record lost in delivery is read again). A record the stream no longer holds
+  (removed by retention before it was read) raises `LogGap`: the reader cannot go on
+  without missing events, never silently.
 - `bounds()`: `(first_seq, last_seq)` of the stream now; `created`: when the stream was
   created (a snapshot taken of another stream of the same name must not be resumed).
 - `max_record_bytes`: the largest payload a record may carry (the server's max_payload
@@ -43,12 +44,19 @@ KIND_HEADER = "Blend-Kind"
 ID_HEADER = "Nats-Msg-Id"
 #: Headers and framing take a few hundred bytes of a message.
 _HEADER_ROOM = 1024
-#: Records fetched per round-trip while reading.
-_FETCH_BATCH = 256
+#: Records fetched per round-trip while reading: as many as fit in about `_FETCH_BYTES`
+#: (records of large `/events` bodies are ~1 MB; the server cuts off a client that has too
+#: much outstanding), at most `_FETCH_MAX`.
+_FETCH_BYTES = 8 << 20
+_FETCH_MAX = 256
 
 
 class LogUnavailable(RuntimeError):
     """The log did not take (or serve) a record in time; the caller may retry."""
+
+
+class _Redeliver(Exception):
+    """A record the stream holds was not delivered: read again from it."""
 
 
 class LogGap(RuntimeError):
@@ -180,6 +188,7 @@ class EventLog:
 
     async def read_from(self, seq: int) -> AsyncIterator[list[LogRecord]]:
         expected = seq
+        record_bytes = 1 << 20  # a running estimate, to size each fetch (cautious at first)
         while True:
             sub = None
             try:
@@ -190,21 +199,28 @@ class EventLog:
                         inactive_threshold=30.0, mem_storage=True, num_replicas=1))
                 idle = 0
                 while True:
+                    batch = max(1, min(_FETCH_MAX, _FETCH_BYTES // max(record_bytes, 1)))
                     try:
-                        msgs = await sub.fetch(_FETCH_BATCH, timeout=1.0)
+                        msgs = await sub.fetch(batch, timeout=1.0)
                     except asyncio.TimeoutError:
                         idle += 1
                         if idle % 5 == 0:  # is our consumer (and its server) still there?
                             await sub.consumer_info()
                         continue
                     idle = 0
+                    record_bytes = (record_bytes + sum(len(m.data) for m in msgs)
+                                    // len(msgs)) // 2
                     records = []
                     for msg in msgs:
                         found = msg.metadata.sequence.stream
                         if found < expected:  # redelivered after a consumer re-creation
                             continue
                         if found > expected:
-                            raise LogGap(expected, found)
+                            first, _ = await self.bounds()
+                            if first > expected:
+                                raise LogGap(expected, found)
+                            # Still in the stream: lost in delivery (a dropped connection).
+                            raise _Redeliver(f"record {expected} was not delivered")
                         headers = msg.headers or {}
                         records.append(LogRecord(found, headers.get(KIND_HEADER, ""),
                                                  headers.get(ID_HEADER, ""), msg.data))
@@ -213,7 +229,7 @@ class EventLog:
                         yield records
             except LogGap:
                 raise
-            except (NatsError, asyncio.TimeoutError, OSError) as exc:
+            except (NatsError, asyncio.TimeoutError, OSError, _Redeliver) as exc:
                 log.warning("event log reader lost its consumer (%r); re-creating it at "
                             "record %d", exc, expected)
                 await asyncio.sleep(0.5)

@@ -362,3 +362,31 @@ def test_the_log_reader_never_skips_records_retention_removed(tmp_path):
 
     with launch_nats_cluster(1, tmp_path / "nats") as single:
         asyncio.run(scenario(single.url(0)))
+
+
+def test_the_log_reader_replays_large_records_in_order(tmp_path):
+    """Records of large `/events` bodies (~1 MB each, 150 MB in all) are read back whole
+    and in order: fetches are sized so the server never cuts the reader off as a slow
+    consumer (which once stalled a replica replaying 200k chunks)."""
+    from coordinator_stub.eventlog import EventLog, LogSettings
+
+    payload = b"x" * (1 << 20)
+
+    async def scenario(url: str) -> None:
+        log = EventLog(LogSettings(servers=(url,), stream="large", max_bytes=0))
+        await log.open()
+        try:
+            for i in range(150):
+                await log.append("events", payload, f"r{i}")
+            seen = []
+            async with asyncio.timeout(60):
+                async for records in log.read_from(1):
+                    seen += [r.seq for r in records if r.payload == payload]
+                    if len(seen) >= 150:
+                        break
+            assert seen == list(range(1, 151))
+        finally:
+            await log.close()
+
+    with launch_nats_cluster(1, tmp_path / "nats") as single:
+        asyncio.run(scenario(single.url(0)))
