@@ -207,6 +207,8 @@ class EventLog:
                         if idle % 5 == 0:  # is our consumer (and its server) still there?
                             await sub.consumer_info()
                         continue
+                    if not msgs:  # a fetch may come back with only status messages
+                        continue
                     idle = 0
                     record_bytes = (record_bytes + sum(len(m.data) for m in msgs)
                                     // len(msgs)) // 2

@@ -185,7 +185,10 @@ class LogReplica:
                     for record_id, reply in results:
                         waiter = self._waiters.pop(record_id, None)
                         if waiter is not None and not waiter.done():
-                            waiter.set_result(reply)
+                            if isinstance(reply, Exception):
+                                waiter.set_exception(reply)
+                            else:
+                                waiter.set_result(reply)
                     self.applied = records[-1].seq
                     self._progress.set()
             except LogGap as gap:
@@ -201,6 +204,10 @@ class LogReplica:
                     return
             except LogUnavailable as exc:
                 log.warning("event log unavailable (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+            except Exception:  # the consumer must outlive any surprise, and say so
+                log.exception("applying the event log failed at record %d; retrying",
+                              self.applied + 1)
                 await asyncio.sleep(0.5)
 
     def _apply_records(self, records: list[LogRecord]) -> list[tuple[str, object]]:
@@ -226,7 +233,12 @@ class LogReplica:
                 log.error("log record %d is not a valid events body (%s); skipped",
                           record.seq, exc)
                 continue
-            results.append((record.record_id, directory.ingest(batches)))
+            try:
+                results.append((record.record_id, directory.ingest(batches)))
+            except Exception as exc:  # nothing of the batch applied (all or nothing)
+                self.records_rejected += 1
+                log.exception("log record %d could not be applied; skipped", record.seq)
+                results.append((record.record_id, exc))
         return results
 
     # --- ingest ------------------------------------------------------------------------
