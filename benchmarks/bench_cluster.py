@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
         running.remove(a)
         stop_s = time.perf_counter() - stopping
         snapshot = max((work / "snap-a").glob("snapshot-*"), key=lambda p: p.stat().st_mtime)
+        snapshot_mib = snapshot.stat().st_size / 2**20
         a, restart_s = timed_start(*a_flags)
         running.append(a)
         a_stats = replica_stats(a)
@@ -168,6 +170,7 @@ def main(argv=None) -> int:
         for process in running:
             process.stop()
         nats.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the stream's store: GBs at 1M chunks
 
     print()
     print(f"{'':34}{'in memory':>14}{'event log':>14}{'log/memory':>12}")
@@ -191,7 +194,7 @@ def main(argv=None) -> int:
     print(f"replay (replica b from nothing): {records:,} records / {args.chunks:,} chunks in "
           f"{replay_s:.1f} s = {records / replay_s:,.0f} records/s, "
           f"{args.chunks / replay_s:,.0f} chunks/s ({b_start_s:.1f} s from launch to serving)")
-    print(f"restart from a snapshot ({args.chunks:,} chunks, {snapshot.stat().st_size / 2**20:,.0f}"
+    print(f"restart from a snapshot ({args.chunks:,} chunks, {snapshot_mib:,.0f}"
           f" MiB on disk): stop with snapshot {stop_s:.1f} s; start until serving "
           f"{restart_s:.1f} s, of which loading the snapshot {a_stats['restore_s']:.1f} s and "
           f"replaying {a_stats['replayed_records']} records {a_stats['replay_s']:.1f} s "
