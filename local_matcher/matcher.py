@@ -3,10 +3,15 @@
 `LocalMatcher` is a `ContentIndex` fed by the store path. One serving process needs one:
 chunks are registered and matched under a namespace (one implicit namespace unless the
 caller names them, e.g. per tenant), and an evicted hash leaves every namespace.
-Registration must never slow that path, so `register` and `evict` only enqueue; one
-background worker shared by every matcher in the process applies the queue, and
-`match` drains whatever is still pending first, so a chunk stored just before a lookup
-is found. Queued operations apply in the order they were made (`_drain_lock`).
+Registration must never slow that path, so `register` and `evict` only enqueue; a
+background task on an executor applies the queue, and `match` drains whatever is still
+pending first, so a chunk stored just before a lookup is found. Queued operations apply
+in the order they were made (`_drain_lock`).
+
+Background work follows the project's one pattern: tasks on an executor, shut down by
+whoever created it. A matcher given an executor (the plugin passes its worker pool)
+never shuts it down; one given none makes a one-thread pool of its own (its thread
+starts with the first store) and shuts it down in `close()`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from threading import Lock
 from typing import Hashable, Iterable, Sequence
 
@@ -28,7 +33,6 @@ log = logging.getLogger(__name__)
 _LOCAL = "local"
 _COALESCE_DELAY_S = 0.002
 _MAX_COALESCED = 256  # registrations per index batch: bounds how long a drain holds the lock
-_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-matcher")
 
 
 class LocalMatcher:
@@ -39,7 +43,12 @@ class LocalMatcher:
     """
 
     def __init__(self, chunk_size: int = 256, probe_stride: int = 1, *,
-                 fingerprint_key: tuple[int, int] | None = None) -> None:
+                 fingerprint_key: tuple[int, int] | None = None,
+                 executor: Executor | None = None) -> None:
+        # A pool starts no thread until its first task: an unused matcher costs none.
+        self._owns_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=1,
+                                                        thread_name_prefix="local-matcher")
         self._index = ContentIndex(chunk_size, probe_stride, fingerprint_key=fingerprint_key)
         self.chunk_size = chunk_size
         self._pending: collections.deque = collections.deque()
@@ -100,14 +109,22 @@ class LocalMatcher:
         return {**self._index.stats(), "pending": len(self._pending)}
 
     def close(self) -> None:
-        """Apply what is queued; the matcher stays usable (it owns no thread)."""
+        """Apply what is queued and stop the thread the matcher made for itself, if any.
+
+        The matcher stays usable: later stores are applied by the next `match` or `flush`.
+        """
         self.flush()
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
 
     def _enqueue(self, operation) -> None:
         self._pending.append(operation)
         if not self._scheduled:
             self._scheduled = True
-            _background.submit(self._drain_in_background)
+            try:
+                self._executor.submit(self._drain_in_background)
+            except RuntimeError:  # executor shut down (closed): the next match drains it
+                self._scheduled = False
 
     def _drain_in_background(self) -> None:
         # A short wait lets a burst of stores coalesce into one batch: draining each store

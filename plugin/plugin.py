@@ -139,7 +139,11 @@ class BlendPlugin:
         self._clock = clock
         self.client: BlendCoordinatorClient | None = None
         self.reporter: CacheEventReporter | None = None
-        self._workers: ThreadPoolExecutor | None = None
+        # One pool for all background work (threads start only when first used): the local
+        # matcher's indexing, and with the fleet leg the round-trips and the reporter's flush.
+        self._workers = ThreadPoolExecutor(
+            config.match_concurrency + 1 if config.fleet_enabled else 1,
+            thread_name_prefix="blend-worker")
         if config.coordinator_url and not config.event_reporting:
             log.warning("%s is set but %s is off: the coordinator would hold no cache state "
                         "to match, so the fleet leg stays off. Set %s=1 to enable it.",
@@ -150,9 +154,6 @@ class BlendPlugin:
                         "process reported. Set %s to a stable per-server name.",
                         config.instance_id, ENV_INSTANCE_ID)
         if config.fleet_enabled:
-            # The round-trips in flight, plus the reporter's periodic flush.
-            self._workers = ThreadPoolExecutor(config.match_concurrency + 1,
-                                               thread_name_prefix="blend-worker")
             self.client = BlendCoordinatorClient(
                 config.coordinator_url, chunk_size=config.chunk_size, timeout=config.blend_timeout,
                 match_concurrency=config.match_concurrency,
@@ -169,7 +170,7 @@ class BlendPlugin:
                 token=config.coordinator_token, ca_file=config.coordinator_ca_file)
         self._lock = threading.Lock()
         # One matcher for every namespace: it registers and matches under `key.namespace`.
-        self._matcher = LocalMatcher(chunk_size=config.chunk_size)
+        self._matcher = LocalMatcher(chunk_size=config.chunk_size, executor=self._workers)
         self._warned_not_asked = False
         # chunk -> the namespace storing it; a frozenset in the rare case of several. No set
         # per chunk: this map holds every chunk the process stores.
@@ -478,9 +479,7 @@ class BlendPlugin:
             self._closed = True
             self._lookups.clear()
         closers = [part.close for part in (self.client, self.reporter) if part is not None]
-        closers.append(self._matcher.close)
-        if self._workers is not None:
-            closers.append(self._workers.shutdown)
+        closers += [self._matcher.close, self._workers.shutdown]
         for closer in closers:
             try:
                 closer()

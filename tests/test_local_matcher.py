@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from local_matcher import CBMatchResult, LocalMatcher
@@ -114,3 +116,34 @@ def test_long_lived_matcher_survives_more_than_2_pow_20_cycles():
     assert last["num_contents"] == last["num_chunks"] == 0
     assert last["table_size"] == first["table_size"]
     assert last["bytes"] <= first["bytes"] + 4096, "memory did not return to its level"
+
+
+def _matcher_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("local-matcher") and t.is_alive()]
+
+
+def test_a_matcher_without_an_executor_stops_its_own_thread_on_close_and_stays_usable():
+    # Threads of matchers other tests left behind may come and go: compare identities.
+    before = set(_matcher_threads())
+    matcher = LocalMatcher(chunk_size=C)
+    assert not set(_matcher_threads()) - before  # no thread until the first store
+    first, second = tokens(C, 1), tokens(C, 2)
+    matcher.register(first, [b"first"])
+    own = set(_matcher_threads()) - before
+    assert len(own) == 1
+    matcher.close()
+    assert not any(t.is_alive() for t in own)
+    matcher.register(second, [b"second"])  # after close: applied by the next match
+    assert [m.hash for m in matcher.match(np.concatenate([first, second]))] == [b"first", b"second"]
+    assert not set(_matcher_threads()) - before
+
+
+def test_a_matcher_given_an_executor_runs_on_it_and_leaves_it_open():
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1, thread_name_prefix="owner-pool") as pool:
+        before = set(_matcher_threads())
+        matcher = LocalMatcher(chunk_size=C, executor=pool)
+        matcher.register(tokens(C, 3), [b"x"])
+        matcher.close()
+        assert not set(_matcher_threads()) - before
+        assert pool.submit(lambda: 42).result() == 42  # still the owner's to shut down

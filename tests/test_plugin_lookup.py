@@ -548,8 +548,8 @@ def test_store_and_evict_are_reported_with_offsets():
 # --- gating --------------------------------------------------------------------------------------
 
 
-def _plugin_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("blend-") and t.is_alive()]
+def _plugin_threads(prefixes=("blend-",)):
+    return [t for t in threading.enumerate() if t.name.startswith(prefixes) and t.is_alive()]
 
 
 def test_no_url_means_local_only_and_no_threads(plugins):
@@ -624,3 +624,17 @@ def test_close_stops_every_plugin_thread():
         plugin.close()
         assert _plugin_threads() == before
         assert len(server.bodies("/events")) == 1  # the queued store was flushed on the way
+
+
+def test_the_local_matcher_indexes_on_the_plugin_pool_and_close_stops_it():
+    both = ("blend-", "local-matcher")
+    before = set(_plugin_threads(both))  # identities: other tests' threads may come and go
+    plugin = make_plugin(InMemoryHost(C))  # local only: one background worker at most
+    doc = fresh(2 * C)
+    save(plugin, plugin.host, doc)  # schedules the matcher's background indexing
+    started = set(_plugin_threads(both)) - before
+    assert [t.name.split("_")[0] for t in started] == ["blend-worker"]  # none of the matcher's own
+    result, _, _ = poll_lookup(plugin, LookupKey("r1", np.concatenate([fresh(3), doc]), MODEL))
+    assert [s.cur_st for s in result.non_prefix_segments] == [3, 3 + C]
+    plugin.close()
+    assert not any(t.is_alive() for t in started)
