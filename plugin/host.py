@@ -6,7 +6,10 @@ while it is pending and its result once (the result is handed out a single time,
 forgotten). Neither may block the caller on I/O.
 
 A host may also offer `cancel(request_id)`: forget every operation of a request the engine
-aborted. The plugin calls it, when present, whenever it lets a lookup go unfinished.
+aborted. The plugin calls it, when present, whenever it lets a lookup go unfinished. A host
+whose cancel cannot always release at once (a load still in flight) may offer `settle() ->
+int`: release what cancelled operations hold if it now can, and return how many still wait;
+the plugin's sweep task calls it, from a worker thread, until it answers 0.
 
 `InMemoryHost` is the reference implementation for tests, examples and benchmarks. It keeps
 stored chunks in a dict (chunk hash -> the chunk's tokens, standing in for its KV). Several

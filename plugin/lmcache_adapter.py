@@ -33,7 +33,9 @@ Contract:
   benchmarks on the same server.
 - An abandoned lookup releases what it holds: when the request's session ends (END_SESSION or
   LMCache's session TTL) or nobody polls it for `abandoned_lookup_s`, its prefix and sparse
-  read locks are released; a prefetch still in flight is released as soon as it lands.
+  read locks are released through `LMCacheHost.cancel`; a prefetch still in flight is
+  released as soon as it lands (`LMCacheHost.settle`). Neither needs a later RPC: the
+  plugin's sweep task releases abandoned lookups and settles on its worker pool.
 - `fleet_blend.status` (server-module method) answers JSON: plugin stats, L1 read-locked
   objects, lookups in flight, tracked chunks, which reporter runs.
 """
@@ -307,14 +309,15 @@ class LMCacheHost:
                 self._stats["cancelled"] += 1
         self.settle()
 
-    def settle(self) -> None:
-        """Release what cancelled lookups hold once their prefetches have landed."""
+    def settle(self) -> int:
+        """Release what cancelled lookups hold once their prefetches have landed; returns
+        how many still wait for theirs (the plugin's sweep task calls again until none)."""
         with self._lock:
             zombies, self._zombies = self._zombies, []
         waiting = [op for op in zombies if not self._release(op)]
-        if waiting:
-            with self._lock:
-                self._zombies.extend(waiting)
+        with self._lock:
+            self._zombies.extend(waiting)
+            return len(self._zombies)
 
     def _release(self, op: _Op) -> bool:
         # True when everything the op held is released. Consumes each prefetch result once.

@@ -21,17 +21,25 @@ Contract:
   uint32 copy, never the engine's list) and O(1) more, and only that long. At most
   `max_tracked_lookups` lookups are tracked; a new one beyond that releases the one
   polled least recently. Releasing also cancels the coordinator query and, when the host
-  offers `cancel(request_id)`, the host's operations.
+  offers `cancel(request_id)`, the host's operations. Abandoned lookups are released
+  without any later call: while a lookup is pending (or the host's `settle()` says
+  something it cancelled still waits), a sweep task runs on the plugin's worker pool and
+  wakes at least every quarter of `abandon_after_s`, so a lookup goes at most
+  `1.25 * abandon_after_s` after its last poll even if the plugin is never called again.
+  The task ends when nothing is held and `close()` wakes and ends it at once.
 - Nothing raises into the serving path: an internal error is logged and the lookup answers
   "no reuse" (`CBUnifiedLookupResult(0, [])`), which is always safe (the engine recomputes).
 - This is the edge: a key's tokens are validated and converted to one contiguous `uint32`
   array and its namespace built once per call (`plugin.types.tokens_of`); the local matcher,
   the client and the reporter take those. Whether a lookup asks the coordinator at all (at
   least one chunk of tokens, a namespace it accepts) is decided once, here.
-- One worker lifecycle: with the fleet leg on, the plugin makes one thread pool
-  (`blend-worker-*`) that runs the client's round-trips and the reporter's periodic flush,
-  and `close()` shuts it down after both; without the fleet leg it starts no thread. Time is
-  read from one injected `clock` (time.monotonic by default), shared with the client.
+- One worker lifecycle: the plugin makes one thread pool (`blend-worker-*`) for all its
+  background work: the local matcher's indexing, the sweep of abandoned lookups, and with
+  the fleet leg the client's round-trips and the reporter's periodic flush. Its threads
+  start only when first used, and `close()` shuts it down after the parts that use it, so
+  no plugin thread outlives `close()`. Time is read from one injected `clock`
+  (time.monotonic by default), shared with the client; the sweep's sleeps are real time,
+  capped at a quarter of `abandon_after_s`, so an injected clock is honoured within that.
 - Gating: the fleet leg (client + reporter) exists only with a coordinator URL *and* event
   reporting; with a URL alone the plugin warns once and runs local-only. Without a URL no
   plugin thread is started. With the fleet leg on and the default (`hostname:pid`) instance
@@ -140,9 +148,11 @@ class BlendPlugin:
         self.client: BlendCoordinatorClient | None = None
         self.reporter: CacheEventReporter | None = None
         # One pool for all background work (threads start only when first used): the local
-        # matcher's indexing, and with the fleet leg the round-trips and the reporter's flush.
+        # matcher's indexing, the sweep of abandoned lookups (one long task while lookups
+        # are pending), and with the fleet leg the round-trips and the reporter's flush
+        # loop. One slot each for the two long tasks, so neither starves the others.
         self._workers = ThreadPoolExecutor(
-            config.match_concurrency + 1 if config.fleet_enabled else 1,
+            config.match_concurrency + 2 if config.fleet_enabled else 2,
             thread_name_prefix="blend-worker")
         if config.coordinator_url and not config.event_reporting:
             log.warning("%s is set but %s is off: the coordinator would hold no cache state "
@@ -178,6 +188,12 @@ class BlendPlugin:
         # Least recently polled first: the sweep and the cap look only at the front.
         self._lookups: collections.OrderedDict[str, _Lookup] = collections.OrderedDict()
         self._closed = False
+        # The sweep task: at most one runs; `_sweep_again` asks a running one for one more
+        # round (something was handed to the host after it last looked). Guarded by _lock.
+        self._sweeper_running = False
+        self._sweep_again = False
+        self._stopping = threading.Event()  # set by close(): the sweep task ends at once
+        self._host_settle = getattr(host, "settle", None)
         self.traces: collections.deque[LookupTrace] = collections.deque(maxlen=1024)
         self._stats = PluginStats()
 
@@ -278,17 +294,21 @@ class BlendPlugin:
                                     last_call=now)
                     self._lookups[request_id] = state
                 else:
+                    # Under the plugin lock, with the move: a sweep must never see this
+                    # lookup at the front with its previous poll time.
+                    state.last_call = now
                     self._lookups.move_to_end(request_id)
             self._let_go(released)
             with state.lock:
                 state.calls += 1
-                state.last_call = now
                 if not state.started:
                     state.started = True
                     self._start(state, key)
                 result = self._advance(state)
             if result is not None:
                 self._release(request_id, state)
+            else:
+                self._arm_sweeper()
             return result
         except Exception:
             log.exception("unified lookup failed for request %s; answering no reuse", request_id)
@@ -419,6 +439,8 @@ class BlendPlugin:
 
     def _let_go(self, released: list[_Lookup]) -> None:
         """Outside the plugin lock: cancel what released lookups left in flight."""
+        if not released:
+            return
         host_cancel = getattr(self.host, "cancel", None)
         for state in released:
             try:
@@ -429,11 +451,61 @@ class BlendPlugin:
             except Exception:
                 log.exception("could not cancel what lookup %s left in flight",
                               state.request_id)
+        if self._host_settle is not None:
+            # The host may still hold some of it (a prefetch in flight): the sweep task
+            # settles it once it lands, even if no call comes.
+            self._arm_sweeper()
+
+    # --- the sweep task: abandoned lookups go without a later call -------------------------------
+
+    def _arm_sweeper(self) -> None:
+        """Make sure the sweep task runs (or runs one more round). Never raises."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._sweeper_running:
+                self._sweep_again = True
+                return
+            self._sweeper_running, self._sweep_again = True, False
+            try:
+                self._workers.submit(self._sweep_task)
+            except RuntimeError:  # the pool is shut down: close() released everything
+                self._sweeper_running = False
+
+    def _sweep_task(self) -> None:
+        # Runs on the worker pool while something is held; ends when nothing is, or at close.
+        tick = self.config.abandon_after_s / 4
+        while not self._stopping.is_set():
+            waiting = 0
+            try:
+                self.sweep()
+                with self._lock:
+                    # What the host was handed so far is settled just below; only a
+                    # hand-over after this point asks for another round.
+                    self._sweep_again = False
+                if self._host_settle is not None:
+                    waiting = self._host_settle() or 0
+            except Exception:  # the sweep must outlive any surprise
+                log.exception("sweeping abandoned lookups failed")
+            with self._lock:
+                if self._closed or not (self._lookups or waiting or self._sweep_again):
+                    self._sweeper_running = False
+                    return
+                self._sweep_again = False
+                delay = tick
+                if self._lookups:
+                    front = next(iter(self._lookups.values()))
+                    expires_in = front.last_call + self.config.abandon_after_s - self._clock()
+                    delay = min(tick, max(expires_in, 0.0) + 0.001)
+            self._stopping.wait(delay)
+        with self._lock:
+            self._sweeper_running = False
 
     # --- introspection and lifecycle -------------------------------------------------------------
 
     def sweep(self) -> int:
-        """Release abandoned lookups now (lookups do it as they come); returns how many."""
+        """Release abandoned lookups now (the sweep task and lookups do it as they come);
+        returns how many."""
         released: list[_Lookup] = []
         with self._lock:
             self._sweep_locked(self._clock(), released)
@@ -478,6 +550,7 @@ class BlendPlugin:
                 return
             self._closed = True
             self._lookups.clear()
+        self._stopping.set()  # the sweep task ends now; the pool's shutdown joins it
         closers = [part.close for part in (self.client, self.reporter) if part is not None]
         closers += [self._matcher.close, self._workers.shutdown]
         for closer in closers:

@@ -10,11 +10,14 @@ lookup ran; there was no way to cancel and no cap (10k abandoned 8k-token lookup
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import tracemalloc
+import weakref
 
 import pytest
 
-from helpers import FakeClock, LoopbackServer, Reply
+from helpers import FakeClock, LoopbackServer, Reply, wait_until
 from plugin import (BlendPlugin, CBUnifiedLookupResult, InMemoryHost, LookupKey, MatchState,
                     PluginConfig)
 
@@ -61,21 +64,89 @@ def test_cancel_withdraws_the_coordinator_query():
         server.close()
 
 
-def test_an_abandoned_lookup_is_released_after_a_few_budgets_without_another_lookup():
+def test_an_abandoned_lookup_is_released_after_a_few_budgets_with_no_later_call():
+    # An idle server: one lookup, then nothing calls the plugin again (no lookup, no store,
+    # no sweep()). Its sweep task lets the lookup go, with its tokens and the host's ops.
     clock = FakeClock()
     host = InMemoryHost(C, prefix_delay_s=60.0, clock=clock)
     with BlendPlugin(PluginConfig(chunk_size=C, blend_timeout=0.05), host, clock=clock) as plugin:
         assert plugin.config.abandon_after_s == pytest.approx(0.2)  # 4 budgets
-        plugin.cb_unified_lookup(_key("gone", 64))
+        assert plugin.cb_unified_lookup(_key("gone")) is None
+        tokens = weakref.ref(plugin._lookups["gone"].tokens)
         clock.advance(0.1)
-        plugin.sweep()
-        assert plugin.active_lookups == 1  # still within its budgets
-        clock.advance(0.15)
-        # The store path sweeps too: no later lookup is needed to let it go.
-        key = LookupKey("s", list(range(C)), MODEL)
-        plugin.on_store(key, [b"\x01" * 16], 0)
+        time.sleep(0.2)  # several of the sweep's wake-ups (every 0.05 s)
+        assert plugin.active_lookups == 1 and host.pending_ops == 1  # within its budgets
+        clock.advance(0.15)  # past abandon_after_s; nothing calls the plugin from here on
+        assert wait_until(lambda: plugin.active_lookups == 0, 20.0)
+        assert wait_until(lambda: host.pending_ops == 0, 20.0)
+        gc.collect()
+        assert tokens() is None  # the uint32 copy is gone too
+        assert plugin.stats().abandoned == 1
+
+
+def test_the_store_path_sweeps_too():
+    clock = FakeClock()
+    host = InMemoryHost(C, prefix_delay_s=60.0, clock=clock)
+    with BlendPlugin(PluginConfig(chunk_size=C, abandoned_lookup_s=600.0), host,
+                     clock=clock) as plugin:
+        plugin.cb_unified_lookup(_key("gone", 64))
+        clock.advance(601.0)  # the sweep task sleeps in real time (150 s here): not yet
+        plugin.on_store(LookupKey("s", list(range(C)), MODEL), [b"\x01" * 16], 0)
         assert plugin.active_lookups == 0 and host.pending_ops == 0
         assert plugin.stats().abandoned == 1
+
+
+class SlowReleaseHost(InMemoryHost):
+    """A host whose cancel cannot release at once (a load in flight): `settle` releases
+    what was cancelled once its clock says the load landed."""
+
+    def __init__(self, *args, land_after_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.land_after_s = land_after_s
+        self.holding: dict[str, float] = {}
+        self.settled = 0
+
+    def cancel(self, request_id: str) -> None:
+        super().cancel(request_id)
+        self.holding[request_id] = self._clock() + self.land_after_s
+
+    def settle(self) -> int:
+        now = self._clock()
+        for request_id, lands in list(self.holding.items()):
+            if now >= lands:
+                del self.holding[request_id]
+                self.settled += 1
+        return len(self.holding)
+
+
+def test_what_the_host_still_holds_after_a_cancel_is_settled_with_no_later_call():
+    clock = FakeClock()
+    host = SlowReleaseHost(C, prefix_delay_s=60.0, clock=clock, land_after_s=5.0)
+    with _plugin(host, abandoned_lookup_s=2.0) as plugin:
+        assert plugin.cb_unified_lookup(_key("aborted", 64)) is None
+        assert plugin.cancel("aborted")  # the engine aborted it; its load is in flight
+        assert plugin.active_lookups == 0 and host.holding
+        clock.advance(5.0)  # the load lands; nothing calls the plugin any more
+        assert wait_until(lambda: not host.holding, 20.0)  # the sweep wakes every 0.5 s
+        assert host.settled == 1
+
+
+def test_close_ends_the_sweep_task_at_once_and_leaves_no_thread():
+    def workers():
+        return {t for t in threading.enumerate() if t.name.startswith("blend-worker")
+                and t.is_alive()}
+
+    before = workers()  # identities: other tests' threads may come and go
+    host = InMemoryHost(C, prefix_delay_s=60.0)
+    # The sweep sleeps up to abandon_after_s / 4 = 150 s between rounds; close must not wait.
+    plugin = _plugin(host, abandoned_lookup_s=600.0)
+    assert plugin.cb_unified_lookup(_key("pending", 64)) is None
+    assert wait_until(lambda: len(workers() - before) == 1)  # the sweep task's thread
+    started = workers() - before
+    closing = time.monotonic()
+    plugin.close()
+    assert time.monotonic() - closing < 30.0  # not the sweep's 150 s sleep
+    assert not any(t.is_alive() for t in started)
 
 
 def test_a_polled_lookup_is_not_abandoned():
