@@ -1,5 +1,6 @@
 """Fair, bounded ingest: `/events` bodies are validated and applied one batch at a time,
-taking turns across emitters, so a flood from one cannot stall the others.
+and emitters are served by start-time fair queuing in bytes, so a flood from any number
+of emitters delays another emitter's small batch by at most the step already running.
 
 Contract:
 - `FairIngest(apply_batch)`; `start()` runs its one scheduler thread, `close()` stops it
@@ -8,24 +9,39 @@ Contract:
   (nothing of it applied), or of whatever `apply_batch` raised.
 - Work is cut into steps, each about one batch's work: scanning a body's outline (its
   batches as raw JSON, cheap: no objects built), validating one batch, applying one batch.
-  Every emitter (the `instance_id` of a body's first batch) has its own FIFO of bodies,
-  and emitters take turns, as does the queue of bodies not yet scanned. A turn is one
-  step, or several while they add up to at most `TURN_BYTES` of JSON (deficit round
-  robin in bytes: a step of a large batch takes a turn of its own, a small body is
-  validated and applied within one). So another emitter's small body waits for at most
-  one step of each busy emitter, never for a flood's whole body. A body is queued with
-  its emitter at once when its text begins `{"batches": [{"instance_id": "..."` (what
-  LMCache's encoder and ours write); any other body is scanned first, in a queue of its
-  own, and then queued with its emitter. (A body whose opening names one emitter and
-  whose batches another can only misplace itself: batches are gated by their own ids.)
+  A step costs the bytes of JSON it works through (a scan an eighth of its body's), plus
+  `STEP_BYTES`. Every emitter (the `instance_id` of a body's first batch) is a flow with
+  its own FIFO of bodies, as is the queue of bodies not yet scanned.
+- Scheduling (start-time fair queuing, SFQ): a waiting flow carries a start tag in
+  virtual bytes; the scheduler runs the flow with the lowest tag (ties: the cheaper next
+  step first, then arrival order), and the virtual clock is the tag of the turn last
+  started. A turn is one step, or several while they add up to at most `TURN_BYTES` (a
+  small body is scanned, validated and applied in one turn; a large batch's step is a
+  turn of its own); the flow's next tag is its start tag plus what the turn cost.
+  A flow that becomes active (its queue was empty) starts at the virtual clock, or at
+  its previous finish tag less `TURN_BYTES` if that is later: an emitter that ran ahead of
+  the others by more than a turn keeps its place; one that did not (a light emitter,
+  however often it posts) goes first.
+- Guarantees, from the tags: (1) a newly active emitter whose next turn is cheaper than
+  every backlogged flow's next step is served as soon as the step running ends, however
+  many emitters flood; (2) backlogged emitters get equal bytes of work: over any interval
+  in which two stay backlogged, their work differs by at most two turns. A body is
+  queued with its emitter at once when its text begins `{"batches": [{"instance_id":
+  "..."` (what LMCache's encoder and ours write); any other body is scanned first, in the
+  flow of its own, and then queued with its emitter. (A body whose opening names one
+  emitter and whose batches another can only misplace itself: batches are gated by
+  their own ids.)
 - All or nothing per body: every batch is validated before the first is applied. A body
   that breaks the contract anywhere is rejected whole, its message naming the field as
   `$.batches[i]...` like a whole-body decode would. Per emitter, bodies apply in the order
   they arrived (one scan queue, FIFO), and a body's batches in their order.
-- Memory: the decoded objects of a batch are several times its JSON. Decoded batches are
-  kept from validation to application only while the bodies keeping them total at most
-  `keep_decoded_bytes`; a larger body is decoded again batch by batch when applied, so
-  whatever the burst, at most a batch of decoded objects per busy emitter is alive.
+- Memory: a decoded batch (token ids as uint32 arrays, `blend_wire.CacheEventEntry`) is
+  about its JSON's size. Decoded batches are kept from validation to application only
+  while the bodies keeping them total at most `keep_decoded_bytes`; a larger body is
+  decoded again batch by batch when applied, so whatever the burst, at most a batch of
+  decoded objects per busy emitter is alive. Scheduler state is per flow with work
+  queued, plus the finish tags of idle emitters still ahead of the clock (forgotten once
+  it passes them, and all of them whenever no work is queued).
 - `ByteBudget` bounds request bytes in flight (the HTTP layer reserves before reading a
   body and answers 503 + Retry-After when it cannot); bodies up to `small_body_bytes`
   draw on a reserve of their own, so large bodies cannot crowd out ordinary batches.
@@ -35,6 +51,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import heapq
+import itertools
 import logging
 import re
 import threading
@@ -65,10 +83,12 @@ _PATH = re.compile(r"`\$")
 #: The first batch's instance id, when the body opens with it (no escapes in it).
 _OPENING = re.compile(rb'\s*\{\s*"batches"\s*:\s*\[\s*\{\s*"instance_id"\s*:\s*"([^"\\]*)"')
 _SCAN, _VALIDATE, _APPLY = "scan", "validate", "apply"
-_NOBODY = object()  # `_running` when no participant's step is running
-#: A turn goes on while its steps add up to less than this much JSON (about 40 chunks of
+_NOBODY = object()  # `_running` when no flow's turn is running
+#: A turn goes on while its steps add up to at most this much JSON (about 40 chunks of
 #: 256 tokens): small bodies finish in one turn, a large batch's step is a turn of its own.
 TURN_BYTES = 64 << 10
+#: What every step costs besides its bytes (its fixed work), so no step is free.
+STEP_BYTES = 256
 #: Scanning is a byte scan without building objects: this many times cheaper per byte.
 _SCAN_DISCOUNT = 8
 
@@ -88,7 +108,7 @@ class _Job:
 
 
 class FairIngest:
-    """One scheduler thread running validation and application steps round-robin."""
+    """One scheduler thread running validation and application steps, fairly queued."""
 
     def __init__(self, apply_batch: Callable[[CacheEventBatch], str], *,
                  keep_decoded_bytes: int = 16 << 20) -> None:
@@ -96,9 +116,13 @@ class FairIngest:
         self.keep_decoded_bytes = keep_decoded_bytes
         self._kept = 0
         self._cond = threading.Condition()
-        # Participants in turn order; None is the queue of bodies not yet scanned.
-        self._ready: collections.OrderedDict[object, None] = collections.OrderedDict()
+        # Flows with work queued (the running one included); None is the scan queue.
         self._queues: dict[object, collections.deque[_Job]] = {}
+        # Waiting flows: (start tag, cost of the next step, arrival number, flow).
+        self._waiting: list[tuple[int, int, int, object]] = []
+        self._arrivals = itertools.count()
+        self._clock = 0  # virtual bytes: the start tag of the turn last started
+        self._finish: dict[object, int] = {}  # idle flows' finish tags ahead of the clock
         self._running: object = _NOBODY
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -124,7 +148,8 @@ class FairIngest:
                 for job in queue:
                     _fail(job, IngestClosed("the coordinator is shutting down"))
             self._queues.clear()
-            self._ready.clear()
+            self._waiting.clear()
+            self._finish.clear()
 
     # --- submitting ------------------------------------------------------------------------
 
@@ -149,24 +174,30 @@ class FairIngest:
         if queue is None:
             queue = self._queues[key] = collections.deque()
         queue.append(job)
-        if key != self._running and key not in self._ready:
-            self._ready[key] = None
-            self._cond.notify()
+        if len(queue) == 1 and key != self._running:  # newly active
+            start = max(self._clock, self._finish.pop(key, 0) - TURN_BYTES)
+            self._wait_locked(key, start)
+
+    def _wait_locked(self, key: object, start: int) -> None:
+        heapq.heappush(self._waiting, (start, _cost(self._queues[key][0]),
+                                       next(self._arrivals), key))
+        self._cond.notify()
 
     # --- the scheduler -------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._ready and not self._closed:
+                while not self._waiting and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                key, _ = self._ready.popitem(last=False)
+                start, _, _, key = heapq.heappop(self._waiting)
+                self._clock = start  # never goes back: every waiting tag is >= the clock
                 self._running = key
                 queue = self._queues[key]
             spent = 0
-            while True:  # one turn: steps of this participant's bodies, up to TURN_BYTES
+            while True:  # one turn: steps of this flow's bodies, up to TURN_BYTES
                 job = queue[0]  # only this thread takes from a queue
                 spent += _cost(job)
                 try:
@@ -184,13 +215,24 @@ class FairIngest:
                     elif key is None:  # scanned: now it queues behind its emitter's bodies
                         queue.popleft()
                         self._enqueue_locked(_route(job), job)
-                    if not queue or spent >= TURN_BYTES or self._closed:
-                        self._running = _NOBODY
-                        if queue:
-                            self._ready[key] = None
-                        else:
-                            del self._queues[key]
-                        break
+                    if queue and not self._closed and spent + _cost(queue[0]) <= TURN_BYTES:
+                        continue
+                    self._end_turn_locked(key, start + spent)
+                    break
+
+    def _end_turn_locked(self, key: object, finish: int) -> None:
+        self._running = _NOBODY
+        if self._queues[key]:
+            self._wait_locked(key, finish)
+            return
+        del self._queues[key]
+        if not self._queues:  # nothing queued anywhere: no one to be fair to
+            self._finish.clear()
+            return
+        self._finish[key] = finish
+        if len(self._finish) > 2 * len(self._queues) + 64:  # forget tags the clock passed
+            self._finish = {k: f for k, f in self._finish.items()
+                            if f - TURN_BYTES > self._clock}
 
     def _step(self, job: _Job) -> bool:
         """One step of `job`; True when it is finished (future resolved)."""
@@ -246,10 +288,11 @@ def _peek_route(body: bytes) -> str | None:
 
 
 def _cost(job: _Job) -> int:
-    """Bytes of JSON the job's next step works through."""
+    """What the job's next step costs: the bytes of JSON it works through, plus the
+    fixed `STEP_BYTES`."""
     if job.phase == _SCAN:
-        return len(job.body) // _SCAN_DISCOUNT
-    return len(job.raws[job.next]) if job.next < len(job.raws) else 0
+        return STEP_BYTES + len(job.body) // _SCAN_DISCOUNT
+    return STEP_BYTES + (len(job.raws[job.next]) if job.next < len(job.raws) else 0)
 
 
 def _route(job: _Job) -> str:

@@ -20,7 +20,7 @@ import pytest
 
 from blend_wire import EVENTS_PATH, BlendNamespace, encode
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.ingest import ByteBudget, FairIngest
+from coordinator_stub.ingest import TURN_BYTES, ByteBudget, FairIngest
 from coordinator_stub.process import launch_coordinator
 from coordinator_stub.service import Coordinator
 from hostile_helpers import A, batch, entry
@@ -62,6 +62,114 @@ def test_a_small_batch_waits_for_at_most_a_step_of_another_emitters_flood():
         assert [seq for inst, seq in applied if inst == "flood"] == list(range(1, 51))
     finally:
         ingest.close()
+
+
+def _sized_body(instance: str, seq: int, entries: int) -> bytes:
+    """One batch of `entries` STORE entries, every entry the same number of bytes."""
+    return encode({"batches": [batch(*[entry(f"{seq:08x}{i:08x}", [1_000_000 + i % 4] * 4,
+                                             offset=4 * i) for i in range(entries)],
+                                     seq=seq, instance=instance)]})
+
+
+class _Flood:
+    """`flooders` emitters with `bodies` queued bodies each (one batch of `entries`, more
+    than a turn's bytes), and a victim that posts a one-entry body while a flood batch is
+    being applied, and, with `again`, posts its next one as soon as the last is applied
+    (during the next flood batch: when a client that got its reply would). Records, for
+    each victim batch, how many other batches were applied between its arrival and its
+    own application, and how many steps the scheduler ran in between."""
+
+    def __init__(self, flooders: int, bodies: int = 6, entries: int = 500,
+                 victim_after: int = 0, victims: int = 1) -> None:
+        self.ingest = FairIngest(self._apply)
+        self.victim_after = victim_after or 2 * flooders + 1  # mid-round, tags spread
+        self.victims = victims
+        self.flood_applied = 0
+        self.due = 0  # the victim's next seq to post, or 0
+        self.arrived: tuple[int, int] | None = None  # (batches applied, steps) at arrival
+        self.waits: list[tuple[int, int]] = []  # per victim batch: (batches, steps)
+        self.futures = [self.ingest.submit(_sized_body(f"flood-{k}", 1 + i, entries))
+                        for i in range(bodies) for k in range(flooders)]
+        self.body_bytes = len(_sized_body("flood-0", 1, entries))
+        assert self.body_bytes > TURN_BYTES  # each flood step is a turn of its own
+
+    def _apply(self, b) -> str:
+        if b.instance_id == "victim":
+            applied, steps = self.arrived
+            self.waits.append((self.flood_applied - applied, self.ingest.steps - steps))
+            self.due = b.seq + 1 if b.seq < self.victims else 0
+            return "applied"
+        if self.flood_applied + 1 == self.victim_after:
+            self.due = 1
+        if self.due:  # the victim posts while this flood batch is being applied
+            self.arrived = (self.flood_applied, self.ingest.steps)
+            self.futures.append(self.ingest.submit(_sized_body("victim", self.due, 1)))
+            self.due = 0
+        self.flood_applied += 1
+        return "applied"
+
+    def run(self) -> list[tuple[int, int]]:
+        self.ingest.start()
+        try:
+            for future in self.futures[:]:
+                assert future.result(30).applied == 1
+            for future in self.futures:
+                assert future.result(30).applied == 1
+        finally:
+            self.ingest.close()
+        return self.waits
+
+
+@pytest.mark.parametrize("flooders", [1, 3, 8])
+def test_a_newly_active_emitter_waits_for_at_most_the_batch_being_applied(flooders):
+    # Every flooder holds many queued batches. Round robin put the victim at the tail of
+    # the round: behind one step of each of the other flooders (7 batches at 8 flooders).
+    waits = _Flood(flooders).run()
+    # The flood batch being applied when it arrived (1), then its own scan and
+    # validation steps (2): nothing of anyone else's.
+    assert waits == [(1, 3)], waits
+
+
+@pytest.mark.parametrize("flooders", [3, 8])
+def test_a_light_emitter_posting_back_to_back_never_waits_for_more_than_one_batch(flooders):
+    # Strict start-time fair queuing put a victim that posts again within one round of
+    # the flooders (a start tag a few hundred bytes past the clock) behind every flooder
+    # not yet served in that round: once a round, a wait of up to 7 batches.
+    victims = 12
+    waits = _Flood(flooders, bodies=victims + 4, victims=victims).run()
+    assert len(waits) == victims
+    assert set(waits) == {(1, 3)}, waits
+
+
+def test_backlogged_emitters_share_bytes_of_work_fairly():
+    # Three emitters, batches of 1x, 4x and 16x the bytes, all queued at once (the same
+    # total each): while all three are backlogged, the bytes applied for each stay within
+    # two large batches of one another (a large step is a turn of its own; the small
+    # emitters' turns are up to TURN_BYTES of their steps).
+    sizes = {"small": 40, "medium": 160, "large": 640}  # entries per batch
+    applied: list[tuple[str, int]] = []
+    ingest = FairIngest(lambda b: applied.append((b.instance_id, len(b.entries)))
+                        or "applied")
+    per_entry = len(_sized_body("x", 1, 2)) - len(_sized_body("x", 1, 1))
+    bodies = {name: 2 * 640 // n for name, n in sizes.items()}  # two large batches' worth
+    futures = [ingest.submit(_sized_body(name, 1 + i, n))
+               for i in range(max(bodies.values())) for name, n in sizes.items()
+               if i < bodies[name]]
+    ingest.start()
+    try:
+        for future in futures:
+            assert future.result(30).applied == 1
+    finally:
+        ingest.close()
+    assert sizes["large"] * per_entry > TURN_BYTES > sizes["medium"] * per_entry
+    done = {name: 0 for name in sizes}
+    worst = 0
+    for name, entries in applied:
+        done[name] += entries
+        if any(done[n] == bodies[n] * sizes[n] for n in sizes):
+            break  # one emitter is no longer backlogged
+        worst = max(worst, max(done.values()) - min(done.values()))
+    assert worst <= 2 * sizes["large"], (worst, applied[:12])
 
 
 def test_an_emitters_bodies_apply_in_arrival_order_across_turns():
