@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.typed import List
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -47,6 +48,21 @@ _LOW6 = np.uint64(63)
 BLOCK_BITS = 14
 BLOCK_ROWS = 1 << BLOCK_BITS
 _BLOCK_MASK = BLOCK_ROWS - 1
+
+
+@njit(cache=True)
+def new_blocks(first):
+    """A typed list of token blocks holding `first`. Built here, in a cached kernel, and
+    only grown by `append_block`: a typed list created or used from Python compiles its
+    methods anew in every process (seconds at start-up), a cached kernel loads them."""
+    blocks = List()
+    blocks.append(first)
+    return blocks
+
+
+@njit(cache=True)
+def append_block(blocks, block):
+    blocks.append(block)
 
 
 @njit(cache=True, inline="always")

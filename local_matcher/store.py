@@ -19,14 +19,10 @@ from __future__ import annotations
 import secrets
 
 import numpy as np
-from numba import types
-from numba.typed import List
-
 from local_matcher import kernels
 
 _FILTER_BITS_PER_SLOT_LOG2 = 4
 _MASK64 = 2**64 - 1
-_BLOCK_TYPE = types.Array(types.uint32, 2, "C")
 
 
 def _as_u64(value: int) -> np.uint64:
@@ -49,7 +45,6 @@ class ContentStore:
         found = store.probe(query, 1, 1)
         heads = np.zeros(found[1].size, dtype=np.int64)
         store.take_occupants(query, *found, heads, np.zeros(1, dtype=np.int32))
-        store.row(int(cids[0]))  # the typed list's item access compiles on first use (~0.3 s)
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
         cls._warmed = True
@@ -63,7 +58,10 @@ class ContentStore:
         self._base = _as_u64(base | 1)  # odd: multiplication by it is invertible mod 2**64
         self._base_pow = _as_u64(pow(int(self._base), chunk_size, 2**64))
         self._epoch = 0
-        self._blocks = List.empty_list(_BLOCK_TYPE)
+        # The token blocks twice over, the same arrays: a Python list for Python (sizes,
+        # rows, pickling), numba's typed list for the kernels (`kernels.new_blocks`).
+        self._block_arrays: list[np.ndarray] = []
+        self._blocks = None
         self.ns_mask = np.zeros(0, dtype=np.uint64)
         self._first = np.zeros(0, dtype=np.int64)
         self._cursor = np.zeros(0, dtype=np.int64)
@@ -74,22 +72,23 @@ class ContentStore:
         self._reserve(1)
 
     def __getstate__(self) -> dict:
-        """Picklable: the numba list of token blocks travels as a plain list."""
+        """Picklable: the blocks travel as the plain list; the typed one is rebuilt."""
         state = dict(vars(self))
-        state["_blocks"] = list(self._blocks)
+        del state["_blocks"]
         return state
 
     def __setstate__(self, state: dict) -> None:
-        blocks = List.empty_list(_BLOCK_TYPE)
-        for block in state["_blocks"]:
-            blocks.append(block)
-        vars(self).update(state, _blocks=blocks)
+        vars(self).update(state)
+        blocks = self._block_arrays
+        self._blocks = kernels.new_blocks(blocks[0])
+        for block in blocks[1:]:
+            kernels.append_block(self._blocks, block)
 
     # --- sizing ---------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        return len(self._blocks) * kernels.BLOCK_ROWS
+        return len(self._block_arrays) * kernels.BLOCK_ROWS
 
     @property
     def num_contents(self) -> int:
@@ -101,7 +100,7 @@ class ContentStore:
 
     @property
     def nbytes(self) -> int:
-        arrays = (*self._blocks, self.ns_mask, self._first, self._cursor, self._seen,
+        arrays = (*self._block_arrays, self.ns_mask, self._first, self._cursor, self._seen,
                   self._free_ids,
                   self._table_fp, self._table_cid, self._filter)
         return sum(a.nbytes for a in arrays)
@@ -120,7 +119,12 @@ class ContentStore:
             old = self.capacity
             new = old + kernels.BLOCK_ROWS
             # Rows are written before any read; fresh pages are mapped lazily on first write.
-            self._blocks.append(np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32))
+            block = np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32)
+            self._block_arrays.append(block)
+            if self._blocks is None:
+                self._blocks = kernels.new_blocks(block)
+            else:
+                kernels.append_block(self._blocks, block)
             self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
             self._first = np.concatenate([self._first, np.zeros(new - old, dtype=np.int64)])
             self._cursor = np.concatenate([self._cursor, np.zeros(new - old, dtype=np.int64)])
@@ -159,7 +163,7 @@ class ContentStore:
 
     def row(self, cid: int) -> np.ndarray:
         """The stored tokens of content `cid` (a view)."""
-        return self._blocks[cid >> kernels.BLOCK_BITS][cid & (kernels.BLOCK_ROWS - 1)]
+        return self._block_arrays[cid >> kernels.BLOCK_BITS][cid & (kernels.BLOCK_ROWS - 1)]
 
     def holds(self, cid: int, tokens: np.ndarray) -> bool:
         return bool(np.array_equal(self.row(cid), tokens))
