@@ -74,7 +74,9 @@ than per-chunk objects, dicts and sets.
 not indexed (no offset), or, for an indexed chunk, only an `int` digest of them: the
 tokens are kept once, in the index, and fetched back (`ContentIndex.tokens_of`) for the
 rare steps that need them (claiming an indexed chunk for another namespace, moving its
-offset, un-indexing it).
+offset, un-indexing it). The digest is `hash`, randomised per process: a directory loaded
+from a snapshot keeps the writer's digests, and a STORE whose digest differs is compared
+with the indexed tokens before it counts as new content (nothing is re-digested on load).
 """
 
 from __future__ import annotations
@@ -605,7 +607,15 @@ class KeyDirectory:
         (content, offset)."""
         if content is None:
             return self._fill_content(chunk_hash, holds, tokens, new_offset)
-        same = tokens == content if type(content) is bytes else _digest(tokens) == content
+        if type(content) is bytes:
+            same = tokens == content
+        else:
+            # A digest taken by another process (a loaded snapshot: `hash` is per process)
+            # differs even for the same tokens, so a differing digest is checked against
+            # the indexed tokens, and the binding takes this process's digest.
+            digest = _digest(tokens)
+            same = digest == content or tokens == self._writer.tokens_of(chunk_hash)
+            content = digest if same else content
         if not same:
             # New text under a known hash: the old position belonged to the old text.
             if self._indexed(content, offset):
@@ -916,15 +926,11 @@ class KeyDirectory:
             vars(self).update(state)
 
     def __setstate__(self, state: dict) -> None:
+        # Indexed chunks' digests came from the writing process's `hash`: they stay as
+        # they are, and `_stamp` checks a differing one against the indexed tokens.
         vars(self).update(state)
         self._lock = threading.Lock()
         self._pack_tokens = struct.Struct(f"={self.chunk_size}I").pack
-        # An indexed chunk's content is kept as a digest by `hash`, which is randomised
-        # per process: digest its tokens again with this process's.
-        for chunk_hash, binding in self._bindings.items():
-            if type(binding[0]) is int:
-                self._bindings[chunk_hash] = (
-                    _digest(self._writer.tokens_of(chunk_hash)),) + binding[1:]
 
     # --- inspection ---------------------------------------------------------------------
 
