@@ -118,3 +118,12 @@ def test_old_snapshots_are_pruned(tmp_path):
     for seq in range(1, 6):
         saved(tmp_path, seq=seq)
     assert [int(p.name.split("-")[1]) for p in SnapshotDir(tmp_path).files()] == [5, 4, 3]
+
+
+def test_an_older_format_is_refused_saying_so(tmp_path):
+    _, path = saved(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"BLENDSNAP %d\n" % FORMAT, b"BLENDSNAP %d\n" % (FORMAT - 1),
+                                  1))
+    with pytest.raises(SnapshotRefused, match="older"):
+        read(path, {})
