@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -109,7 +110,11 @@ class ClusterConfig:
     max_bytes: int = 1 << 30
     max_msgs: int = 0  # 0: no limit
     max_age_s: float = 0.0  # 0: no limit
-    snapshot_dir: str = ""  # "": no snapshots (a restart replays the whole stream)
+    snapshot_dir: str = ""  # "": none on local disk
+    # JetStream object store bucket on the event log's servers, shared by the replicas;
+    # "": none. Neither a directory nor a bucket: no snapshots (a restart replays it all).
+    snapshot_bucket: str = ""
+    snapshot_keep: int = 3  # newest snapshots kept in each place
     snapshot_interval_s: float = 60.0
     replica_name: str = ""  # "": host name and port
     apply_timeout_s: float = 10.0
@@ -126,6 +131,12 @@ class ClusterConfig:
             raise ValueError(f"stream replicas must be 1..5, got {self.replicas}")
         if self.max_bytes < 0 or self.max_msgs < 0 or self.max_age_s < 0:
             raise ValueError("event log retention limits must be >= 0 (0: no limit)")
+        if self.snapshot_bucket and not re.fullmatch(r"[A-Za-z0-9_-]+", self.snapshot_bucket):
+            raise ValueError(f"snapshot bucket name {self.snapshot_bucket!r} may hold only "
+                             "letters, digits, '-' and '_' (name the stream so)")
+        if not isinstance(self.snapshot_keep, int) or self.snapshot_keep < 1:
+            raise ValueError(f"snapshots kept must be an integer >= 1, got "
+                             f"{self.snapshot_keep!r}")
         if not 0 < self.snapshot_interval_s < float("inf"):
             raise ValueError(f"snapshot interval must be a finite number of seconds > 0, "
                              f"got {self.snapshot_interval_s!r}")
@@ -255,8 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
                               "%(default)s)")
     cluster.add_argument("--snapshot-dir", default="",
                          help="directory for this replica's snapshots (may be shared by the "
-                              "replicas); the newest is loaded on start. Without it a "
-                              "restart replays the whole stream")
+                              "replicas); the newest is loaded on start. Without it (or "
+                              "--snapshot-store) a restart replays the whole stream")
+    cluster.add_argument("--snapshot-store", choices=["nats"], default=None,
+                         help="also keep snapshots in a JetStream object store on the event "
+                              "log's NATS servers (bucket '<stream>-snapshots', as many "
+                              "copies as the stream), shared by every replica: a fresh "
+                              "replica, or one on another machine, starts from a peer's "
+                              "snapshot. With --snapshot-dir too, snapshots go to both and "
+                              "the newest of either is loaded")
+    cluster.add_argument("--snapshot-keep", type=_positive_int, default=3,
+                         help="newest snapshots kept in the directory and in the bucket "
+                              "(default: %(default)s)")
     cluster.add_argument("--snapshot-interval", type=_positive_seconds, default=60.0,
                          help="seconds between snapshots; also one on shutdown. Keep it well "
                               "under the stream's retention (default: %(default)s)")
@@ -274,7 +295,9 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
         stream=args.event_log_stream, replicas=args.event_log_replicas,
         max_bytes=args.event_log_max_bytes, max_msgs=args.event_log_max_msgs,
         max_age_s=args.event_log_max_age, snapshot_dir=args.snapshot_dir,
-        snapshot_interval_s=args.snapshot_interval, replica_name=args.replica_name)
+        snapshot_bucket=f"{args.event_log_stream}-snapshots" if args.snapshot_store else "",
+        snapshot_keep=args.snapshot_keep, snapshot_interval_s=args.snapshot_interval,
+        replica_name=args.replica_name)
 
 
 def parse_args(argv: Sequence[str] | None = None,

@@ -20,6 +20,8 @@ Contract:
   created (a snapshot taken of another stream of the same name must not be resumed).
 - `max_record_bytes`: the largest payload a record may carry (the server's max_payload
   less room for headers).
+- `jetstream(timeout)`: a JetStream context on the same connection (the snapshot bucket,
+  `coordinator_stub.snapshots`, uses it).
 
 A record is `kind` (header `Blend-Kind`), `record_id` (header `Nats-Msg-Id`) and an
 opaque payload; the log knows nothing of what records mean (`coordinator_stub.replica`
@@ -176,6 +178,11 @@ class EventLog:
             raise LogUnavailable(f"the event log did not acknowledge the append: "
                                  f"{exc!r}") from exc
         return ack.seq
+
+    def jetstream(self, timeout: float):
+        """A JetStream context on this connection whose calls wait up to `timeout` s (the
+        snapshot bucket's chunks are MBs: `coordinator_stub.snapshots`)."""
+        return self._nc.jetstream(timeout=timeout)
 
     # --- reading ------------------------------------------------------------------------
 

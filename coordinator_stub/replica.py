@@ -23,14 +23,16 @@ Contract (README, "Replicas"):
   the log from the record after it, and return once caught up with the log's end as it
   was at start: a replica serves only once it knows what its peers knew. Without a
   usable snapshot it replays the stream from its first record.
-- Snapshots (with `snapshot_dir`): every `snapshot_interval_s`, and on `stop()`, taken
-  on the apply thread between records (ingest pauses; lookups go on). A snapshot holds
-  the directory (placements, bindings, blend index, gate cursors, counters) and the log
-  position it includes.
+- Snapshots (with `snapshot_dir` and/or `snapshot_bucket`: `coordinator_stub.snapshots`):
+  every `snapshot_interval_s`, and on `stop()`, written on the apply thread between
+  records (ingest pauses; lookups go on), then uploaded to the bucket (ingest goes on).
+  A snapshot holds the directory (placements, bindings, blend index, gate cursors,
+  counters) and the log position it includes. On start the newest sound one of either
+  place is loaded: a replica with an empty disk starts from a peer's in the bucket.
 - Retention: the stream keeps bounded history. A replica whose next record is gone
   (down too long, or too slow) does not skip: it reloads the newest snapshot covering
-  the gap (a shared `snapshot_dir` has its peers'), and if none does, it stops with an
-  error saying what is lost and how to recover.
+  the gap (the bucket, or a shared `snapshot_dir`, has its peers'), and if none does, it
+  stops with an error saying what is lost and how to recover.
 
 Not in the log: lookups (read-only), the stats counters' view of rejected requests, and
 connection state. Runs its coroutines on the event loop; blocking work on its threads.
@@ -40,12 +42,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import os
 import signal
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Callable
 
 import msgspec
@@ -56,7 +60,8 @@ from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.eventlog import EventLog, LogGap, LogRecord, LogSettings, LogUnavailable
 from coordinator_stub.ingest import validated_batches
 from coordinator_stub.service import ServiceUnavailable, TooLarge
-from coordinator_stub.snapshot import SnapshotDir, layout_of
+from coordinator_stub.snapshot import layout_of
+from coordinator_stub.snapshots import SnapshotBucket, Snapshots
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,7 @@ class LogReplica:
             servers=cluster.servers, stream=cluster.stream, replicas=cluster.replicas,
             max_bytes=cluster.max_bytes, max_msgs=cluster.max_msgs,
             max_age_s=cluster.max_age_s))
-        self.snapshots = SnapshotDir(cluster.snapshot_dir) if cluster.snapshot_dir else None
+        self.snapshots: Snapshots | None = None  # opened in start() (the bucket needs NATS)
         self.applied = 0  # stream sequence of the last record applied here (loop's view)
         self._in_directory = 0  # ... the apply thread's: what a snapshot includes
         self.snapshot_seq = 0  # ... and of the last snapshot written or loaded
@@ -82,6 +87,8 @@ class LogReplica:
         # How the last start went: loading the snapshot, then replaying up to the log's end.
         self.restore_s = self.replay_s = 0.0
         self.replayed = 0
+        self.snapshot_write_s = 0.0  # the last snapshot written: seconds, bytes
+        self.snapshot_bytes = 0
         self._apply = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apply")
         self._validate = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="validate")
@@ -94,6 +101,14 @@ class LogReplica:
 
     async def start(self) -> None:
         await self.log.open()
+        cluster = self.cluster
+        if cluster.snapshot_dir or cluster.snapshot_bucket:
+            bucket = None
+            if cluster.snapshot_bucket:
+                bucket = await SnapshotBucket.open(
+                    self.log.jetstream(timeout=60.0), cluster.snapshot_bucket,
+                    cluster.replicas, cluster.snapshot_keep, self.log.max_record_bytes)
+            self.snapshots = Snapshots(cluster.snapshot_dir, bucket, cluster.snapshot_keep)
         started = time.monotonic()
         await self._restore()
         self.restore_s = time.monotonic() - started
@@ -119,7 +134,13 @@ class LogReplica:
                 pass
         loop = asyncio.get_running_loop()
         if self.snapshots is not None:
-            await loop.run_in_executor(self._apply, self._snapshot)
+            try:
+                path = await loop.run_in_executor(self._apply, self._snapshot)
+                if path is not None:
+                    await self.snapshots.publish(path)
+            except Exception:
+                log.exception("the snapshot on the way out failed")
+            self.snapshots.close()
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(ServiceUnavailable("the replica is shutting down"))
@@ -142,8 +163,8 @@ class LogReplica:
         first, last = await self.log.bounds()
         loaded = None
         if self.snapshots is not None:
-            loaded = await loop.run_in_executor(self._apply, self.snapshots.load_newest,
-                                                self._expect())
+            loaded = await self.snapshots.load_newest(
+                self._expect(), lambda fn, *args: loop.run_in_executor(self._apply, fn, *args))
         seq, directory = 0, None
         if loaded is not None:
             state, meta = loaded
@@ -153,13 +174,17 @@ class LogReplica:
                           "log", meta["seq"], last)
             else:
                 directory, seq = state["directory"], meta["seq"]
+                # It lives as long as the process: out of every later collection pass
+                # (millions of records; the server freezes what it holds at start too).
+                gc.freeze()
                 log.info("replica %s loaded the snapshot at record %d", self.name, seq)
         if first > seq + 1:
             raise RuntimeError(
                 f"the event log begins at record {first}, but the newest usable snapshot "
                 f"covers records up to {seq}: records {seq + 1}..{first - 1} are gone "
                 f"(retention). Copy a newer snapshot from a peer replica into "
-                f"--snapshot-dir (or share the directory), or raise the stream's retention")
+                f"--snapshot-dir (or share the directory, or use --snapshot-store nats), or "
+                f"raise the stream's retention")
         if directory is None:
             config = self.coordinator.config
             directory = KeyDirectory(chunk_size=config.chunk_size,
@@ -300,30 +325,37 @@ class LogReplica:
         while True:
             await asyncio.sleep(self.cluster.snapshot_interval_s)
             try:
-                await loop.run_in_executor(self._apply, self._snapshot)
+                path = await loop.run_in_executor(self._apply, self._snapshot)
+                if path is not None:
+                    await self.snapshots.publish(path)
             except Exception:
                 log.exception("snapshot failed; the next one is tried in %g s",
                               self.cluster.snapshot_interval_s)
 
-    def _snapshot(self) -> None:
-        """On the apply thread, so no record is half applied."""
+    def _snapshot(self) -> Path | None:
+        """On the apply thread, so no record is half applied. The file written, if any."""
         # `_in_directory`, not `applied`: a stop may cancel the consumer after a batch of
         # records was applied but before the loop saw it.
         seq = self._in_directory
         if self._broken or seq <= self.snapshot_seq:
-            return
+            return None
         started = time.monotonic()
-        path = self.snapshots.save({"directory": self.coordinator.directory},
-                                   dict(self._expect(), seq=seq, replica=self.name,
-                                        written_at=time.time()))
+        path = self.snapshots.write({"directory": self.coordinator.directory},
+                                    dict(self._expect(), seq=seq, replica=self.name,
+                                         written_at=time.time()))
         self.snapshot_seq = seq
-        log.info("snapshot at record %d written in %.2f s: %s", seq,
-                 time.monotonic() - started, path)
+        self.snapshot_write_s = time.monotonic() - started
+        self.snapshot_bytes = path.stat().st_size
+        log.info("snapshot at record %d written in %.2f s (%d bytes): %s", seq,
+                 self.snapshot_write_s, self.snapshot_bytes, path)
+        return path
 
     def stats(self) -> dict:
         return {"replica": self.name, "stream": self.cluster.stream,
                 "applied_seq": self.applied, "snapshot_seq": self.snapshot_seq,
                 "restored_from_seq": self.restored_from, "restore_s": self.restore_s,
+                "snapshot_write_s": self.snapshot_write_s,
+                "snapshot_bytes": self.snapshot_bytes,
                 "replayed_records": self.replayed, "replay_s": self.replay_s,
                 "records_rejected": self.records_rejected}
 

@@ -390,3 +390,111 @@ def test_the_log_reader_replays_large_records_in_order(tmp_path):
 
     with launch_nats_cluster(1, tmp_path / "nats") as single:
         asyncio.run(scenario(single.url(0)))
+
+
+def copy_object_damaged(url: str, bucket: str, name: str, copy: str) -> None:
+    """Put a copy of object `name` with one byte near its end altered, named `copy`, as a
+    peer whose snapshot was damaged on its way in would."""
+    import nats as nats_client
+
+    async def scenario() -> None:
+        connection = await nats_client.connect(url)
+        try:
+            store = await connection.jetstream(timeout=30).object_store(bucket)
+            data = bytearray((await store.get(name)).data)
+            data[-3] ^= 0xFF
+            await store.put(copy, bytes(data))
+        finally:
+            await connection.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_fresh_replica_starts_from_a_peers_snapshot_in_the_object_store(nats, tmp_path):
+    """a keeps its snapshots only in the NATS object store; c starts later with an empty
+    disk and no snapshot of its own: it loads a's (refusing a corrupt newer object, with
+    its reason), replays only the records after it, and answers like the reference."""
+    workload = Workload(seed=6)
+    bodies = workload.bodies(80)
+    store_flags = ("--snapshot-store", "nats", "--snapshot-interval", "3600")
+    a, b, reference = start_replicas(replica_flags(nats, "--replica-name", "a", *store_flags),
+                                     replica_flags(nats, "--replica-name", "b"), REFERENCE)
+    feed(reference, bodies)
+    c = None
+    try:
+        for i, body in enumerate(bodies[:60]):
+            post((a if i % 2 else b).url, body)
+        assert a.stop() == 0  # SIGTERM: its snapshot (record 60) goes to the bucket
+        for body in bodies[60:]:
+            post(b.url, body)
+        # A peer's newer snapshot, damaged on its way in: refused, never loaded.
+        assert not list(tmp_path.glob("**/*.blendsnap")), "nothing on local disk"
+        bucket = "blend-test-snapshots"
+        copy_object_damaged(nats.url(0), bucket, "snapshot-00000000000000000060-a.blendsnap",
+                            "snapshot-00000000000000000070-x.blendsnap")
+        log_path = tmp_path / "c.log"
+        with open(log_path, "w") as log_file:
+            c = start_coordinator(*replica_flags(nats, "--replica-name", "c", *store_flags),
+                                  stderr=log_file)
+        stats = replica_stats(c.url)
+        assert stats["restored_from_seq"] == 60 and stats["applied_seq"] == 80
+        assert stats["replayed_records"] == 20
+        log_text = log_path.read_text()
+        assert (f"nats://{bucket}/snapshot-00000000000000000070-x.blendsnap refused: "
+                "checksum mismatch (corrupt)") in log_text
+        assert_same_as(reference.url, [b.url, c.url], workload.queries())
+    finally:
+        for running in (a, b, c, reference):
+            if running is not None:
+                running.stop()
+
+
+def test_the_snapshot_bucket_keeps_the_newest_and_refuses_damaged_objects(tmp_path):
+    """Uploads keep the newest `keep` objects; a download is byte for byte what was
+    uploaded; an object whose bytes were altered is refused by the snapshot checksum."""
+    from coordinator_stub.directory import KeyDirectory
+    from coordinator_stub.snapshot import SnapshotDir, SnapshotRefused, read
+    from coordinator_stub.snapshots import SnapshotBucket, Snapshots
+
+    import nats as nats_client
+
+    directory = KeyDirectory(chunk_size=CHUNK, enable_blend_lookup=True)
+    local = SnapshotDir(tmp_path / "local", keep=10)
+    files = [local.save({"directory": directory}, {"seq": seq, "replica": "r"})
+             for seq in range(1, 6)]
+
+    async def scenario(url: str) -> None:
+        connection = await nats_client.connect(url)
+        try:
+            js = connection.jetstream(timeout=30)
+            bucket = await SnapshotBucket.open(js, "snaps", 1, 2, connection.max_payload)
+            for path in files:
+                await bucket.put(path)
+            assert await bucket.names() == [files[4].name, files[3].name]
+            fetched = tmp_path / "fetched"
+            await bucket.fetch(files[4].name, fetched)
+            assert fetched.read_bytes() == files[4].read_bytes()
+            with pytest.raises(FileNotFoundError):  # pruned
+                await bucket.fetch(files[0].name, fetched)
+            damaged = bytearray(files[4].read_bytes())
+            damaged[-5] ^= 0xFF
+            await bucket.store.put(files[4].name, bytes(damaged))
+            await bucket.fetch(files[4].name, fetched)
+            with pytest.raises(SnapshotRefused, match="checksum mismatch"):
+                read(fetched, {})
+            # Through `Snapshots`: the damaged newest is passed over for the one before.
+            snapshots = Snapshots("", bucket, keep=2)
+
+            async def run(fn, *args):
+                return fn(*args)
+
+            try:
+                state, meta = await snapshots.load_newest({}, run)
+            finally:
+                snapshots.close()
+            assert meta["seq"] == 4 and isinstance(state["directory"], KeyDirectory)
+        finally:
+            await connection.close()
+
+    with launch_nats_cluster(1, tmp_path / "nats") as single:
+        asyncio.run(scenario(single.url(0)))
