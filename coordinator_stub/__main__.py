@@ -6,7 +6,9 @@ it uses compiled, see `coordinator_stub.service`) and the socket is bound, exact
 line ``listening on http://HOST:PORT`` (``https://`` with `--tls-cert`) is written to
 stdout and flushed, with the real port when `--port 0` asked for a free one. Logs go to
 stderr. On SIGINT or SIGTERM the server
-stops accepting, finishes in-flight requests, stops its worker threads and exits 0.
+stops accepting, finishes in-flight requests, stops its worker threads and exits 0. A
+replica (`--event-log`) that stopped itself because it can no longer apply the log
+without missing records exits 1, the reason in its log.
 
 Connection hygiene (a client may hold sockets and send nothing): the listening socket
 is served through the app's `ConnectionGuard` (at most `--max-connections` open; the
@@ -27,7 +29,7 @@ from typing import Sequence
 
 from aiohttp import web
 
-from coordinator_stub.app import CONNECTIONS, create_app
+from coordinator_stub.app import CONNECTIONS, REPLICA, create_app
 from coordinator_stub.config import CoordinatorConfig, parse_args
 
 log = logging.getLogger("coordinator_stub")
@@ -68,7 +70,8 @@ def _tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
     return context
 
 
-async def serve(config: CoordinatorConfig) -> None:
+async def serve(config: CoordinatorConfig) -> int:
+    """Serve until SIGINT/SIGTERM; the exit code (1: a replica that had to stop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -109,14 +112,18 @@ async def serve(config: CoordinatorConfig) -> None:
         if server is not None:
             server.close()  # stop accepting; runner.cleanup() finishes open connections
         await runner.cleanup()
+    replica = app[REPLICA]
+    if replica is not None and replica.failure:
+        log.critical("exiting: %s", replica.failure)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config))
-    return 0
+    return asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

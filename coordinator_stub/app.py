@@ -24,6 +24,9 @@ Contract:
   (`cleanup_ctx`), cancelled on shutdown. The only one is the reaper: every
   `health_check_interval` seconds (0: never) it deregisters instances silent for more
   than `instance_timeout` and fences their L1 placements, as `DELETE /instances/{id}`.
+  With `--event-log` the registry lives in the log (`coordinator_stub.replica`):
+  registrations, heartbeats, departures and the reaper's decisions go through the
+  replica, which applies them on every replica at the same point of the stream.
 - Errors, in LMCache's shapes: a request breaking the wire contract -> 422
   `{"detail": [{"type", "loc", "msg", "input"}]}`; a token lookup naming what no key can
   carry -> 400 `{"detail": "<why>"}`; a body over `max_body_bytes` or a query over
@@ -60,6 +63,7 @@ from blend_wire import (
     METRICS_PATH,
     STATS_PATH,
     HealthReply,
+    HeartbeatReply,
     WireError,
     encode,
 )
@@ -251,16 +255,22 @@ async def _metrics(request: web.Request) -> web.Response:
 
 @_answers_errors
 async def _register(request: web.Request) -> bytes:
+    replica = request.app[REPLICA]
+    if replica is not None:  # through the log: every replica registers it alike
+        return await replica.submit_register(await _read_body(request))
     return request.app[COORDINATOR].register(await _read_body(request))
 
 
 async def _heartbeat(request: web.Request) -> web.Response:
     instance_id = request.match_info["instance_id"]
-    reply = request.app[COORDINATOR].heartbeat(instance_id)
-    if reply is None:
+    replica = request.app[REPLICA]
+    known = (await replica.heartbeat(instance_id) if replica is not None
+             else request.app[COORDINATOR].heartbeat(instance_id))
+    if not known:
         return web.Response(status=404, content_type=_JSON, body=encode(
             {"error": f"unknown instance {instance_id}; re-register"}))
-    return web.Response(body=reply, content_type=_JSON)
+    return web.Response(body=encode(HeartbeatReply(instance_id=instance_id)),
+                        content_type=_JSON)
 
 
 async def _deregister(request: web.Request) -> web.Response:
@@ -282,9 +292,8 @@ async def _drop(app: web.Application, instance_id: str) -> None:
     `/events` reply before deregistering (LMCache's servers do) has it applied first."""
     coordinator = app[COORDINATOR]
     replica = app[REPLICA]
-    if replica is not None:  # through the log, so every replica fences at the same point
+    if replica is not None:  # through the log, so every replica drops it at the same point
         await replica.submit_drop(instance_id)
-        coordinator.deregister(instance_id)
         return
     coordinator.deregister(instance_id)
     await asyncio.get_running_loop().run_in_executor(
@@ -321,9 +330,13 @@ async def _reaper(app: web.Application) -> AsyncIterator[None]:
 
 async def _reap_forever(app: web.Application, interval: float, timeout: float) -> None:
     coordinator = app[COORDINATOR]
+    replica = app[REPLICA]
     while True:
         await asyncio.sleep(interval)
         try:
+            if replica is not None:  # a `reap` record decides, by log time, on every replica
+                await replica.reap(timeout)
+                continue
             for instance_id in coordinator.instances.silent(timeout):
                 log.info("instance %s silent for over %.0f s: deregistered, L1 fenced",
                          instance_id, timeout)
@@ -361,7 +374,9 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     app[REPLICA] = None
     if config.cluster is not None:
         from coordinator_stub.replica import LogReplica  # needs the `cluster` extra (nats-py)
-        app[REPLICA] = LogReplica(app[COORDINATOR], config.cluster, config.port)
+        metrics = app.get(METRICS)
+        app[REPLICA] = LogReplica(app[COORDINATOR], config.cluster, config.port,
+                                  on_reaped=metrics.reaped if metrics is not None else None)
         app.cleanup_ctx.append(_replica_lifecycle)
     app.router.add_post(EVENTS_PATH, _events)
     app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)

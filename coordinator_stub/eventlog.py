@@ -23,9 +23,11 @@ Contract:
 - `jetstream(timeout)`: a JetStream context on the same connection (the snapshot bucket,
   `coordinator_stub.snapshots`, uses it).
 
-A record is `kind` (header `Blend-Kind`), `record_id` (header `Nats-Msg-Id`) and an
-opaque payload; the log knows nothing of what records mean (`coordinator_stub.replica`
-does). Runs on the event loop.
+A record is `kind` (header `Blend-Kind`), `record_id` (header `Nats-Msg-Id`), an
+opaque payload, and `time`: when the stream stored it (epoch seconds, stamped by the
+stream's leader and kept with the record, so every reader sees the same value). The log
+knows nothing of what records mean (`coordinator_stub.replica` does). Runs on the event
+loop.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class LogRecord:
     kind: str
     record_id: str
     payload: bytes
+    time: float = 0.0  # when the stream stored it, epoch seconds
 
 
 class EventLog:
@@ -231,8 +234,9 @@ class EventLog:
                             # Still in the stream: lost in delivery (a dropped connection).
                             raise _Redeliver(f"record {expected} was not delivered")
                         headers = msg.headers or {}
-                        records.append(LogRecord(found, headers.get(KIND_HEADER, ""),
-                                                 headers.get(ID_HEADER, ""), msg.data))
+                        records.append(LogRecord(
+                            found, headers.get(KIND_HEADER, ""), headers.get(ID_HEADER, ""),
+                            msg.data, msg.metadata.timestamp.timestamp()))
                         expected = found + 1
                     if records:
                         yield records

@@ -1,16 +1,38 @@
 """A coordinator replica: its state is the event log applied in order, plus snapshots.
 
 Contract (README, "Replicas"):
-- Every mutation of the directory is a record of the log (`coordinator_stub.eventlog`),
-  applied by every replica in stream order on ONE apply thread through the same gate
-  (`KeyDirectory.ingest`). Replicas fed the same stream hold the same directory and
-  answer every lookup alike. Record kinds: `events` (an `/events` body's batches, as
-  JSON, already validated by the replica that took it) and `drop` (an instance left:
-  deregistered or reaped; its L1 placements are fenced and its cursor forgotten, at the
-  same point of the stream on every replica).
-- The instance registry is per replica: a server registers and heartbeats with the
-  replica it talks to, and only that replica reaps it (appending a `drop`). A replica
-  restart forgets its registrations; servers re-register on their next heartbeat (404).
+- Every mutation of the directory and of the instance registry is a record of the log
+  (`coordinator_stub.eventlog`), applied by every replica in stream order on ONE apply
+  thread. Replicas fed the same stream hold the same directory, index and registry, and
+  answer every lookup and `GET /instances` alike. Record kinds:
+  * `events`: an `/events` body's batches (JSON, validated by the replica that took
+    it), through the gate (`KeyDirectory.ingest`);
+  * `register`: a `POST /instances` body, its `instance_id` already assigned by the
+    replica that took it; inserts or replaces the record;
+  * `beats`: a JSON list of instance ids heard from (heartbeats, coalesced);
+  * `drop`: an instance left (`DELETE /instances/{id}`): deregistered, its L1
+    placements fenced and its cursor forgotten;
+  * `reap`: `{"timeout": s}`: every registered instance not heard from for more than
+    `s` seconds of log time is dropped as by `drop`, at this record.
+- Log time: each record carries the time the stream stored it (stamped by the stream's
+  leader, the same for every reader); the log's time is the largest seen so far, so it
+  never goes back. A registration's `registration_time`, an instance's last heartbeat
+  and every reaping decision use it, never a replica's own clock: every replica (and a
+  replica replaying the stream later) reaps the same instances at the same record,
+  exactly once. Replicas may all run the reaper; a replica's own clock only decides
+  when it is worth appending a `reap` (some instance looks overdue); a `reap` that finds
+  nobody overdue changes nothing. Instances are dropped only at `reap` records, so a
+  quiet log reaps nobody until some replica's reaper appends one.
+- Heartbeats: a replica answers a heartbeat from the registry it has applied (an id it
+  does not know yet makes it first catch up with the log's end, so a registration taken
+  by a peer a moment ago is not answered 404). It appends the beat only when it has not
+  logged one for that id within `instance_timeout / 3`, and gathers them into one `beats`
+  record every `min(1 s, instance_timeout / 10)`: the log carries about three ids per
+  instance per timeout, whatever the heartbeat interval and however many replicas. A
+  server whose heartbeats move to another replica keeps its registration (its next beat
+  is logged at once there). Before appending a `reap`, a replica appends the beats it
+  holds, so nothing it heard is reaped. A beat for an unknown id is ignored (a reaped
+  instance is not brought back; its next heartbeat is answered 404 and it re-registers).
 - `submit_events(body)`: validate the whole body (`WireError` -> 422, nothing appended),
   append its batches (one record, or several of at most `max_record_bytes` each; a batch
   larger than that is `TooLarge`, -> 413), wait for JetStream's acknowledgement, then for this
@@ -18,7 +40,9 @@ Contract (README, "Replicas"):
   wrote to sees its write. The log not taking the record is `ServiceUnavailable` (-> 503,
   the reporter retries; the gate drops what was already appended). If applying here
   takes longer than `apply_timeout_s` the reply says so (`"pending"`): the records are
-  durable and will be applied.
+  durable and will be applied. `submit_register` answers once its record is applied
+  here (`re_registered` as of that point of the log), 503 when the log does not take it
+  or it is not applied within `apply_timeout_s` (a retry is a harmless re-registration).
 - `start()`: load the newest sound snapshot (`coordinator_stub.snapshot`), then apply
   the log from the record after it, and return once caught up with the log's end as it
   was at start: a replica serves only once it knows what its peers knew. Without a
@@ -27,15 +51,18 @@ Contract (README, "Replicas"):
   every `snapshot_interval_s`, and on `stop()`, written on the apply thread between
   records (ingest pauses; lookups go on), then uploaded to the bucket (ingest goes on).
   A snapshot holds the directory (placements, bindings, blend index, gate cursors,
-  counters) and the log position it includes. On start the newest sound one of either
-  place is loaded: a replica with an empty disk starts from a peer's in the bucket.
+  counters), the instance registry, the log time and the log position it includes. On
+  start the newest sound one of either place is loaded: a replica with an empty disk
+  starts from a peer's in the bucket.
 - Retention: the stream keeps bounded history. A replica whose next record is gone
-  (down too long, or too slow) does not skip: it reloads the newest snapshot covering
-  the gap (the bucket, or a shared `snapshot_dir`, has its peers'), and if none does, it
-  stops with an error saying what is lost and how to recover.
+  (down too long, or paused or too slow while running) does not skip: it reloads the
+  newest snapshot covering the gap (the bucket, or a shared `snapshot_dir`, has its
+  peers'), and if none does, it stops with an error saying which records are lost and how to recover
+  (`failure`; `python -m coordinator_stub` then exits 1) and never snapshots the state
+  that misses them.
 
-Not in the log: lookups (read-only), the stats counters' view of rejected requests, and
-connection state. Runs its coroutines on the event loop; blocking work on its threads.
+Not in the log: lookups (read-only), the stats counters' view of rejected requests,
+heartbeats not yet due to be logged, and connection state. Runs its coroutines on the event loop; blocking work on its threads.
 """
 
 from __future__ import annotations
@@ -54,11 +81,13 @@ from typing import Callable
 
 import msgspec
 
-from blend_wire import EventsReply, EventsRequest, WireError, decode, encode
+from blend_wire import (EventsReply, EventsRequest, RegisterReply, RegisterRequest, WireError,
+                        decode, encode)
 from coordinator_stub.config import ClusterConfig
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.eventlog import EventLog, LogGap, LogRecord, LogSettings, LogUnavailable
 from coordinator_stub.ingest import validated_batches
+from coordinator_stub.instances import InstanceRegistry, with_instance_id
 from coordinator_stub.service import ServiceUnavailable, TooLarge
 from coordinator_stub.snapshot import layout_of
 from coordinator_stub.snapshots import SnapshotBucket, Snapshots
@@ -66,11 +95,22 @@ from coordinator_stub.snapshots import SnapshotBucket, Snapshots
 log = logging.getLogger(__name__)
 
 EVENTS = "events"
+REGISTER = "register"
+BEATS = "beats"
 DROP = "drop"
+REAP = "reap"
+
+#: What `_append_and_wait` answers when the record is durable but not applied here in time.
+_PENDING = object()
+
+
+class _Reap(msgspec.Struct):
+    timeout: float
 
 
 class LogReplica:
-    def __init__(self, coordinator, cluster: ClusterConfig, port: int) -> None:
+    def __init__(self, coordinator, cluster: ClusterConfig, port: int,
+                 on_reaped: Callable[[int], None] | None = None) -> None:
         self.coordinator = coordinator
         self.cluster = cluster
         self.name = cluster.replica_name or f"{socket.gethostname()}-{port}"
@@ -79,16 +119,26 @@ class LogReplica:
             max_bytes=cluster.max_bytes, max_msgs=cluster.max_msgs,
             max_age_s=cluster.max_age_s))
         self.snapshots: Snapshots | None = None  # opened in start() (the bucket needs NATS)
+        self._on_reaped = on_reaped or (lambda count: None)
         self.applied = 0  # stream sequence of the last record applied here (loop's view)
         self._in_directory = 0  # ... the apply thread's: what a snapshot includes
         self.snapshot_seq = 0  # ... and of the last snapshot written or loaded
         self.restored_from = 0  # ... and of the snapshot this replica started from
+        self.log_time = 0.0  # the latest record's stream time (apply thread)
         self.records_rejected = 0
         # How the last start went: loading the snapshot, then replaying up to the log's end.
         self.restore_s = self.replay_s = 0.0
         self.replayed = 0
         self.snapshot_write_s = 0.0  # the last snapshot written: seconds, bytes
         self.snapshot_bytes = 0
+        # Heartbeats heard here, waiting for the next `beats` record; and when this replica
+        # last queued a beat per id (monotonic), so a beat is logged once per refresh.
+        timeout = coordinator.config.instance_timeout
+        self._beat_refresh_s = timeout / 3
+        self._beat_flush_s = min(1.0, timeout / 10)
+        self._beats: set[str] = set()
+        self._beat_queued: dict[str, float] = {}
+        self._beats_lock = asyncio.Lock()
         self._apply = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apply")
         self._validate = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="validate")
@@ -96,6 +146,8 @@ class LogReplica:
         self._progress = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._broken = False  # missed records: never snapshot this state
+        #: Why this replica stopped on its own (records it can no longer apply), or None.
+        self.failure: str | None = None
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -121,6 +173,7 @@ class LogReplica:
         log.info("replica %s restored (snapshot at record %d) in %.1f s, replayed %d records "
                  "in %.1f s", self.name, self.restored_from, self.restore_s, self.replayed,
                  self.replay_s)
+        self._tasks.append(asyncio.create_task(self._beats_every(), name="heartbeats"))
         if self.snapshots is not None:
             self._tasks.append(asyncio.create_task(self._snapshot_every(), name="snapshots"))
 
@@ -158,26 +211,26 @@ class LogReplica:
                 "layout": _layout(config)}
 
     async def _restore(self) -> None:
-        """Newest usable snapshot into a fresh directory; `applied` = its position."""
+        """Newest usable snapshot into a fresh state; `applied` = its position."""
         loop = asyncio.get_running_loop()
         first, last = await self.log.bounds()
         loaded = None
         if self.snapshots is not None:
             loaded = await self.snapshots.load_newest(
                 self._expect(), lambda fn, *args: loop.run_in_executor(self._apply, fn, *args))
-        seq, directory = 0, None
+        seq, state = 0, None
         if loaded is not None:
-            state, meta = loaded
+            snapshot, meta = loaded
             if meta["seq"] > last:
                 log.error("snapshot at record %d is ahead of the log (last record %d): it "
                           "was not taken from this stream's history; rebuilding from the "
                           "log", meta["seq"], last)
             else:
-                directory, seq = state["directory"], meta["seq"]
+                state, seq = snapshot, meta["seq"]
+                log.info("replica %s loaded the snapshot at record %d", self.name, seq)
                 # It lives as long as the process: out of every later collection pass
                 # (millions of records; the server freezes what it holds at start too).
                 gc.freeze()
-                log.info("replica %s loaded the snapshot at record %d", self.name, seq)
         if first > seq + 1:
             raise RuntimeError(
                 f"the event log begins at record {first}, but the newest usable snapshot "
@@ -185,18 +238,35 @@ class LogReplica:
                 f"(retention). Copy a newer snapshot from a peer replica into "
                 f"--snapshot-dir (or share the directory, or use --snapshot-store nats), or "
                 f"raise the stream's retention")
-        if directory is None:
+        if state is None:
             config = self.coordinator.config
-            directory = KeyDirectory(chunk_size=config.chunk_size,
-                                     probe_stride=config.blend_probe_stride,
-                                     enable_blend_lookup=config.enable_blend_lookup)
-        self.coordinator.directory.restore_from(directory)
-        self.applied = self._in_directory = self.snapshot_seq = self.restored_from = seq
+            state = {"directory": KeyDirectory(chunk_size=config.chunk_size,
+                                               probe_stride=config.blend_probe_stride,
+                                               enable_blend_lookup=config.enable_blend_lookup),
+                     "instances": InstanceRegistry(), "log_time": 0.0}
+        # On the apply thread: no record is being applied while the state is replaced.
+        await loop.run_in_executor(self._apply, self._take, state, seq)
+        self.applied = seq
+
+    def _take(self, state: dict, seq: int) -> None:
+        self.coordinator.directory.restore_from(state["directory"])
+        self.coordinator.instances.restore_from(state["instances"])
+        self.log_time = state["log_time"]
+        self._in_directory = self.snapshot_seq = self.restored_from = seq
 
     async def _caught_up(self, seq: int) -> None:
         while self.applied < seq:
             self._progress.clear()
             await self._progress.wait()
+
+    async def _caught_up_with_the_log(self) -> None:
+        """Until this replica has applied what the log held when asked (bounded by
+        `apply_timeout_s`; on a timeout, or the log unavailable, it answers from what it has)."""
+        try:
+            _, last = await self.log.bounds()
+            await asyncio.wait_for(self._caught_up(last), self.cluster.apply_timeout_s)
+        except (LogUnavailable, asyncio.TimeoutError):
+            pass
 
     # --- applying ---------------------------------------------------------------------
 
@@ -222,11 +292,11 @@ class LogReplica:
                 try:
                     await self._restore()
                 except RuntimeError as exc:
-                    self._broken = True
-                    log.critical("replica %s cannot continue without missing events: %s; "
-                                 "stopping", self.name, exc)
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    self._fail(f"replica {self.name} cannot continue without missing events "
+                               f"({gap}): {exc}")
                     return
+                log.info("replica %s reloaded the snapshot at record %d; applying the log "
+                         "from there", self.name, self.applied)
             except LogUnavailable as exc:
                 log.warning("event log unavailable (%s); retrying", exc)
                 await asyncio.sleep(0.5)
@@ -235,38 +305,91 @@ class LogReplica:
                               self.applied + 1)
                 await asyncio.sleep(0.5)
 
+    def _fail(self, reason: str) -> None:
+        """Stop serving: this replica's state misses records it can no longer read."""
+        self._broken = True
+        self.failure = reason
+        log.critical("%s; stopping", reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def _apply_records(self, records: list[LogRecord]) -> list[tuple[str, object]]:
-        """On the apply thread: every record, in order, through the gate."""
-        directory = self.coordinator.directory
+        """On the apply thread: every record, in order. Deterministic: a record that
+        cannot be applied is skipped alike on every replica."""
         results = []
         for record in records:
             self._in_directory = record.seq  # records are applied whole (or skipped)
-            if record.kind == DROP:
-                directory.drop_instance(record.payload.decode())
-                results.append((record.record_id, None))
+            self.log_time = max(self.log_time, record.time)
+            try:
+                reply = self._apply_record(record)
+            except WireError as exc:
+                self.records_rejected += 1
+                log.error("log record %d is not a valid %s record (%s); skipped",
+                          record.seq, record.kind, exc)
                 continue
-            if record.kind != EVENTS:
-                # Deterministic on every replica: all of them skip it alike.
+            except Exception as exc:  # nothing of the record applied (all or nothing)
+                self.records_rejected += 1
+                log.exception("log record %d could not be applied; skipped", record.seq)
+                results.append((record.record_id, exc))
+                continue
+            if reply is _UNKNOWN:
                 self.records_rejected += 1
                 log.error("log record %d has unknown kind %r; skipped", record.seq,
                           record.kind)
                 continue
-            try:
-                batches = decode(record.payload, EventsRequest).batches
-            except WireError as exc:
-                self.records_rejected += 1
-                log.error("log record %d is not a valid events body (%s); skipped",
-                          record.seq, exc)
-                continue
-            try:
-                results.append((record.record_id, directory.ingest(batches)))
-            except Exception as exc:  # nothing of the batch applied (all or nothing)
-                self.records_rejected += 1
-                log.exception("log record %d could not be applied; skipped", record.seq)
-                results.append((record.record_id, exc))
+            results.append((record.record_id, reply))
         return results
 
-    # --- ingest ------------------------------------------------------------------------
+    def _apply_record(self, record: LogRecord) -> object:
+        directory = self.coordinator.directory
+        instances = self.coordinator.instances
+        if record.kind == EVENTS:
+            return directory.ingest(decode(record.payload, EventsRequest).batches)
+        if record.kind == REGISTER:
+            instance_id, re_registered = instances.register(
+                decode(record.payload, RegisterRequest), at=self.log_time)
+            return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
+        if record.kind == BEATS:
+            for instance_id in decode(record.payload, list[str]):
+                instances.heartbeat(instance_id, at=self.log_time)
+            return None
+        if record.kind == DROP:
+            self._depart(record.payload.decode())
+            return None
+        if record.kind == REAP:
+            timeout = decode(record.payload, _Reap).timeout
+            reaped = instances.silent(timeout, now=self.log_time)
+            for instance_id in reaped:
+                log.info("instance %s silent for over %g s of log time (record %d): "
+                         "deregistered, L1 fenced", instance_id, timeout, record.seq)
+                self._depart(instance_id)
+            if reaped:
+                self._on_reaped(len(reaped))
+            return reaped
+        return _UNKNOWN
+
+    def _depart(self, instance_id: str) -> None:
+        self.coordinator.instances.deregister(instance_id)
+        self.coordinator.directory.drop_instance(instance_id)
+
+    # --- writing to the log -------------------------------------------------------------------
+
+    async def _append_and_wait(self, kind: str, payload: bytes) -> object:
+        """Append one record; its result once applied here, or `_PENDING` after
+        `apply_timeout_s` (it is durable: it will be applied). `ServiceUnavailable` when
+        the log does not take it."""
+        loop = asyncio.get_running_loop()
+        record_id = uuid.uuid4().hex
+        waiter = self._waiters[record_id] = loop.create_future()
+        try:
+            try:
+                await self.log.append(kind, payload, record_id)
+            except LogUnavailable as exc:
+                raise ServiceUnavailable(str(exc)) from None
+            done, _ = await asyncio.wait([waiter], timeout=self.cluster.apply_timeout_s)
+            return waiter.result() if done else _PENDING
+        finally:
+            self._waiters.pop(record_id, None)
+            waiter.cancel()
 
     async def submit_events(self, body: bytes) -> bytes:
         loop = asyncio.get_running_loop()
@@ -304,19 +427,68 @@ class LogReplica:
                            "pending": len(pending)})
         return encode(EventsReply(applied=applied, duplicates=duplicates, stale=stale))
 
+    # --- the instance registry --------------------------------------------------------------
+
+    async def submit_register(self, body: bytes) -> bytes:
+        """`POST /instances` through the log: the reply body once applied here."""
+        request = with_instance_id(decode(body, RegisterRequest))  # WireError -> 422
+        reply = await self._append_and_wait(REGISTER, encode(request))
+        if reply is _PENDING:
+            raise ServiceUnavailable(
+                f"registration appended but not applied here within "
+                f"{self.cluster.apply_timeout_s:g} s; retry (a repeat is a re-registration)")
+        self._beat_queued[request.instance_id] = time.monotonic()  # counts as a heartbeat
+        return reply
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        """Whether the instance is registered (False: answer 404, it re-registers)."""
+        instances = self.coordinator.instances
+        if instance_id not in instances:
+            await self._caught_up_with_the_log()  # a peer may have taken it a moment ago
+            if instance_id not in instances:
+                return False
+        now = time.monotonic()
+        if now - self._beat_queued.get(instance_id, -self._beat_refresh_s) \
+                >= self._beat_refresh_s:
+            self._beat_queued[instance_id] = now
+            self._beats.add(instance_id)
+        return True
+
     async def submit_drop(self, instance_id: str) -> None:
         """Append an instance's departure; return once applied here (or the timeout)."""
-        loop = asyncio.get_running_loop()
-        record_id = uuid.uuid4().hex
-        waiter = self._waiters[record_id] = loop.create_future()
-        try:
-            await self.log.append(DROP, instance_id.encode(), record_id)
-            await asyncio.wait([waiter], timeout=self.cluster.apply_timeout_s)
-        except LogUnavailable as exc:
-            raise ServiceUnavailable(str(exc)) from None
-        finally:
-            self._waiters.pop(record_id, None)
-            waiter.cancel()
+        await self._append_and_wait(DROP, instance_id.encode())
+
+    async def reap(self, timeout: float) -> None:
+        """The reaper's turn: when some instance looks silent for over `timeout` s by this
+        replica's clock, append the beats heard here, then a `reap` record (which decides,
+        by log time, who goes)."""
+        if not self.coordinator.instances.silent(timeout, now=time.time()):
+            return
+        await self._flush_beats()
+        await self._append_and_wait(REAP, encode(_Reap(timeout=timeout)))
+
+    async def _flush_beats(self) -> None:
+        async with self._beats_lock:
+            if not self._beats:
+                return
+            heard = sorted(self._beats)
+            try:
+                await self.log.append(BEATS, encode(heard), uuid.uuid4().hex)
+            except LogUnavailable as exc:  # kept: the next flush tries again
+                raise ServiceUnavailable(str(exc)) from None
+            self._beats.difference_update(heard)
+
+    async def _beats_every(self) -> None:
+        while True:
+            await asyncio.sleep(self._beat_flush_s)
+            try:
+                await self._flush_beats()
+            except ServiceUnavailable as exc:
+                log.warning("heartbeats not logged yet (%s); retrying", exc)
+            except Exception:
+                log.exception("logging heartbeats failed; retrying")
+            horizon = time.monotonic() - self._beat_refresh_s
+            self._beat_queued = {i: t for i, t in self._beat_queued.items() if t > horizon}
 
     # --- snapshots -------------------------------------------------------------------------
 
@@ -340,7 +512,9 @@ class LogReplica:
         if self._broken or seq <= self.snapshot_seq:
             return None
         started = time.monotonic()
-        path = self.snapshots.write({"directory": self.coordinator.directory},
+        path = self.snapshots.write({"directory": self.coordinator.directory,
+                                     "instances": self.coordinator.instances,
+                                     "log_time": self.log_time},
                                     dict(self._expect(), seq=seq, replica=self.name,
                                          written_at=time.time()))
         self.snapshot_seq = seq
@@ -354,10 +528,13 @@ class LogReplica:
         return {"replica": self.name, "stream": self.cluster.stream,
                 "applied_seq": self.applied, "snapshot_seq": self.snapshot_seq,
                 "restored_from_seq": self.restored_from, "restore_s": self.restore_s,
-                "snapshot_write_s": self.snapshot_write_s,
-                "snapshot_bytes": self.snapshot_bytes,
                 "replayed_records": self.replayed, "replay_s": self.replay_s,
-                "records_rejected": self.records_rejected}
+                "records_rejected": self.records_rejected, "log_time": self.log_time,
+                "snapshot_write_s": self.snapshot_write_s,
+                "snapshot_bytes": self.snapshot_bytes}
+
+
+_UNKNOWN = object()
 
 
 def _records(raws: list[msgspec.Raw], limit: int):
@@ -390,7 +567,8 @@ def _layout(config) -> str:
                                probe_stride=config.blend_probe_stride,
                                enable_blend_lookup=True)
         index = scratch._index  # noqa: SLF001 - same package; fingerprint only
-        _layouts[key] = layout_of(scratch, index, index._store, scratch._gate)
+        _layouts[key] = layout_of(scratch, index, index._store, scratch._gate,
+                                  InstanceRegistry())
     return _layouts[key]
 
 

@@ -50,7 +50,6 @@ from blend_wire import (
     DirectoryLookupRequest,
     EncodedObjectKey,
     EventsRequest,
-    HeartbeatReply,
     KeyPlacements,
     RegisterReply,
     RegisterRequest,
@@ -205,11 +204,9 @@ class Coordinator:
         instance_id, re_registered = self.instances.register(decode(body, RegisterRequest))
         return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
 
-    def heartbeat(self, instance_id: str) -> bytes | None:
-        """The reply body, or None for an unknown instance (it must re-register)."""
-        if not self.instances.heartbeat(instance_id):
-            return None
-        return encode(HeartbeatReply(instance_id=instance_id))
+    def heartbeat(self, instance_id: str) -> bool:
+        """Whether the instance is registered (False: it must re-register)."""
+        return self.instances.heartbeat(instance_id)
 
     def deregister(self, instance_id: str) -> None:
         """Forget the registration; the caller then runs `drop_instance`."""

@@ -17,7 +17,8 @@ Contract:
   state classes have other fields); one whose meta does not match `expect` (another
   chunk size, another stream).
 
-File format (FORMAT 2): the line ``BLENDSNAP 2``, one line of JSON header (the meta, plus
+File format (FORMAT 3; 2 had no instance registry in the state, 1 no out-of-band arrays):
+the line ``BLENDSNAP 3``, one line of JSON header (the meta, plus
 `pickle_bytes`, `buffers`: the length of each raw buffer, and `blake3` of everything that
 follows the header), then the state pickled (protocol 5) with its large arrays taken out
 of band, then those arrays' bytes, one after the other. Why: an array is written from its
@@ -47,7 +48,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3
 _MAGIC = b"BLENDSNAP"
 SUFFIX = ".blendsnap"
 #: Bytes hashed and written per call: large enough to be fast, small enough that the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ import pytest
 from blend_wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,
+    INSTANCES_PATH,
     STATS_PATH,
     encode,
     encode_tokens,
@@ -331,6 +333,58 @@ def test_a_replica_behind_the_retention_rebuilds_from_a_shared_snapshot(nats, tm
             running.stop()
 
 
+def test_a_replica_paused_past_the_retention_reloads_a_shared_snapshot_or_stops(nats, tmp_path):
+    """While running: the stream keeps 30 records; b (sharing a's snapshot directory) and
+    c (a directory of its own) are frozen with SIGSTOP at record 10 while a takes 70
+    more. Resumed, b finds its next record gone, reloads a's snapshot covering the gap
+    and answers every lookup (and lists the same instances) as a single in-memory
+    coordinator fed the same bodies; c has no snapshot covering the gap: it exits 1,
+    naming the records it lost, and writes no snapshot of the state missing them."""
+    workload = Workload(seed=7)
+    bodies = workload.bodies(80)
+    shared = tmp_path / "shared"
+    flags = [replica_flags(nats, "--replica-name", name, "--event-log-max-msgs", "30",
+                           "--snapshot-dir", str(directory), "--snapshot-interval", "0.3")
+             for name, directory in (("a", shared), ("b", shared),
+                                     ("c", tmp_path / "own-c"))]
+    c_log = tmp_path / "c.log"
+    a, b, reference = start_replicas(flags[0], flags[1], REFERENCE)
+    with open(c_log, "w") as c_stderr:
+        c = start_coordinator(*flags[2], stderr=c_stderr)
+    feed(reference, bodies)
+    try:
+        register(a.url, "server-0", 8000)
+        for body in bodies[:10]:
+            post(a.url, body)
+        for running in (b, c):
+            wait_applied(running.url, 11)
+        wait_until(lambda: replica_stats(c.url)["snapshot_seq"] >= 11, "c's own snapshot")
+        for running in (b, c):
+            running.process.send_signal(signal.SIGSTOP)
+        time.sleep(2)  # their pending fetches expire: nothing more is handed to them
+        for body in bodies[10:]:
+            post(a.url, body)
+        wait_until(lambda: replica_stats(a.url)["snapshot_seq"] >= 81, "a's snapshot")
+        for running in (b, c):
+            running.process.send_signal(signal.SIGCONT)
+
+        assert c.process.wait(timeout=120) == 1
+        said = c_log.read_text()
+        assert "cannot continue without missing events" in said and "are gone" in said
+        assert not [p for p in (tmp_path / "own-c").glob("snapshot-*")
+                    if int(p.name.split("-")[1]) > 11], "c snapshotted a state with a gap"
+
+        wait_applied(b.url, 81, timeout=60)
+        assert replica_stats(b.url)["restored_from_seq"] >= 51
+        assert_same_as(reference.url, [a.url, b.url], workload.queries())
+        assert listing(b.url) == listing(a.url) != []
+    finally:
+        for running in (a, b, c, reference):
+            if running.process.poll() is None:
+                running.process.send_signal(signal.SIGCONT)
+            running.stop()
+
+
 def test_bad_event_log_flags_are_refused_at_start():
     result = subprocess.run([sys.executable, "-m", "coordinator_stub", "--event-log",
                              "http://127.0.0.1:4222"], capture_output=True, text=True,
@@ -498,3 +552,155 @@ def test_the_snapshot_bucket_keeps_the_newest_and_refuses_damaged_objects(tmp_pa
 
     with launch_nats_cluster(1, tmp_path / "nats") as single:
         asyncio.run(scenario(single.url(0)))
+
+
+# --- the instance registry, replicated through the log ------------------------------------
+
+
+def listing(url: str) -> list[dict]:
+    return httpx.get(url + INSTANCES_PATH, timeout=15).json()["instances"]
+
+
+def register(url: str, instance_id: str, port: int) -> dict:
+    reply = httpx.post(url + INSTANCES_PATH, timeout=30,
+                       json={"instance_id": instance_id, "ip": "127.0.0.1", "http_port": port})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def counters(url: str) -> dict:
+    return httpx.get(url + STATS_PATH, timeout=15).json()["counters"]
+
+
+def l1_instances(url: str) -> set[str]:
+    return set(httpx.get(url + STATS_PATH, timeout=15).json()["l1_keys_by_instance"])
+
+
+def wait_until(condition, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Heartbeats:
+    """What a registered server does: a heartbeat every `interval` s to one replica,
+    moving to the next when it cannot be reached (or answers 5xx). Every answer's
+    status is kept: a 404 would make the server re-register."""
+
+    def __init__(self, instance_id: str, urls: list[str], interval: float = 0.3) -> None:
+        self.instance_id, self.urls, self.interval = instance_id, urls, interval
+        self.statuses: list[int] = []
+        self.current = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def move_to(self, index: int) -> None:
+        self.current = index
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for _ in range(len(self.urls)):
+                url = self.urls[self.current]
+                try:
+                    reply = httpx.put(f"{url}{INSTANCES_PATH}/{self.instance_id}/heartbeat",
+                                      timeout=10)
+                except httpx.TransportError:
+                    self.current = (self.current + 1) % len(self.urls)
+                    continue
+                if reply.status_code >= 500:
+                    self.current = (self.current + 1) % len(self.urls)
+                    continue
+                self.statuses.append(reply.status_code)
+                break
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join()
+        return self.statuses
+
+
+def test_the_instance_registry_is_the_same_at_every_replica_and_outlives_restarts(nats, tmp_path):
+    """Registrations, heartbeats, departures and reaping go through the log: `GET
+    /instances` answers the same everywhere; a server whose heartbeats move to another
+    replica keeps its registration; a silent one is reaped once, at one point of the
+    log, though both replicas run a reaper; a replica restarted from its snapshot, or
+    rebuilt from the stream alone, holds the same registry."""
+    registry = ("--instance-timeout", "6", "--health-check-interval", "0.5")
+    flags_a = replica_flags(nats, "--replica-name", "a", *registry)
+    flags_b = replica_flags(nats, "--replica-name", "b", *registry, "--snapshot-dir",
+                            str(tmp_path / "snap-b"))
+    a, b = start_replicas(flags_a, flags_b)
+    beats = None
+    try:
+        # Registered at a: b knows it at once (a heartbeat there is no 404).
+        assert register(a.url, "kept", 8001) == {"instance_id": "kept", "re_registered": False}
+        reply = httpx.put(f"{b.url}{INSTANCES_PATH}/kept/heartbeat", timeout=30)
+        assert reply.status_code == 200, reply.text
+        register(b.url, "silent", 8002)
+        workload = Workload(seed=6)
+        for instance in ("kept", "silent"):  # both hold L1 placements
+            workload.seqs[instance] = 0
+            batch = workload._batch(instance, "store", [workload._entry(i, "m") for i in
+                                                        range(3)])
+            post(b.url, encode({"batches": [batch]}))
+        wait_until(lambda: listing(b.url) == listing(a.url) and len(listing(a.url)) == 2,
+                   "both replicas list both instances")
+        [kept_record, _] = listing(a.url)
+        assert kept_record["instance_id"] == "kept"
+
+        # kept heartbeats, first at b, then (b "fails") at a; silent says nothing.
+        beats = Heartbeats("kept", [b.url, a.url])
+        wait_until(lambda: len(beats.statuses) >= 5, "heartbeats at b")
+        beats.move_to(1)
+        wait_until(lambda: [i["instance_id"] for i in listing(a.url)] == ["kept"],
+                   "silent reaped at a")
+        wait_until(lambda: [i["instance_id"] for i in listing(b.url)] == ["kept"],
+                   "silent reaped at b")
+        # Reaped exactly once, at the same point: one drop on each replica, same state.
+        for url in (a.url, b.url):
+            assert counters(url)["instances_dropped"] == 1, url
+            assert l1_instances(url) == {"kept"}, url
+        assert state_of(a.url) == state_of(b.url)
+        # kept: never told to re-register, never re-registered, never fenced.
+        assert listing(a.url) == listing(b.url) == [kept_record]
+
+        # b restarts from its snapshot; kept's heartbeats go on at a meanwhile.
+        assert b.stop() == 0
+        b = start_coordinator(*flags_b, port=b.port)  # the URL the server knows
+        assert replica_stats(b.url)["restored_from_seq"] > 0
+        assert listing(b.url) == [kept_record]
+        beats.move_to(0)  # back to b: it still knows kept
+        count = len(beats.statuses)
+        wait_until(lambda: len(beats.statuses) >= count + 5, "heartbeats at restarted b")
+
+        # a is rebuilt from the stream alone (SIGKILL, no snapshot): the same registry,
+        # and the reap replayed at the same record, once.
+        a.process.kill()
+        a.process.wait()
+        a = start_coordinator(*flags_a, port=a.port)
+        wait_until(lambda: replica_stats(a.url)["applied_seq"]
+                   >= replica_stats(b.url)["applied_seq"] - 5, "a caught up")
+        assert listing(a.url) == [kept_record]
+        assert counters(a.url)["instances_dropped"] == 1
+        assert l1_instances(a.url) == {"kept"}
+        assert set(beats.stop()) == {200}, "a heartbeat was refused: spurious re-registration"
+        beats = None
+        assert listing(a.url) == listing(b.url) == [kept_record]
+
+        # A departure at one replica frees the instance's resources at both.
+        assert httpx.delete(f"{b.url}{INSTANCES_PATH}/kept", timeout=30).status_code == 204
+        wait_until(lambda: listing(a.url) == [] and l1_instances(a.url) == set(),
+                   "kept gone at a")
+        assert listing(b.url) == [] and l1_instances(b.url) == set()
+        assert httpx.put(f"{a.url}{INSTANCES_PATH}/kept/heartbeat",
+                         timeout=30).status_code == 404
+    finally:
+        if beats is not None:
+            beats.stop()
+        for running in (a, b):
+            running.stop()
