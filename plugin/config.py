@@ -13,8 +13,11 @@ Contract:
   it when the fleet leg is on (`instance_id_is_default`).
 - The fleet leg is on only with a URL *and* event reporting (`fleet_enabled`); deciding what
   to do about a URL without reporting (warn, no client) belongs to the plugin.
-- `blend_timeout` is both the per-request HTTP timeout and the per-lookup match budget
-  (`match_budget_s`), as in LMCache.
+- `blend_timeout` is both the lookup's per-request HTTP timeout and its match budget
+  (`match_budget_s`), as in LMCache. Cache-event POSTs are background work, off the serving
+  path: they have their own total deadline, `event_timeout` (LMCache's event sink allows
+  2 s per POST, `HttpCacheEventSink(timeout=2.0)`), so a slow but alive coordinator does not
+  make them fail and retry while lookups keep their budget.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ ENV_EVENT_REPORTING = "LMCACHE_COORDINATOR_EVENT_REPORTING"
 ENV_EVENT_FLUSH_INTERVAL = "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL"
 ENV_BLEND_TIMEOUT = "LMCACHE_COORDINATOR_BLEND_TIMEOUT"
 ENV_MATCH_CONCURRENCY = "LMCACHE_COORDINATOR_BLEND_MATCH_CONCURRENCY"
+# Not in WIRE.md (LMCache hard-codes its sink's 2 s): the total deadline of one event POST.
+ENV_EVENT_TIMEOUT = "LMCACHE_COORDINATOR_EVENT_TIMEOUT"
 # Not in WIRE.md: LMCache's own chunk-size name, and an id for this serving process.
 ENV_CHUNK_SIZE = "LMCACHE_CHUNK_SIZE"
 ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
@@ -37,6 +42,9 @@ ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
 # the emitter and reader roles), and a CA file for an https:// coordinator.
 ENV_COORDINATOR_TOKEN = "LMCACHE_COORDINATOR_TOKEN"
 ENV_COORDINATOR_CA_FILE = "LMCACHE_COORDINATOR_CA_FILE"
+
+#: Default `event_timeout`: LMCache 0.5.6's cache-event sink timeout (`HttpCacheEventSink`).
+DEFAULT_EVENT_TIMEOUT_S = 2.0
 
 #: Default `abandon_after_s`, in match budgets.
 ABANDON_AFTER_BUDGETS = 4
@@ -63,6 +71,9 @@ class PluginConfig:
     event_reporting: bool = False
     event_flush_interval: float = 1.0
     blend_timeout: float = 1.0
+    # Total deadline of one cache-event POST (up to 4,096 entries): background delivery,
+    # not the lookup's budget.
+    event_timeout: float = DEFAULT_EVENT_TIMEOUT_S
     match_concurrency: int = 8
     chunk_size: int = 256
     instance_id: str = field(default_factory=default_instance_id)
@@ -108,6 +119,7 @@ class PluginConfig:
         object.__setattr__(self, "coordinator_url", ",".join(urls) or None)
         _check_positive("event_flush_interval", self.event_flush_interval)
         _check_positive("blend_timeout", self.blend_timeout)
+        _check_positive("event_timeout", self.event_timeout)
         _check_int_at_least("match_concurrency", self.match_concurrency, 1)
         _check_int_at_least("chunk_size", self.chunk_size, 1)
         if not isinstance(self.instance_id, str) or not self.instance_id:
@@ -181,6 +193,8 @@ class PluginConfig:
                 ENV_EVENT_FLUSH_INTERVAL, env[ENV_EVENT_FLUSH_INTERVAL])
         if ENV_BLEND_TIMEOUT in env:
             values["blend_timeout"] = _parse_seconds(ENV_BLEND_TIMEOUT, env[ENV_BLEND_TIMEOUT])
+        if ENV_EVENT_TIMEOUT in env:
+            values["event_timeout"] = _parse_seconds(ENV_EVENT_TIMEOUT, env[ENV_EVENT_TIMEOUT])
         if ENV_MATCH_CONCURRENCY in env:
             values["match_concurrency"] = _parse_int(
                 ENV_MATCH_CONCURRENCY, env[ENV_MATCH_CONCURRENCY], minimum=1)

@@ -512,7 +512,7 @@ class FleetBlendModule:
             self.reporter = CacheEventReporter(
                 config.coordinator_url, instance_id=config.instance_id,
                 incarnation=config.incarnation, flush_interval=config.event_flush_interval,
-                timeout=config.blend_timeout, max_events=config.event_queue_limit)
+                timeout=config.event_timeout, max_events=config.event_queue_limit)
         self.reporting = ("lmcache" if lmcache_reports and config.fleet_enabled
                           else "plugin" if self.reporter is not None else "off")
         self.tiers = TierWatcher(self.plugin.on_evict, self.reporter)

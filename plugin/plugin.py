@@ -175,7 +175,7 @@ class BlendPlugin:
             self.reporter = CacheEventReporter(
                 config.coordinator_url, instance_id=config.instance_id,
                 incarnation=config.incarnation, flush_interval=config.event_flush_interval,
-                timeout=config.blend_timeout, max_events=config.event_queue_limit,
+                timeout=config.event_timeout, max_events=config.event_queue_limit,
                 tier=config.event_tier, backend=config.event_backend, executor=self._workers,
                 token=config.coordinator_token, ca_file=config.coordinator_ca_file)
         self._lock = threading.Lock()

@@ -11,7 +11,8 @@ Contract:
   does not fit the wire raises `TypeError`/`WireError` to that caller and never reaches batch
   building, where it would take the whole queue down with it. Token chunks are copied when
   queued: the caller may reuse its buffer at once.
-- Every POST goes through the plugin's one HTTP policy (plugin.http): its timeout bounds the
+- Every POST goes through the plugin's one HTTP policy (plugin.http): its `timeout` (the
+  config's `event_timeout`, not the lookup budget: delivery is background work) bounds the
   whole round-trip, so a coordinator trickling bytes cannot hold `flush()` or `close()`.
 - STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
   Keys come from the namespace: `kv_rank` packs the world size in its top byte.
@@ -55,6 +56,7 @@ import numpy as np
 from blend_wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
                         CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
                         check_token_offset, decode, encode, pack_kv_rank)
+from plugin.config import DEFAULT_EVENT_TIMEOUT_S
 from plugin.http import coordinator_http
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,8 @@ class CacheEventReporter:
     """Queues cache events and delivers them in order in the background; see module doc."""
 
     def __init__(self, base_url: str | Sequence[str], *, instance_id: str, incarnation: int | None = None,
-                 flush_interval: float = 1.0, timeout: float = 1.0, max_events: int = 100_000,
+                 flush_interval: float = 1.0, timeout: float = DEFAULT_EVENT_TIMEOUT_S,
+                 max_events: int = 100_000,
                  tier: str = "l1", backend: str = "dram", max_entries_per_batch: int = 1024,
                  max_entries_per_post: int = 4096, executor: Executor | None = None,
                  start: bool = True, token: str | None = None,

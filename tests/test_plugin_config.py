@@ -15,6 +15,7 @@ REPORTING = "LMCACHE_COORDINATOR_EVENT_REPORTING"
 FLUSH = "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL"
 TIMEOUT = "LMCACHE_COORDINATOR_BLEND_TIMEOUT"
 CONCURRENCY = "LMCACHE_COORDINATOR_BLEND_MATCH_CONCURRENCY"
+EVENT_TIMEOUT = "LMCACHE_COORDINATOR_EVENT_TIMEOUT"
 
 
 def test_defaults_match_wire_md():
@@ -23,6 +24,7 @@ def test_defaults_match_wire_md():
     assert config.event_reporting is False
     assert config.event_flush_interval == 1.0
     assert config.blend_timeout == 1.0
+    assert config.event_timeout == 2.0  # LMCache 0.5.6's HttpCacheEventSink(timeout=2.0)
     assert config.match_concurrency == 8
     assert config.chunk_size == 256
     assert config.instance_id == f"{socket.gethostname()}:{os.getpid()}"
@@ -33,13 +35,14 @@ def test_defaults_match_wire_md():
 def test_reads_every_environment_name():
     config = PluginConfig.from_env({
         URL: "http://127.0.0.1:9300/", REPORTING: "1", FLUSH: "0.25", TIMEOUT: "0.5",
-        CONCURRENCY: "3", "LMCACHE_CHUNK_SIZE": "128",
+        EVENT_TIMEOUT: "3.5", CONCURRENCY: "3", "LMCACHE_CHUNK_SIZE": "128",
         "LMCACHE_COORDINATOR_INSTANCE_ID": "server-7"})
     assert config.coordinator_url == "http://127.0.0.1:9300"
     assert config.event_reporting is True
     assert config.event_flush_interval == 0.25
     assert config.blend_timeout == 0.5
     assert config.match_budget_s == 0.5  # one value: HTTP timeout and lookup budget
+    assert config.event_timeout == 3.5  # event POSTs have their own deadline
     assert config.match_concurrency == 3
     assert config.chunk_size == 128
     assert config.instance_id == "server-7" and not config.instance_id_is_default
@@ -83,6 +86,7 @@ def test_url_without_reporting_is_not_fleet_enabled():
     (CONCURRENCY, "0"), (CONCURRENCY, "-2"), (CONCURRENCY, "many"),
     (TIMEOUT, "fast"), (TIMEOUT, "0"), (TIMEOUT, "-1"), (TIMEOUT, "inf"),
     (FLUSH, "soon"), (FLUSH, "0"),
+    (EVENT_TIMEOUT, "slow"), (EVENT_TIMEOUT, "0"), (EVENT_TIMEOUT, "nan"),
     ("LMCACHE_CHUNK_SIZE", "0"),
 ])
 def test_bad_values_fail_at_start_up_naming_the_variable(name, raw):
@@ -95,6 +99,8 @@ def test_bad_override_names_the_field():
         PluginConfig.from_env({}, match_concurrency=0)
     with pytest.raises(ConfigError, match="coordinator_url"):
         PluginConfig(coordinator_url="127.0.0.1:9300")
+    with pytest.raises(ConfigError, match="event_timeout"):
+        PluginConfig(event_timeout=0)
 
 
 def test_unknown_override_is_a_type_error():

@@ -7,6 +7,7 @@ replies each test chooses.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -14,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from blend_wire import BLEND_LOOKUP_PATH, decode_tokens
-from helpers import (FakeClock, LoopbackServer, Reply, closed_port_url, poll_lookup, store,
-                     wait_until)
+from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, decode_tokens
+from helpers import (FakeClock, LoopbackServer, Reply, closed_port_url, ok_reply, poll_lookup,
+                     store, wait_until)
 from plugin import (BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost, LookupKey,
                     MatchState, PluginConfig, Source)
 from plugin.lookup import Candidate, merge_candidates, resolve_overlaps
@@ -300,6 +301,38 @@ def test_a_late_coordinator_reply_is_discarded(plugins):
         assert plugin.trace("r1").fleet_status == "timeout"
         assert wait_until(lambda: plugin.client.stats().late_discarded == 1, 5.0)
         assert plugin.client.stats().tracked == 0
+
+
+def test_a_slow_coordinator_gets_each_event_batch_once_while_lookups_keep_their_budget():
+    # Alive but slow: every answer takes 1.5 s, past the lookup budget (blend_timeout, 1 s by
+    # default) and within the event POSTs' own deadline (event_timeout, LMCache's 2 s).
+    def slow(path, body):
+        reply = ok_reply(path, body)
+        reply.delay_s = 1.5
+        return reply
+
+    config = PluginConfig(chunk_size=C, event_flush_interval=0.05, instance_id="slow-test")
+    assert (config.blend_timeout, config.event_timeout) == (1.0, 2.0)  # the defaults
+    with LoopbackServer(slow) as server:
+        host = InMemoryHost(C)
+        config = dataclasses.replace(config, coordinator_url=server.url, event_reporting=True)
+        with BlendPlugin(config, host) as plugin:
+            doc = fresh(3 * C)
+            hashes = save(plugin, host, doc)
+            result, elapsed, _ = poll_lookup(plugin, LookupKey("r1", np.concatenate(
+                [fresh(5), doc]), MODEL))
+            # The lookup did not wait for the coordinator's answer: local only, on its budget
+            # (the bound is "not hung", with room for a loaded machine).
+            assert plugin.trace("r1").fleet_status in ("timeout", "failed")
+            assert [s.cur_st for s in result.non_prefix_segments] == [5, 5 + C, 5 + 2 * C]
+            assert elapsed < config.blend_timeout + 1.5
+            plugin.on_evict(hashes[:1])
+            # Both POSTs (the stores, then the delete) were answered: each batch went once.
+            assert wait_until(lambda: plugin.reporter.stats().sent_batches == 2, 15.0)
+            stats = plugin.reporter.stats()
+            assert (stats.failed_flushes, stats.dropped_events, stats.pending) == (0, 0, 0)
+            posted = [b["seq"] for body in server.bodies(EVENTS_PATH) for b in body["batches"]]
+            assert posted == [1, 2]
 
 
 def test_state_is_released_when_the_lookup_completes(plugins):
