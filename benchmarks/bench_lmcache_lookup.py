@@ -35,7 +35,7 @@ import psutil  # noqa: E402
 
 from benchmarks.common import machine_description, percentile_ms  # noqa: E402
 from coordinator_stub.process import start_coordinator  # noqa: E402
-from plugin.lmcache_process import EngineClient, start_lmcache_server  # noqa: E402
+from plugin.lmcache_process import ServerFleet  # noqa: E402
 
 C = 256
 TARGET_RATIO = 1.2
@@ -57,16 +57,11 @@ def main() -> int:
     print(f"machine: {machine_description()}")
     workdir = tempfile.mkdtemp(prefix="bench-lmcache-")
     coordinator = start_coordinator("--enable-blend-lookup")
-    servers, clients = {}, {}
+    fleet = ServerFleet(coordinator_url=coordinator.url, l2_dir=f"{workdir}/l2", log_dir=workdir,
+                        module_config={"builtin_lookup": True}, l1_size_gb=1.0,
+                        client_options={"num_blocks": 4096})
     try:
-        for name in ("A", "B"):
-            servers[name] = start_lmcache_server(
-                name, coordinator_url=coordinator.url, l2_dir=f"{workdir}/l2", log_dir=workdir,
-                instance_id=f"bench-{name}", module_config={"builtin_lookup": True},
-                l1_size_gb=1.0)
-            clients[name] = EngineClient(servers[name].rpc_url, instance_id=1000 + ord(name),
-                                         num_blocks=4096)
-        a, b = clients["A"], clients["B"]
+        a, b = (fleet.start(name, instance_id=f"bench-{name}") for name in ("A", "B"))
         fleet_docs = []
         for i in range(args.fleet_docs):
             doc = tokens(rng.choice((2, 3, 4)) * C)
@@ -95,7 +90,7 @@ def main() -> int:
                 out += doc + tokens(rng.randrange(5, 80))
             return out
 
-        server_b = psutil.Process(servers["B"].process.pid)
+        server_b = psutil.Process(fleet.servers["B"].process.pid)
         sides = {"ours": dict(builtin=False), "lmcache": dict(builtin=True)}
         samples = {side: [] for side in sides}
         polls = {side: [] for side in sides}
@@ -143,10 +138,7 @@ def main() -> int:
               f"lookups/s, LMCache {args.prompts / sum(samples['lmcache']):.0f} lookups/s")
         return 0
     finally:
-        for client in clients.values():
-            client.close()
-        for server in servers.values():
-            server.stop()
+        fleet.close()
         coordinator.stop()
 
 

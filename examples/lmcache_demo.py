@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
 from coordinator_stub.process import start_coordinator  # noqa: E402
-from plugin.lmcache_process import EngineClient, start_lmcache_server  # noqa: E402
+from plugin.lmcache_process import ServerFleet  # noqa: E402
 
 C = 256
 rng = random.Random(2026)
@@ -45,16 +45,14 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="lmcache-demo-")
     coordinator = start_coordinator("--enable-blend-lookup")
     print(f"coordinator: {coordinator.url}; shared L2: {workdir}/l2")
-    servers, clients = {}, {}
+    fleet = ServerFleet(coordinator_url=coordinator.url, l2_dir=f"{workdir}/l2", log_dir=workdir,
+                        module_config={"builtin_lookup": True})
     try:
         for name in ("A", "B"):
-            servers[name] = start_lmcache_server(
-                name, coordinator_url=coordinator.url, l2_dir=f"{workdir}/l2", log_dir=workdir,
-                instance_id=f"demo-{name}", module_config={"builtin_lookup": True})
-            clients[name] = EngineClient(servers[name].rpc_url, instance_id=1000 + ord(name))
-            print(f"lmcache server {name}: {servers[name].rpc_url} (plugin loaded, "
-                  f"reporting by {clients[name].status()['reporting']})")
-        a, b = clients["A"], clients["B"]
+            client = fleet.start(name, instance_id=f"demo-{name}")
+            print(f"lmcache server {name}: {fleet.servers[name].rpc_url} (plugin loaded, "
+                  f"reporting by {client.status()['reporting']})")
+        a, b = fleet.clients["A"], fleet.clients["B"]
         system = tokens(C)
 
         def store(client, label, n_chunks):
@@ -111,10 +109,7 @@ def main() -> int:
               "B's local matcher knows them: no lookup finds them)")
         return 0
     finally:
-        for client in clients.values():
-            client.close()
-        for server in servers.values():
-            server.stop()
+        fleet.close()
         coordinator.stop()
         print("servers and coordinator stopped")
 

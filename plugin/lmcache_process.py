@@ -5,8 +5,11 @@ the LMCache demo and benchmarks (not loaded by `import plugin`; needs LMCache an
   registration, heartbeats, LMCache's own cache-event reporting) or the ZMQ-only
   `python -m lmcache.v1.multiprocess.server`, blend engine, CPU device, on free loopback
   ports, with `--server-module` loading `plugin.lmcache_adapter` (unless `plugin_module` is
-  False: a stock server). It waits until the server answers an RPC, or fails with the log
-  tail. Usage telemetry is off and its URL points at a dead loopback port.
+  False: a stock server, which may also run `engine_type="default"`). It waits until the
+  server answers an RPC, or fails with the log tail. Usage telemetry is off and its URL
+  points at a dead loopback port (`quiet_lmcache_env`; use it for `lmcache_command`, the
+  argv of LMCache's CLI, too).
+- `ServerFleet` keeps named servers, each with its engine client, and stops them all.
 - `EngineClient` is what a serving engine does, over LMCache's own client API: register a
   small CPU KV cache in shared memory, store token ranges, run `cb_unified_lookup` (ours, or
   LMCache's built-in through the adapter's server-module method), retrieve, end sessions.
@@ -15,7 +18,6 @@ the LMCache demo and benchmarks (not loaded by `import plugin`; needs LMCache an
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -26,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 ADAPTER_MODULE = "plugin.lmcache_adapter"
 READY_TIMEOUT_S = 90.0  # a cold numba cache costs ~15 s per server on a shared 2-core box
@@ -40,6 +42,15 @@ def free_port() -> int:
 
 def _dead_port_url() -> str:
     return f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+
+
+def lmcache_command(*args: str) -> list[str]:
+    """The argv of LMCache's CLI (`lmcache ARGS`): its console script beside this interpreter,
+    or the module when the script is not installed."""
+    script = Path(sys.executable).with_name("lmcache")
+    if script.exists():
+        return [str(script), *args]
+    return [sys.executable, "-m", "lmcache.cli.main", *args]
 
 
 def quiet_lmcache_env(extra: dict | None = None) -> dict:
@@ -105,6 +116,7 @@ def start_lmcache_server(name: str, *, attempts: int = 3, **options) -> LMCacheS
 
 
 def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True,
+                engine_type: str = "blend",
                 module_config: dict | None = None, coordinator_url: str | None = None,
                 event_reporting: bool = True, l2_dir: str | None = None,
                 instance_id: str | None = None, chunk_size: int = 256,
@@ -115,13 +127,11 @@ def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True
     http_port = free_port() if front_end else None
     instance_id = instance_id or name
     if front_end:
-        command = [str(Path(sys.executable).with_name("lmcache")), "server"]
-        if not Path(command[0]).exists():
-            command = [sys.executable, "-m", "lmcache.cli.main", "server"]
+        command = lmcache_command("server")
     else:
         command = [sys.executable, "-m", "lmcache.v1.multiprocess.server"]
     command += ["--host", "127.0.0.1", "--port", str(rpc_port), "--chunk-size", str(chunk_size),
-                "--engine-type", "blend", "--l1-size-gb", str(l1_size_gb),
+                "--engine-type", engine_type, "--l1-size-gb", str(l1_size_gb),
                 "--eviction-policy", "LRU", "--disable-metrics", "--instance-id", instance_id,
                 "--max-workers", "2"]
     if front_end:
@@ -170,15 +180,6 @@ def _wait_ready(server: LMCacheServer) -> None:
         time.sleep(0.1)
     raise RuntimeError(f"LMCache server {server.name} not ready within {READY_TIMEOUT_S:.0f} s:\n"
                        f"{server.log_tail()}")
-
-
-@contextlib.contextmanager
-def launch_lmcache_server(name: str, **options) -> Iterator[LMCacheServer]:
-    server = start_lmcache_server(name, **options)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # --- the engine side ---------------------------------------------------------------------------
@@ -361,3 +362,53 @@ class EngineClient:
                 closer()
             except Exception:
                 pass
+
+
+# --- servers with their clients ------------------------------------------------------------
+
+class ServerFleet:
+    """Named servers, each with one `EngineClient` (what tests, the demo and benchmarks run).
+
+    `start(name, **options)` starts a server with the fleet's options (the call's win) and
+    connects a client (`client_options` for all); `restart(name)` stops it gracefully and
+    starts it again as before; `close()` closes every client, then stops every server. A
+    fleet whose start fails part-way closes what it started (as a context manager, or by
+    the caller's `close()`): no process outlives it.
+    """
+
+    def __init__(self, *, client_options: dict | None = None, **server_options) -> None:
+        self.servers: dict[str, LMCacheServer] = {}
+        self.clients: dict[str, EngineClient] = {}
+        self._server_options = server_options
+        self._client_options = client_options or {}
+        self._started_with: dict[str, dict] = {}
+        self._engine_ids: dict[str, int] = {}  # a client keeps its id (and KV seed) on restart
+
+    def start(self, name: str, **options) -> EngineClient:
+        options = {**self._server_options, **options}
+        self._started_with[name] = options
+        self.servers[name] = start_lmcache_server(name, **options)
+        engine_id = self._engine_ids.setdefault(name, 1000 + len(self._engine_ids))
+        self.clients[name] = EngineClient(self.servers[name].rpc_url, instance_id=engine_id,
+                                          **self._client_options)
+        return self.clients[name]
+
+    def restart(self, name: str, stop_timeout: float = 60.0) -> EngineClient:
+        """SIGTERM (LMCache deregisters on the way out), then the same start again."""
+        self.clients.pop(name).close()
+        self.servers.pop(name).stop(timeout=stop_timeout)
+        return self.start(name, **self._started_with[name])
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        for server in self.servers.values():
+            server.stop()
+        self.clients.clear()
+        self.servers.clear()
+
+    def __enter__(self) -> "ServerFleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -6,7 +6,7 @@
   peak number answered concurrently. `HangingServer` accepts connections and never answers;
   `TricklingServer` answers one byte at a time, forever. `closed_port_url()` names a port
   nothing listens on.
-- `wait_until(predicate)`: poll a condition with a timeout.
+- `wait_until(predicate)`: poll a condition with a timeout; returns its truthy value.
 - `poll_lookup(plugin, key)`: call `cb_unified_lookup` as a scheduler does until it answers.
 - `take_when_done(client, request_id)`: poll the client's hand-over until it is not pending.
 - `store(plugin, host, key, hashes, start)`: what the engine does after saving a range: keep
@@ -26,9 +26,11 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, TypeVar
 
 from plugin import MatchState
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -191,11 +193,14 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
+def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.005) -> T:
+    """Poll `predicate` until it returns something truthy, and return that (assert on it);
+    past `timeout`, its last (falsy) value. Deadlines are generous: a loaded machine is slow."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return True
+        value = predicate()
+        if value:
+            return value
         time.sleep(interval)
     return predicate()
 

@@ -13,11 +13,7 @@ LMCache runs with usage tracking off and its tracking URL pointed at a dead loop
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +22,8 @@ import pytest
 
 from blend_wire import encode_tokens
 from coordinator_stub.process import launch_coordinator
+from helpers import wait_until
+from plugin.lmcache_process import lmcache_command, quiet_lmcache_env, start_lmcache_server
 
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
                     "project's Makefile); this test needs its server and CLI")
@@ -34,93 +32,54 @@ CHUNK = 256
 REQUESTS = 3
 TOKENS_PER_REQUEST = 512  # two chunks per request
 INSTANCE = "e2e-lmcache"
-_LMCACHE_MAIN = ("import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; "
-                 "sys.exit(main())")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _lmcache_env() -> dict[str, str]:
-    dead_port = _free_ports(1)[0]  # nothing listens there: usage reports go nowhere
-    return {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
-            "LMCACHE_USAGE_TRACK_URL": f"http://127.0.0.1:{dead_port}/",
-            "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _lmcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _LMCACHE_MAIN, *args], env=_lmcache_env(),
+    return subprocess.run(lmcache_command(*args), env=quiet_lmcache_env(),
                           capture_output=True, text=True, timeout=timeout)
-
-
-def _wait_for(condition, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
 def lmcache_server(tmp_path: Path):
-    """Start `lmcache server` against a coordinator: yields (coordinator, http, log)."""
+    """A stock `lmcache server` (default engine, no plugin) against a coordinator: yields
+    (coordinator, an HTTP client for it, the server)."""
     with launch_coordinator("--enable-blend-lookup", "--chunk-size", str(CHUNK)) as coord:
-        rpc_port, http_port = _free_ports(2)
-        log_path = tmp_path / "lmcache-server.log"
-        with open(log_path, "w") as log:
-            server = subprocess.Popen(
-                [sys.executable, "-c", _LMCACHE_MAIN, "server",
-                 "--host", "127.0.0.1", "--port", str(rpc_port),
-                 "--http-host", "127.0.0.1", "--http-port", str(http_port),
-                 "--chunk-size", str(CHUNK), "--l1-size-gb", "0.2",
-                 "--eviction-policy", "LRU", "--disable-metrics",
-                 "--instance-id", INSTANCE, "--coordinator-url", coord.url,
-                 "--coordinator-advertise-ip", "127.0.0.1",
-                 "--coordinator-heartbeat-interval", "0.5",
-                 "--coordinator-event-reporting",
-                 "--coordinator-event-flush-interval", "0.2"],
-                stdout=log, stderr=subprocess.STDOUT, env=_lmcache_env())
+        server = start_lmcache_server(
+            "stock", plugin_module=False, engine_type="default", coordinator_url=coord.url,
+            instance_id=INSTANCE, chunk_size=CHUNK, l1_size_gb=0.2, log_dir=str(tmp_path),
+            extra_flags=["--coordinator-advertise-ip", "127.0.0.1",
+                         "--coordinator-heartbeat-interval", "0.5"])
         try:
             with httpx.Client(base_url=coord.url, timeout=10) as http:
-                yield coord, http, server, rpc_port, http_port, log_path
+                yield coord, http, server
         finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
+            server.stop(kill=True)
 
 
 def test_lmcache_server_and_cli_against_the_bundled_coordinator(lmcache_server):
-    coord, http, server, rpc_port, http_port, log_path = lmcache_server
+    coord, http, server = lmcache_server
 
     def listed() -> list[str]:
         return [i["instance_id"] for i in http.get("/instances").json()["instances"]]
 
-    _wait_for(lambda: INSTANCE in listed() or server.poll() is not None, "registration")
-    assert server.poll() is None, log_path.read_text()[-3000:]
+    assert wait_until(lambda: INSTANCE in listed() or server.process.poll() is not None,
+                      timeout=120, interval=0.2), "no registration"
+    assert server.process.poll() is None, server.log_tail(60)
     [record] = http.get("/instances").json()["instances"]
-    assert (record["ip"], record["http_port"]) == ("127.0.0.1", http_port)
+    assert (record["ip"], record["http_port"]) == ("127.0.0.1", server.http_port)
 
     # LMCache's own client stores three 512-token requests through the server.
-    bench = _lmcache("bench", "server", "--rpc-url", f"tcp://127.0.0.1:{rpc_port}",
+    bench = _lmcache("bench", "server", "--rpc-url", server.rpc_url,
                      "--mode", "cpu", "--transfer-mode", "lmcache_driven",
                      "--num-tokens", str(TOKENS_PER_REQUEST), "--start", "0",
                      "--end", str(REQUESTS), "--interval", "0.1",
                      "--kvcache-shape-spec", "(2,64,16,2,16):float16:2",
-                     "--num-blocks", "64", "--url", f"http://127.0.0.1:{http_port}")
+                     "--num-blocks", "64", "--url", f"http://127.0.0.1:{server.http_port}")
     assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
     chunks = REQUESTS * TOKENS_PER_REQUEST // CHUNK
-    stats = _wait_for(lambda: (s := http.get("/directory/stats").json())["num_keys"] == chunks
-                      and s["blend"]["num_chunks"] == chunks and s, "the stores' events")
+    stats = wait_until(lambda: (s := http.get("/directory/stats").json())["num_keys"] == chunks
+                       and s["blend"]["num_chunks"] == chunks and s, timeout=120, interval=0.2)
+    assert stats, "the stores' events did not arrive"
     assert stats["l1_keys_by_instance"] == {INSTANCE: chunks}
     assert stats["l1_count"] == chunks and stats["l1_size_bytes"] > 0
 
@@ -168,13 +127,12 @@ def test_lmcache_server_and_cli_against_the_bundled_coordinator(lmcache_server):
     assert listed() == [INSTANCE]
 
     # Shutdown deregisters it, and its L1 placements go with it.
-    server.send_signal(signal.SIGTERM)
-    server.wait(60)
+    server.stop(timeout=60)
     assert listed() == []
     stats = http.get("/directory/stats").json()
     assert (stats["num_keys"], stats["l1_count"], stats["l1_keys_by_instance"]) == (0, 0, {})
 
-    log = log_path.read_text()
+    log = server.log_path.read_text()
     assert "Registered with coordinator as " + INSTANCE in log
     # LMCache's own words when a coordinator call fails (registrar.py, cache_events.py).
     for failure in (" 404", "Not Found", "no longer knows", "registration/heartbeat failed",
