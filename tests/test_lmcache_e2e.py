@@ -13,9 +13,8 @@ side-by-side, the L1 eviction and A's restart come last. Every test uses its own
 
 from __future__ import annotations
 
-import os
+import functools
 import random
-import time
 
 import httpx
 import numpy as np
@@ -24,111 +23,95 @@ import torch
 
 from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, INSTANCES_PATH, encode_tokens
 from coordinator_stub.process import start_coordinator
-from plugin.lmcache_process import EngineClient, start_lmcache_server
+from helpers import wait_until
+from plugin.lmcache_process import ServerFleet
 
 C = 256
 MODEL = "fleet-model"  # EngineClient's default model
 BUDGET = 0.5
 MARGIN = 1.5  # "within budget, not hung": generous for a loaded 2-core CI machine
 rng = random.Random(20261129)
+# An outcome that crosses several processes (engine -> server -> coordinator): generous, as a
+# loaded 2-core machine is slow; polled every 50 ms (each poll is an RPC or an HTTP request).
+settled = functools.partial(wait_until, timeout=60.0, interval=0.05)
+HTTP_TIMEOUT = 30.0  # the tests' own requests to the coordinator: a slow answer is no failure
 
 
 def tokens(n: int) -> list[int]:
     return [rng.randrange(1000, 60000) for _ in range(n)]
 
 
-def wait_until(condition, timeout: float = 20.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
-
-
-class Fleet:
-    """The module's processes; `restart_*` replace one in place."""
+class Fleet(ServerFleet):
+    """The module's processes: the coordinator, servers A and B (`lmcache server`) and C
+    (ZMQ-only); `restart(name)` and `restart_coordinator()` replace one in place."""
 
     def __init__(self, tmp_path_factory) -> None:
         self.l2_dir = str(tmp_path_factory.mktemp("shared-l2"))
-        self.log_dir = str(tmp_path_factory.mktemp("lmcache-logs"))
-        self.servers, self.clients = {}, {}
         self.coordinator = start_coordinator("--enable-blend-lookup")
         self.url = self.coordinator.url
+        super().__init__(coordinator_url=self.url, l2_dir=self.l2_dir,
+                         log_dir=str(tmp_path_factory.mktemp("lmcache-logs")))
         try:
-            for name, front_end in (("A", True), ("B", True), ("C", False)):
-                self.start(name, front_end)
+            for name in ("A", "B"):
+                self.start(name, instance_id=f"server-{name}",
+                           module_config={"builtin_lookup": True, "blend_timeout": BUDGET})
+            self.start("C", front_end=False, instance_id="server-C",
+                       module_config={"blend_timeout": BUDGET})
         except BaseException:
             self.close()  # no process outlives a failed set-up
             raise
-
-    def start(self, name: str, front_end: bool = True) -> None:
-        self.servers[name] = start_lmcache_server(
-            name, front_end=front_end, coordinator_url=self.url, l2_dir=self.l2_dir,
-            log_dir=self.log_dir, instance_id=f"server-{name}",
-            module_config={"builtin_lookup": True, "blend_timeout": BUDGET}
-            if front_end else {"blend_timeout": BUDGET})
-        self.clients[name] = EngineClient(self.servers[name].rpc_url,
-                                          instance_id=1000 + ord(name))
-
-    def restart(self, name: str) -> None:
-        self.clients.pop(name).close()
-        # A graceful stop (LMCache deregisters on the way out); generous for a loaded box.
-        assert self.servers.pop(name).stop(timeout=60) is not None
-        self.start(name)
 
     def restart_coordinator(self) -> None:
         port = self.coordinator.port
         self.coordinator.stop()
         self.coordinator = start_coordinator("--enable-blend-lookup", port=port)
 
-    def stats(self) -> dict:
-        return httpx.get(f"{self.url}/directory/stats", timeout=5).json()
-
-    def l2_files(self) -> int:
-        return sum(len(files) for _, _, files in os.walk(self.l2_dir))
-
     def fleet_matches(self, sequence: list[int], model: str = MODEL) -> int:
         """How many chunks of `sequence` the coordinator's blend index offers."""
         body = {"tokens_b64": encode_tokens(np.asarray(sequence, dtype=np.uint32)),
                 "model_name": model, "world_size": 1, "cache_salt": ""}
-        reply = httpx.post(f"{self.url}{BLEND_LOOKUP_PATH}", json=body, timeout=5)
+        reply = httpx.post(f"{self.url}{BLEND_LOOKUP_PATH}", json=body, timeout=HTTP_TIMEOUT)
         return len(reply.json()["matches"])
 
-    def placements(self, sequence: list[int]) -> list[dict]:
-        """Every placement of `sequence`'s chunks (the tokens form hashes as LMCache does)."""
+    def directory(self, sequence: list[int]) -> list[dict]:
+        """The coordinator's record of each chunk of `sequence` (its key, its placements);
+        the tokens form hashes them as LMCache does."""
         body = {"token_ids": sequence, "model_name": MODEL, "world_size": 1}
-        reply = httpx.post(f"{self.url}{DIRECTORY_LOOKUP_PATH}", json=body, timeout=5)
-        return [p for result in reply.json()["results"] for p in result["placements"]]
+        reply = httpx.post(f"{self.url}{DIRECTORY_LOOKUP_PATH}", json=body, timeout=HTTP_TIMEOUT)
+        return reply.json()["results"]
+
+    def placements(self, sequence: list[int]) -> list[dict]:
+        """Every placement of `sequence`'s chunks."""
+        return [p for result in self.directory(sequence) for p in result["placements"]]
 
     def instances(self) -> list[str]:
-        reply = httpx.get(f"{self.url}{INSTANCES_PATH}", timeout=5)
+        reply = httpx.get(f"{self.url}{INSTANCES_PATH}", timeout=HTTP_TIMEOUT)
         return [i["instance_id"] for i in reply.json()["instances"]]
 
+    def in_l2(self, sequence: list[int]) -> bool:
+        """Every chunk of `sequence` has an L2 placement, so its file is complete: LMCache's
+        fs L2 writes `<key>.tmp`, renames it, and only then reports the L2 store."""
+        results = self.directory(sequence)
+        return len(results) == len(sequence) // C and all(
+            any(p["tier"] == "l2" for p in result["placements"]) for result in results)
+
     def store_and_wait(self, name: str, sequence: list[int], request_id: str) -> None:
-        """Store on one server; wait until the coordinator indexed it and L2 holds it."""
+        """Store on one server; wait until the coordinator indexed it and L2 holds it (a
+        peer can load it from there)."""
         chunks = len(sequence) // C
-        files = self.l2_files()
         assert self.clients[name].store(sequence, request_id)
-        wait_until(lambda: self.fleet_matches(sequence) == chunks)
-        wait_until(lambda: self.l2_files() >= files + chunks)
+        assert settled(lambda: self.fleet_matches(sequence) == chunks)
+        assert settled(lambda: self.in_l2(sequence))
 
     def close(self) -> None:
-        for client in self.clients.values():
-            client.close()
-        for server in self.servers.values():
-            server.stop()
+        super().close()
         self.coordinator.stop()
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    running = Fleet(tmp_path_factory)
-    try:
+    with Fleet(tmp_path_factory) as running:
         yield running
-    finally:
-        running.close()
 
 
 def found(result) -> list[tuple[int, int]]:
@@ -144,7 +127,7 @@ def test_each_server_runs_the_plugin_with_exactly_one_event_reporter(fleet):
     assert c["reporting"] == "plugin" and c["lmcache_coordinator_client"] == "closed"
     # Registration and heartbeats stay LMCache's: both `lmcache server`s are listed; the
     # ZMQ-only entry point has no HTTP front end and does not register.
-    wait_until(lambda: {"server-A", "server-B"} <= set(fleet.instances()))
+    assert settled(lambda: {"server-A", "server-B"} <= set(fleet.instances()))
     assert "server-C" not in fleet.instances()
 
 
@@ -187,30 +170,45 @@ def test_another_cache_salt_finds_nothing(fleet):
     assert found(other) == []
     same, _, _ = b.lookup(query, "b-same-salt")
     assert len(found(same)) == 2  # the document is there for its own tenant
+    for rid in ("b-other-salt", "b-same-salt"):
+        b.end_session(rid)  # no retrieve follows: release the read locks
 
 
 def test_an_abandoned_lookup_releases_its_locks(fleet):
     b = fleet.clients["B"]
     prefix = tokens(2 * C)
     fleet.store_and_wait("A", prefix, "a-prefix")
-    baseline = b.status()["l1_read_locked"]
+    start = b.status()
+    baseline = start["l1_read_locked"]
+
+    def released(counter: str, before: dict):
+        """B's status once one more lookup was `counter` and its two prefix read locks were
+        released (False while not): outcomes the plugin and host count, so no intermediate
+        state has to be caught in time (the sweep may release a lookup at any moment)."""
+        s = b.status()
+        return (s["plugin"][counter] > before["plugin"][counter]
+                and s["host"].get("released_prefix_chunks", 0)
+                >= before["host"].get("released_prefix_chunks", 0) + 2
+                and s["l1_read_locked"] == baseline and s)
+
     # The engine starts a lookup whose prefix is cached (the prefix leg loads it from the
-    # shared L2 and read-locks it), then drops the request without polling again.
+    # shared L2 and read-locks it), then drops the request: its session ends, maybe while
+    # the prefix is still loading (then its locks go as soon as it lands).
     key = b.key(prefix + tokens(C), "b-abandoned", worker=None)
     b.lookup_once(key)
-    wait_until(lambda: b.status()["l1_read_locked"] >= baseline + 2)
     b.end_session("b-abandoned")
-    status = wait_until(lambda: (s := b.status())["l1_read_locked"] == baseline and s)
+    status = settled(lambda: released("cancelled", start))
+    assert status, "the cancelled lookup's read locks were not released"
     assert status["host"]["in_flight"] == 0 and status["host"]["releasing"] == 0
-    assert status["plugin"]["cancelled"] >= 1
     # A lookup nobody polls again and whose session never ends is released after
     # `abandon_after_s` (four match budgets) with no later lookup: the plugin's sweep task
     # releases it and its read locks (the status RPC only reads).
+    before = status
     key = b.key(prefix + tokens(2 * C), "b-forgotten", worker=None)
     b.lookup_once(key)
-    wait_until(lambda: b.status()["l1_read_locked"] >= baseline + 2)
-    status = wait_until(lambda: (s := b.status())["l1_read_locked"] == baseline and s)
-    assert status["plugin"]["abandoned"] >= 1 and status["host"]["in_flight"] == 0
+    status = settled(lambda: released("abandoned", before))
+    assert status, "the abandoned lookup's read locks were not released"
+    assert status["host"]["in_flight"] == 0
     assert status["plugin"]["active_lookups"] == 0
     # A completed lookup whose retrieve never comes is released when its session ends too.
     doc = tokens(2 * C)
@@ -219,7 +217,7 @@ def test_an_abandoned_lookup_releases_its_locks(fleet):
     assert len(found(result)) == 2
     assert b.status()["l1_read_locked"] >= baseline + 2
     b.end_session("b-unretrieved")
-    wait_until(lambda: b.status()["l1_read_locked"] == baseline)
+    assert settled(lambda: b.status()["l1_read_locked"] == baseline)
 
 
 def test_zmq_only_server_reports_its_l1_and_l2_placements_itself(fleet):
@@ -229,12 +227,12 @@ def test_zmq_only_server_reports_its_l1_and_l2_placements_itself(fleet):
     places = lambda: {(p["instance_id"], p["tier"], p["backend"])
                       for p in fleet.placements(sequence)}
     # Each chunk's L1 and L2 placement, reported by the plugin with its tier and backend.
-    wait_until(lambda: places() == {("server-C", "l1", "dram"), ("server-C", "l2", "fs")})
+    assert settled(lambda: places() == {("server-C", "l1", "dram"), ("server-C", "l2", "fs")})
     assert c.status()["tracked_chunks"] >= 2
     # An L1 eviction is a DELETE for tier L1 only; the L2 copies stay, so C keeps the chunks
     # in its local matcher and the fleet still offers them.
     c.clear_l1()
-    wait_until(lambda: places() == {("server-C", "l2", "fs")})
+    assert settled(lambda: places() == {("server-C", "l2", "fs")})
     assert c.status()["tracked_chunks"] >= 2
     result, _, _ = b.lookup(tokens(70) + sequence, "b-finds-c-doc")
     assert [cur for _, cur in found(result)] == [70, 70 + C]
@@ -287,7 +285,7 @@ def test_after_an_l1_eviction_on_a_with_the_l2_copy_kept_b_still_finds_it(fleet)
     fleet.store_and_wait("A", tokens(C) + doc, "a-doc-evicted")
     tracked = a.status()["tracked_chunks"]
     a.clear_l1()
-    wait_until(lambda: a.status()["l1_objects"] == 0)
+    assert settled(lambda: a.status()["l1_objects"] == 0)
     # L2 still holds them: A's local matcher keeps them, and the fleet still offers them.
     assert a.status()["tracked_chunks"] == tracked
     result, _, _ = b.lookup(tokens(10) + doc, "b-after-a-eviction")
@@ -300,14 +298,14 @@ def test_a_restarted_its_old_l1_placements_are_fenced(fleet):
     sequence = tokens(C) + tokens(2 * C)
     fleet.store_and_wait("A", sequence, "a-doc-before-restart")
     tiers = lambda: {(p["instance_id"], p["tier"]) for p in fleet.placements(sequence)}
-    wait_until(lambda: {("server-A", "l1"), ("server-A", "l2")} <= tiers())
+    assert settled(lambda: {("server-A", "l1"), ("server-A", "l2")} <= tiers())
     fleet.restart("A")  # SIGTERM: LMCache deregisters, then a new process starts
     # The old process's L1 died with it. (Its L2 copies are the coordinator's call: LMCache's
     # keeps them; the bundled one fences every placement of an older incarnation, so when the
     # old process's last events land after its deregistration, they go too.)
-    wait_until(lambda: ("server-A", "l1") not in tiers(), timeout=60)
+    assert settled(lambda: ("server-A", "l1") not in tiers())
     # The new process is registered again, serves the plugin, and its documents are found.
-    wait_until(lambda: "server-A" in fleet.instances())
+    assert settled(lambda: "server-A" in fleet.instances())
     assert fleet.clients["A"].status()["reporting"] == "lmcache"
     new_doc = tokens(2 * C)
     fleet.store_and_wait("A", tokens(C) + new_doc, "a-after-restart")
