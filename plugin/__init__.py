@@ -16,6 +16,7 @@ from plugin.client import BlendCoordinatorClient, ClientStats
 from plugin.config import ConfigError, PluginConfig
 from plugin.host import InMemoryHost, ServingHost, chunk_hashes
 from plugin.plugin import BlendPlugin, LookupTrace, PluginStats
+from plugin.registrar import InstanceRegistrar, RegistrarStats
 from plugin.reporter import CacheEventReporter, ReporterStats
 from plugin.types import (BlendMatch, BlendNamespace, BreakerState, CBMatchResult,
                           CBUnifiedLookupResult, FleetReply, FleetStatus, LookupKey, MatchState,
@@ -35,11 +36,13 @@ __all__ = [
     "FleetReply",
     "FleetStatus",
     "InMemoryHost",
+    "InstanceRegistrar",
     "LookupKey",
     "LookupTrace",
     "MatchState",
     "PluginConfig",
     "PluginStats",
+    "RegistrarStats",
     "ReporterStats",
     "ServingHost",
     "Source",

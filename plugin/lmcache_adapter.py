@@ -31,6 +31,20 @@ Contract:
   config says `"builtin_lookup": true`: then LMCache's lookup stays reachable, unchanged, as
   the server-module method `fleet_blend.builtin_cb_unified_lookup`, for side-by-side demos and
   benchmarks on the same server.
+- Several coordinator URLs (replicas over one event log, comma-separated): LMCache 0.5.6's
+  own coordinator components take one URL and break on a list (its registrar task dies on
+  the invalid URL: the server never registers and its shutdown fails; its cache-event sink
+  fails every flush: no event reaches any replica). So the adapter clears LMCache's URL on
+  the coordinator config it shares with the HTTP front end, which reads it only after the
+  modules are built: LMCache starts neither its registrar nor its event sink. The plugin's
+  own take their place, failing over between replicas: the reporter (tier-aware, as for
+  the ZMQ-only entry point) and, under `lmcache server`, `plugin.registrar` (register,
+  heartbeat every `--coordinator-heartbeat-interval`, deregister on close, with LMCache's
+  instance id, advertised ip and HTTP port). What LMCache's sink sent besides placements
+  (ACCESS events, L2 capacity declarations) is not reported then. With `builtin_lookup`,
+  LMCache's lookup client is rebuilt on the first URL. LMCache's P2P peer discovery (built
+  before the adapter runs) keeps the list it cannot use: P2P with several URLs is warned
+  about, not supported.
 - An abandoned lookup releases what it holds: when the request's session ends (END_SESSION or
   LMCache's session TTL) or nobody polls it for `abandoned_lookup_s`, its prefix and sparse
   read locks are released through `LMCacheHost.cancel`; a prefetch still in flight is
@@ -56,6 +70,7 @@ import msgspec
 import numpy as np
 
 from lmcache.v1.distributed.bitmap_ops.fold import fold_unfold_grouped
+from lmcache.v1.mp_coordinator.blend_client import BlendCoordinatorClient
 from lmcache.v1.mp_observability.event import EventType
 from lmcache.v1.mp_observability.event_bus import EventSubscriber
 from lmcache.v1.multiprocess.custom_types import CBMatchResult as LMCacheMatch
@@ -67,10 +82,12 @@ from lmcache.v1.multiprocess.modules.blend.lookup import _CBUnifiedJob
 from lmcache.v1.multiprocess.modules.lookup import resolve_prefetched_obj_keys
 from lmcache.v1.multiprocess.request_handler import HandlerType, request_handler
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
+from lmcache.v1.rpc_utils import get_ip
 
 from blend_wire import BlendNamespace
 from plugin.config import PluginConfig
 from plugin.plugin import BlendPlugin
+from plugin.registrar import InstanceRegistrar
 from plugin.reporter import CacheEventReporter
 from plugin.types import CBMatchResult, CBUnifiedLookupResult as PluginResult, LookupKey
 
@@ -112,6 +129,13 @@ LMCACHE_INTERNALS: tuple[tuple[str, str], ...] = (
     ("lmcache.v1.mp_observability.event", "EventType.L1_KEYS_EVICTED"),
     ("lmcache.v1.mp_observability.event", "EventType.L2_KEYS_STORED"),
     ("lmcache.v1.mp_observability.event", "EventType.L2_KEYS_DELETED"),
+    # Several coordinator URLs: what LMCache's front end reads after the modules are built,
+    # what the plugin's registrar advertises in its place, and LMCache's lookup client.
+    ("lmcache.v1.multiprocess.config", "CoordinatorConfig.url"),
+    ("lmcache.v1.multiprocess.config", "CoordinatorConfig.advertise_ip"),
+    ("lmcache.v1.multiprocess.config", "CoordinatorConfig.heartbeat_interval"),
+    ("lmcache.v1.rpc_utils", "get_ip"),
+    ("lmcache.v1.mp_coordinator.blend_client", "BlendCoordinatorClient.maybe_create"),
 )
 # Attributes LMCache sets on a live BlendModule in __init__ (not visible on the class).
 BLEND_INSTANCE_INTERNALS = ("_coordinator", "_segmented_prefix")
@@ -501,10 +525,11 @@ class FleetBlendModule:
     """Engine module serving `cb_unified_lookup` and `store` in place of LMCache's blend."""
 
     def __init__(self, blend: BlendModule, config: PluginConfig, *, lmcache_reports: bool,
-                 builtin_lookup: bool) -> None:
+                 builtin_lookup: bool, registrar: InstanceRegistrar | None = None) -> None:
         self._ctx = blend.context
         self._blend = blend
         self._builtin = builtin_lookup
+        self.registrar = registrar  # registration by the plugin (several URLs), or None
         self.host = LMCacheHost(blend)
         self.plugin = BlendPlugin(config, self.host, report_events=False)
         self.reporter: CacheEventReporter | None = None
@@ -612,6 +637,8 @@ class FleetBlendModule:
             "l1_objects": sum(m["total_object_count"] for m in l1["l1_managers"].values()),
             "builtin_lookup": self._builtin,
             "lmcache_coordinator_client": "open" if self._blend._coordinator else "closed",
+            "registration": (dataclasses.asdict(self.registrar.stats())
+                             if self.registrar is not None else None),
         }}
 
     def close(self) -> None:
@@ -620,7 +647,9 @@ class FleetBlendModule:
             listeners.remove(self._session_ended)
         self.plugin.close()
         if self.reporter is not None:
-            self.reporter.close()
+            self.reporter.close()  # its last events go before the departure
+        if self.registrar is not None:
+            self.registrar.close()
 
 
 # --- the factory LMCache calls ------------------------------------------------------------------
@@ -674,7 +703,43 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> list[FleetBlendM
     builtin = build.config.get("builtin_lookup", False)
     if not isinstance(builtin, bool):
         raise ValueError(f"builtin_lookup={builtin!r} must be true or false")
-    module = FleetBlendModule(blends[0], plugin_config(build),
-                              lmcache_reports=lmcache_reports_events(build),
-                              builtin_lookup=builtin)
+    config = plugin_config(build)
+    registrar = None
+    if len(config.coordinator_urls) > 1:
+        registrar = take_over_replicas(build, config, blends[0], builtin)
+    module = FleetBlendModule(blends[0], config, lmcache_reports=lmcache_reports_events(build),
+                              builtin_lookup=builtin, registrar=registrar)
     return [module]
+
+
+def take_over_replicas(build: ExtServerModuleBuildContext, config: PluginConfig,
+                       blend: BlendModule, builtin_lookup: bool) -> InstanceRegistrar | None:
+    """Several coordinator URLs (module doc): LMCache's registrar and event sink are kept
+    from starting, and the plugin's registrar (under `lmcache server`) is returned."""
+    coordinator = build.coordinator_config
+    urls = config.coordinator_urls
+    if build.mp_config.p2p_config.enabled:
+        log.warning("P2P peer discovery in LMCache %s takes one coordinator URL and cannot "
+                    "use the list %s: P2P lookups will not find peers", LMCACHE_VERSION,
+                    config.coordinator_url)
+    if builtin_lookup and blend._coordinator is not None:
+        blend._coordinator.close()
+        blend._coordinator = BlendCoordinatorClient.maybe_create(
+            urls[0], timeout=coordinator.blend_timeout,
+            match_concurrency=coordinator.blend_match_concurrency)
+    http_server = sys.modules.get(_FRONT_END)
+    http = http_server._configs.get("http") if http_server is not None else None
+    coordinator.url = ""  # read by LMCache's front end after this factory returns
+    log.info("%d coordinator replicas: the plugin registers and reports cache events, "
+             "failing over between them (LMCache's own registrar and event sink take one "
+             "URL)", len(urls))
+    if http is None:  # the ZMQ-only entry point registers nowhere, as LMCache's
+        return None
+    return InstanceRegistrar(
+        urls, instance_id=build.mp_config.instance_id,
+        ip=coordinator.advertise_ip or get_ip(), http_port=http.http_port,
+        heartbeat_interval=coordinator.heartbeat_interval,
+        timeout=min(10.0, max(1.0, coordinator.heartbeat_interval)),
+        p2p_advertised_url=build.mp_config.p2p_config.advertise_url,
+        mq_port=build.mp_config.port if build.mp_config.p2p_config.enabled else 0,
+        token=config.coordinator_token, ca_file=config.coordinator_ca_file)

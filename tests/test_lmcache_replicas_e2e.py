@@ -1,0 +1,132 @@
+"""A real `lmcache server` (LMCache 0.5.6, HTTP front end, the plugin loaded) given two
+coordinator replicas in one `--coordinator-url` list, as `LMCACHE_COORDINATOR_URL=a,b`.
+
+LMCache's own registrar and cache-event sink take one URL (with a list, its registration
+task dies on an invalid URL and every event flush fails): the adapter keeps them from
+starting and the plugin's registrar and reporter take their place, failing over between
+the replicas. What a user relies on, checked here with real processes (a NATS node, two
+replicas over one event log, the LMCache server, an engine client): the server is
+registered once, and listed alike by both replicas; its stores reach both; replica a is
+killed: heartbeats and events move to b, the registration is kept (never re-registered,
+never reaped, its placements never fenced) and new stores are found at b; a graceful
+stop deregisters it at b. Nothing in the server's log is a failed coordinator call of
+LMCache's own.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from blend_wire import BLEND_LOOKUP_PATH, INSTANCES_PATH, STATS_PATH, encode_tokens
+from coordinator_stub.nats_process import launch_nats_cluster
+from coordinator_stub.process import start_coordinator
+
+pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
+                    "project's Makefile); this test needs its server")
+
+from plugin.lmcache_process import EngineClient, start_lmcache_server  # noqa: E402
+
+C = 256
+MODEL = "fleet-model"  # EngineClient's default model
+INSTANCE = "server-L"
+TIMEOUT_S = 6  # the replicas' --instance-timeout
+rng = random.Random(20261130)
+
+
+def tokens(n: int) -> list[int]:
+    return [rng.randrange(1000, 60000) for _ in range(n)]
+
+
+def wait_until(condition, what: str, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def listing(url: str) -> list[dict]:
+    return httpx.get(url + INSTANCES_PATH, timeout=15).json()["instances"]
+
+
+def stats(url: str) -> dict:
+    return httpx.get(url + STATS_PATH, timeout=15).json()
+
+
+def fleet_matches(url: str, sequence: list[int]) -> int:
+    body = {"tokens_b64": encode_tokens(np.asarray(sequence, dtype=np.uint32)),
+            "model_name": MODEL, "world_size": 1, "cache_salt": ""}
+    return len(httpx.post(url + BLEND_LOOKUP_PATH, json=body, timeout=15).json()["matches"])
+
+
+def test_lmcache_server_with_two_replicas_keeps_its_registration_when_one_dies(tmp_path):
+    flags = ("--enable-blend-lookup", "--chunk-size", str(C), "--instance-timeout",
+             str(TIMEOUT_S), "--health-check-interval", "0.5")
+    with launch_nats_cluster(1, tmp_path / "nats") as nats:
+        replicas, server, client = [], None, None
+        try:
+            for name in ("a", "b"):
+                replicas.append(start_coordinator(*flags, "--event-log", nats.urls,
+                                                  "--replica-name", name))
+            a, b = replicas
+            server = start_lmcache_server(
+                "L", coordinator_url=f"{a.url},{b.url}", instance_id=INSTANCE,
+                log_dir=str(tmp_path), module_config={"blend_timeout": 0.5},
+                extra_flags=["--coordinator-heartbeat-interval", "0.5"])
+            client = EngineClient(server.rpc_url, instance_id=4242)
+            status = client.status()
+            assert status["reporting"] == "plugin"  # LMCache's sink would fail every flush
+            wait_until(lambda: [i["instance_id"] for i in listing(b.url)] == [INSTANCE],
+                       "registered, as both replicas list it")
+            [record] = listing(a.url)
+            assert listing(b.url) == [record]
+
+            first = tokens(2 * C)
+            assert client.store(first, "first")
+            for url in (a.url, b.url):
+                wait_until(lambda url=url: fleet_matches(url, first) == 2, f"stores at {url}")
+
+            # a dies. The server's next heartbeat and events go to b.
+            a.process.kill()
+            a.process.wait()
+            beats = client.status()["registration"]["heartbeats"]
+            # Long enough for b's reaper to have reaped a server that went silent: the
+            # heartbeat interval is 0.5 s, so 3 timeouts' worth of beats.
+            wait_until(lambda: client.status()["registration"]["heartbeats"]
+                       >= beats + 6 * TIMEOUT_S, "heartbeats at b", timeout=240)
+            registration = client.status()["registration"]
+            assert registration["url"] == b.url and registration["moved"] >= 1
+            assert registration["registrations"] == 1 and registration["forgotten"] == 0
+            assert listing(b.url) == [record]  # same record: never re-registered
+            after = stats(b.url)
+            assert after["counters"]["instances_dropped"] == 0  # never reaped or fenced
+            assert after["l1_keys_by_instance"][INSTANCE] >= 2
+            assert fleet_matches(b.url, first) == 2
+
+            second = tokens(2 * C)
+            assert client.store(second, "second")
+            wait_until(lambda: fleet_matches(b.url, second) == 2, "stores after a died")
+
+            # A graceful stop deregisters (at b, the replica still up).
+            client.close()
+            client = None
+            assert server.stop(timeout=60) is not None
+            wait_until(lambda: listing(b.url) == [], "deregistered at b")
+            assert INSTANCE not in stats(b.url)["l1_keys_by_instance"]
+            log_text = server.log_path.read_text(errors="replace")
+            assert "InvalidURL" not in log_text and "Invalid port" not in log_text
+            assert "Application shutdown failed" not in log_text
+        finally:
+            if client is not None:
+                client.close()
+            if server is not None:
+                server.stop()
+            for running in replicas:
+                running.stop()
