@@ -344,6 +344,8 @@ async def _reap_forever(app: web.Application, interval: float, timeout: float) -
                 metrics = app.get(METRICS)
                 if metrics is not None:
                     metrics.reaped()
+        except ServiceUnavailable as exc:  # the event log cannot take the record now
+            log.warning("reaping silent instances deferred to the next interval: %s", exc)
         except Exception:  # never let one bad sweep end the reaper
             log.exception("reaping silent instances failed; retrying next interval")
 
