@@ -534,10 +534,9 @@ class FleetBlendModule:
         self.plugin = BlendPlugin(config, self.host, report_events=False)
         self.reporter: CacheEventReporter | None = None
         if config.fleet_enabled and not lmcache_reports:
-            self.reporter = CacheEventReporter(
-                config.coordinator_url, instance_id=config.instance_id,
-                incarnation=config.incarnation, flush_interval=config.event_flush_interval,
-                timeout=config.event_timeout, max_events=config.event_queue_limit)
+            # Its own flush thread, not the plugin's pool: the plugin closes its pool before
+            # this module closes the reporter.
+            self.reporter = CacheEventReporter.from_config(config)
         self.reporting = ("lmcache" if lmcache_reports and config.fleet_enabled
                           else "plugin" if self.reporter is not None else "off")
         self.tiers = TierWatcher(self.plugin.on_evict, self.reporter)

@@ -172,12 +172,7 @@ class BlendPlugin:
                 max_tracked=config.max_tracked_queries, executor=self._workers, clock=clock,
                 token=config.coordinator_token, ca_file=config.coordinator_ca_file)
         if config.fleet_enabled and report_events:
-            self.reporter = CacheEventReporter(
-                config.coordinator_url, instance_id=config.instance_id,
-                incarnation=config.incarnation, flush_interval=config.event_flush_interval,
-                timeout=config.event_timeout, max_events=config.event_queue_limit,
-                tier=config.event_tier, backend=config.event_backend, executor=self._workers,
-                token=config.coordinator_token, ca_file=config.coordinator_ca_file)
+            self.reporter = CacheEventReporter.from_config(config, executor=self._workers)
         self._lock = threading.Lock()
         # One matcher for every namespace: it registers and matches under `key.namespace`.
         self._matcher = LocalMatcher(chunk_size=config.chunk_size, executor=self._workers)

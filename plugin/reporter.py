@@ -56,7 +56,7 @@ import numpy as np
 from blend_wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
                         CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
                         check_token_offset, decode, encode, pack_kv_rank)
-from plugin.config import DEFAULT_EVENT_TIMEOUT_S
+from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig
 from plugin.http import coordinator_http
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,17 @@ class CacheEventReporter:
             executor = ThreadPoolExecutor(1, thread_name_prefix="blend-events")
         self._executor = executor
         self._flusher: Future | None = executor.submit(self._run) if start else None
+
+    @classmethod
+    def from_config(cls, config: PluginConfig, *,
+                    executor: Executor | None = None) -> "CacheEventReporter":
+        """The reporter `config` describes: its URLs, identity, deadline, bounds, default tier
+        and credentials (one place, so every caller sends the token and trusts the CA)."""
+        return cls(config.coordinator_url, instance_id=config.instance_id,
+                   incarnation=config.incarnation, flush_interval=config.event_flush_interval,
+                   timeout=config.event_timeout, max_events=config.event_queue_limit,
+                   tier=config.event_tier, backend=config.event_backend, executor=executor,
+                   token=config.coordinator_token, ca_file=config.coordinator_ca_file)
 
     # --- the store path: enqueue only ----------------------------------------------------------
 

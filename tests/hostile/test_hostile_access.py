@@ -25,7 +25,7 @@ from coordinator_stub.config import parse_args
 from coordinator_stub.process import launch_coordinator
 from helpers import poll_lookup, wait_until
 from hostile_helpers import A, batch, entry
-from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig
+from plugin import BlendPlugin, CacheEventReporter, InMemoryHost, LookupKey, PluginConfig
 
 EMIT, READ, ADMIN, BOTH = ("e" * 20, "r" * 20, "a" * 20, "b" * 20)
 TOKENS = (("emitter", EMIT), ("reader", READ), ("admin", ADMIN),
@@ -177,3 +177,29 @@ def test_plugins_with_their_token_find_each_other_over_tls(certificate, tmp_path
         finally:
             for plugin in (a, b, c):
                 plugin.close()
+
+
+def test_a_reporter_built_from_the_config_sends_its_token_and_trusts_its_ca(certificate,
+                                                                           tmp_path):
+    # The LMCache adapter builds its reporter apart from the plugin's; both go through
+    # `CacheEventReporter.from_config`, so neither can forget the credentials.
+    cert, key = certificate
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"emitter {BOTH}\nreader {BOTH}\nadmin {ADMIN}\n")
+    with launch_coordinator("--auth-token-file", str(tokens), "--tls-cert", cert,
+                            "--tls-key", key) as running:
+        config = PluginConfig(chunk_size=C, coordinator_url=running.url, event_reporting=True,
+                              instance_id="zmq-only", coordinator_token=BOTH,
+                              coordinator_ca_file=cert)
+        reporter = CacheEventReporter.from_config(config)
+        try:
+            reporter.report_store(LookupKey("store", [], "m").namespace, [b"\x01" * 16],
+                                  [np.arange(C, dtype=np.uint32)], [0])
+            assert reporter.flush()
+            assert reporter.stats().failed_flushes == 0
+        finally:
+            reporter.close()
+        admin = ssl.create_default_context(cafile=cert)
+        with httpx.Client(base_url=running.url, verify=admin, timeout=10,
+                          headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+            assert http.get(STATS_PATH).json()["num_keys"] == 1
