@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         log_lookups = lookups([a], queries, args)
 
         # --- replay: replica b from an empty state ------------------------------------------
-        b, b_start_s = timed_start(*log_flags, "--replica-name", "b")
+        b, b_start_s = timed_start(*log_flags, "--replica-name", "b", log=work / "b.log")
         running.append(b)
         b_stats = replica_stats(b)
         replay_s = max(b_stats["replay_s"], 1e-9)
@@ -207,9 +207,15 @@ def main(argv=None) -> int:
         a_stats = replica_stats(a)
 
         # --- a fresh replica from the object store ------------------------------------------
-        c, c_start_s = timed_start(*log_flags, "--replica-name", "c", "--snapshot-store", "nats")
+        c_log = work / "c.log"
+        c, c_start_s = timed_start(*log_flags, "--replica-name", "c", "--snapshot-store", "nats",
+                                   log=c_log)
         running.append(c)
         c_stats = replica_stats(c)
+        if c_stats["restored_from_seq"] == 0:  # say why, before the logs are removed
+            print("replica c did not start from the object store; its log says:\n"
+                  + "".join(line for line in open(c_log) if "snapshot" in line.lower()
+                            or "ERROR" in line or "WARNING" in line))
 
         # --- lookups over 1, 2, 3 replicas ------------------------------------------------------
         over = [lookups([a, b, c][:k], queries, args) for k in (1, 2, 3)]

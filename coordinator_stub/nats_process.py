@@ -111,6 +111,11 @@ class NatsCluster:
         asyncio.run(_wait_jetstream(self.urls.split(","), timeout))
 
 
+async def _not_up_yet(exc: Exception) -> None:
+    """A node refusing connections while it starts: expected, retried (nats-py would
+    print a traceback for each)."""
+
+
 async def _wait_jetstream(servers: list[str], timeout: float) -> None:
     import nats
 
@@ -120,7 +125,8 @@ async def _wait_jetstream(servers: list[str], timeout: float) -> None:
         nc = None
         try:
             nc = await nats.connect(servers=servers, connect_timeout=1,
-                                    max_reconnect_attempts=0, allow_reconnect=False)
+                                    max_reconnect_attempts=0, allow_reconnect=False,
+                                    error_cb=_not_up_yet)
             await nc.jetstream(timeout=2).account_info()
             return
         except Exception as exc:  # not up yet, or no meta leader elected yet

@@ -15,7 +15,11 @@ Contract:
   into the scratch directory), then read exactly as a file is: the same checksum,
   format and `expect` rules, and every refusal is logged with its reason, naming the
   object (`nats://BUCKET/NAME`). A snapshot removed meanwhile (a peer pruned it) is
-  skipped. `run(fn, *args)` runs blocking reads off the event loop.
+  skipped. NATS failing to list or deliver (a cluster busy replicating GBs) is retried
+  for up to a minute, then that snapshot (or the bucket) is passed over, logged.
+  `run(fn, *args)` runs blocking reads off the event loop.
+- Pruning purges a deleted object's tombstone too, so the bucket lists only what it
+  holds, however many snapshots were ever taken.
 - The bucket is shared by the replicas of one stream (`<stream>-snapshots`): a replica on
   another machine, or a fresh one with an empty disk, starts from a peer's snapshot and
   replays only the records after it; a replica that fell behind the stream's retention
@@ -43,7 +47,12 @@ from typing import Any, Awaitable, Callable
 from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, NotFoundError
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
+from nats.js.object_store import (
+    OBJ_ALL_META_PRE_TEMPLATE,
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_META_PRE_TEMPLATE,
+    OBJ_STREAM_TEMPLATE,
+)
 
 from coordinator_stub.snapshot import SnapshotDir, SnapshotRefused, read, seq_of
 
@@ -54,6 +63,9 @@ log = logging.getLogger(__name__)
 _CHUNK_BYTES = 1 << 20
 #: Chunks asked for per fetch when downloading.
 _FETCH_CHUNKS = 16
+#: How long listing or downloading is retried before going on without the bucket (a
+#: full replay of the stream costs far more: ~50 s per million chunks).
+_PATIENCE_S = 60.0
 
 
 class SnapshotBucket:
@@ -84,12 +96,26 @@ class SnapshotBucket:
         return f"nats://{self.name}/{name}"
 
     async def names(self) -> list[str]:
-        """Snapshot objects, newest first."""
-        try:
-            infos = await self.store.list(ignore_deletes=True)
-        except NotFoundError:  # an empty bucket
-            return []
-        names = [info.name for info in infos if not info.deleted and seq_of(info.name) is not None]
+        """Snapshot objects, newest first. Listed from the bucket stream's meta subjects
+        (one request to its leader; nats-py's `list` watches them through a push
+        consumer instead), each confirmed live with `get_info`."""
+        info = await self.js.stream_info(
+            OBJ_STREAM_TEMPLATE.format(bucket=self.name),
+            subjects_filter=OBJ_ALL_META_PRE_TEMPLATE.format(bucket=self.name))
+        names = []
+        for subject in info.state.subjects or {}:
+            encoded = subject.rsplit(".", 1)[-1]
+            try:
+                name = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if seq_of(name) is None:
+                continue
+            try:
+                await self.store.get_info(name)
+            except NotFoundError:  # deleted (a tombstone not purged yet)
+                continue
+            names.append(name)
         return sorted(names, reverse=True)
 
     async def put(self, path: Path) -> None:
@@ -105,6 +131,14 @@ class SnapshotBucket:
                 await self.store.delete(name)
             except NotFoundError:  # a peer pruned it first
                 pass
+            # The delete leaves a tombstone under the object's meta subject: purge it, or
+            # every snapshot ever taken would stay listed.
+            await self.js.purge_stream(OBJ_STREAM_TEMPLATE.format(bucket=self.name),
+                                       subject=self._meta_subject(name))
+
+    def _meta_subject(self, name: str) -> str:
+        return OBJ_META_PRE_TEMPLATE.format(
+            bucket=self.name, obj=base64.urlsafe_b64encode(name.encode()).decode())
 
     async def fetch(self, name: str, into: Path) -> None:
         """Download object `name` to file `into`. FileNotFoundError if it is gone (pruned
@@ -152,6 +186,23 @@ class SnapshotBucket:
             raise SnapshotRefused(f"snapshot {self.label(name)} refused: the object store's "
                                   "size or SHA-256 does not match its chunks (corrupt); the "
                                   "replica rebuilds without it")
+
+
+async def _patiently(attempt: Callable[[], Awaitable[Any]], what: str) -> Any:
+    """`attempt()`, tried again while NATS answers with errors or not at all (a cluster
+    busy replicating GBs answers some requests late, or "temporarily unavailable"),
+    for up to `_PATIENCE_S`; then None (the caller falls back to older snapshots or the
+    stream), with every failure logged."""
+    deadline = time.monotonic() + _PATIENCE_S
+    while True:
+        try:
+            return await attempt()
+        except (NatsError, asyncio.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                log.error("cannot %s (%r); going on without it", what, exc)
+                return None
+            log.warning("cannot %s yet (%r); retrying", what, exc)
+            await asyncio.sleep(1.0)
 
 
 def _write_hashing(out, pieces: list[bytes], digest) -> None:
@@ -202,23 +253,24 @@ class Snapshots:
         local = {path.name: path for path in self.dir.files()} if self.dir else {}
         remote: list[str] = []
         if self.bucket is not None:
-            try:
-                remote = [name for name in await self.bucket.names() if name not in local]
-            except (NatsError, asyncio.TimeoutError) as exc:
-                log.error("cannot list the snapshot bucket %s (%r); using local snapshots "
-                          "only", self.bucket.name, exc)
+            names = await _patiently(self.bucket.names, f"list nats://{self.bucket.name}")
+            remote = [name for name in names or () if name not in local]
+            log.info("snapshots: %d in %s, %d more in nats://%s", len(local),
+                     self.dir.path if self.dir else "no directory", len(remote),
+                     self.bucket.name)
         for name in sorted([*local, *remote], key=seq_of, reverse=True):
             try:
                 if name in local:
                     return await run(read, local[name], expect)
-                return await self._load_remote(name, expect, run)
+                loaded = await _patiently(lambda: self._load_remote(name, expect, run),
+                                          f"download {self.bucket.label(name)}")
+                if loaded is not None:
+                    return loaded
             except SnapshotRefused as exc:
                 log.error("%s", exc)
             except FileNotFoundError:  # pruned meanwhile (by a peer, or a replica sharing it)
-                continue
-            except (NatsError, asyncio.TimeoutError) as exc:
-                log.error("cannot download snapshot %s (%r); trying an older one",
-                          self.bucket.label(name), exc)
+                log.warning("snapshot %s is gone (pruned meanwhile); trying an older one",
+                            name)
         return None
 
     async def _load_remote(self, name: str, expect: dict, run) -> tuple[Any, dict]:

@@ -525,6 +525,9 @@ def test_the_snapshot_bucket_keeps_the_newest_and_refuses_damaged_objects(tmp_pa
             for path in files:
                 await bucket.put(path)
             assert await bucket.names() == [files[4].name, files[3].name]
+            # Pruned objects leave nothing listed behind (their tombstones are purged).
+            info = await js.stream_info("OBJ_snaps", subjects_filter="$O.snaps.M.>")
+            assert len(info.state.subjects) == 2
             fetched = tmp_path / "fetched"
             await bucket.fetch(files[4].name, fetched)
             assert fetched.read_bytes() == files[4].read_bytes()
