@@ -233,10 +233,20 @@ def test_byte_budget_reserve_for_small_bodies():
 
 
 def _hog(host: str, port: int, declared: int) -> socket.socket:
-    """A client that declares a body of `declared` bytes and sends none of it."""
-    sock = socket.create_connection((host, port), timeout=10)
+    """A client that declares a body of `declared` bytes and sends none of it. Returns
+    once the server has reserved them: it asks for `100 Continue`, which the server
+    sends just before its handler reserves, with no wait in between (a fixed sleep
+    here was too short on a loaded machine)."""
+    sock = socket.create_connection((host, port), timeout=30)
     sock.sendall(b"POST /events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % declared)
+                 b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % declared)
+    expected = b"HTTP/1.1 100 Continue\r\n\r\n"
+    answer = b""
+    while len(answer) < len(expected):
+        more = sock.recv(len(expected) - len(answer))
+        assert more, answer
+        answer += more
+    assert answer == expected, answer
     return sock
 
 
@@ -246,7 +256,6 @@ def test_bytes_in_flight_are_bounded_503_retry_after_and_the_reporter_honours_it
              str(4 * mib), "--body-timeout", "1.5")
     with launch_coordinator(*flags) as running:
         hog = _hog(running.host, running.port, 4 * mib)  # holds the whole budget
-        time.sleep(0.2)
         # ~1.5 MiB of events in one post: more than small bodies have a reserve for.
         count = 15_000
         reporter = CacheEventReporter(running.url, instance_id="r", incarnation=1,
