@@ -11,6 +11,8 @@ Decoding is validation: `decode(body, Shape)` either returns a fully checked
 value or raises `WireError` whose message names the offending field, e.g.
 ``Expected `int` >= 1 - at `$.batches[0].seq```. Nothing partial is returned, and no
 body, however hostile (nested 100k deep, numbers of 40 digits), raises anything else.
+A body that breaks several rules is refused naming one of them (a batch's token lists
+are checked after its other fields, all at once).
 
 Every field has a range the coordinator can hold (the `MAX_*` constants below): an
 integer out of range is refused at decoding, naming the field, never half-way through
@@ -23,22 +25,21 @@ characters (`check_cache_salt`, shared with the blend-lookup request).
 A `WireError` also carries the error in FastAPI's shape (`WireError.detail`: a list of
 `{"type", "loc", "msg", "input"}`), which is how LMCache's coordinator answers a 422.
 
-Submodules, each re-exported here: `blend_wire.fleet` (instance registry and directory
-query shapes) and `blend_wire.chunk_keys` (LMCache's prefix-chained chunk hashes and
-per-rank key fan-out).
+Submodules, each re-exported here: `blend_wire.tokens` (the token codec: base64 for
+lookups, and the JSON token lists of event entries, parsed by one GIL-free kernel call per
+batch into uint32 arrays), `blend_wire.fleet` (instance registry and directory query
+shapes) and `blend_wire.chunk_keys` (LMCache's prefix-chained chunk hashes and per-rank
+key fan-out).
 """
 
 from __future__ import annotations
 
-import base64
 import re
 from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
-from numba import njit
 
-from local_matcher.index import as_tokens
 from local_matcher.types import UNKNOWN_TOKEN_OFFSET
 
 BLEND_LOOKUP_PATH = "/directory/blend-lookup"
@@ -130,74 +131,17 @@ class BlendNamespace(NamedTuple):
     world_size: int
 
 
-# --- token codec -----------------------------------------------------------------
+# --- token codec (blend_wire.tokens; it builds on WireError above) ---------------------
 
-
-def encode_tokens(tokens) -> str:
-    """Pack token ids as little-endian uint32, then standard base64 with padding."""
-    try:
-        array = as_tokens(tokens)
-    except ValueError as exc:
-        raise WireError(str(exc)) from None
-    return base64.b64encode(array.astype("<u4", copy=False).tobytes()).decode("ascii")
-
-
-_B64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-_B64_VALUES = np.full(256, 255, dtype=np.uint8)
-_B64_VALUES[np.frombuffer(_B64_ALPHABET, dtype=np.uint8)] = np.arange(64, dtype=np.uint8)
-_PAD = ord("=")
-
-
-@njit(cache=True, nogil=True)
-def _b64_decode(text, values):
-    """Strict base64 to bytes; returns (bytes, -1) or (empty, index of the first bad char).
-
-    Runs without the GIL: a coordinator decodes every query on a worker thread while its
-    event loop goes on serving.
-    """
-    n = text.shape[0]
-    pad = 0
-    if n >= 1 and text[n - 1] == _PAD:
-        pad = 2 if n >= 2 and text[n - 2] == _PAD else 1
-    out = np.empty(n // 4 * 3, dtype=np.uint8)
-    for i in range(0, n, 4):
-        acc = np.uint32(0)
-        for j in range(4):
-            c = text[i + j]
-            v = values[c]
-            if v == 255:
-                if i + j < n - pad:
-                    return out[:0], i + j
-                v = 0  # padding, already checked to be only at the very end
-            acc = (acc << np.uint32(6)) | np.uint32(v)
-        out[i // 4 * 3] = (acc >> np.uint32(16)) & np.uint32(255)
-        out[i // 4 * 3 + 1] = (acc >> np.uint32(8)) & np.uint32(255)
-        out[i // 4 * 3 + 2] = acc & np.uint32(255)
-    return out[: out.shape[0] - pad], -1
-
-
-def _bad_tokens(message: str, text: str) -> WireError:
-    return WireError(message, loc=("body", "tokens_b64"), input=text[:64])
-
-
-def decode_tokens(text: str) -> np.ndarray:
-    """Inverse of `encode_tokens`: a native uint32 array, or `WireError` saying why not."""
-    try:
-        raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-    except UnicodeEncodeError:
-        raise _bad_tokens("tokens_b64 is not valid base64: it has non-ASCII characters",
-                          text) from None
-    if raw.size % 4:
-        raise _bad_tokens(f"tokens_b64 is not valid base64: its length {raw.size} is not a "
-                          "multiple of 4 (padding missing?)", text)
-    decoded, bad_at = _b64_decode(raw, _B64_VALUES)
-    if bad_at >= 0:
-        raise _bad_tokens(f"tokens_b64 is not valid base64: character {chr(raw[bad_at])!r} "
-                          f"at position {bad_at}", text)
-    if decoded.size % 4:
-        raise _bad_tokens(f"tokens_b64 decodes to {decoded.size} bytes, not a multiple of 4",
-                          text)
-    return decoded.view("<u4").astype(np.uint32, copy=False)
+from blend_wire.tokens import (  # noqa: E402
+    NO_TOKEN_IDS,
+    BadTokenList,
+    TokenIds,
+    decode_tokens,
+    encode_tokens,
+    token_ids_of,
+    token_lists_from_json,
+)
 
 
 # --- kv_rank packing ---------------------------------------------------------------
@@ -281,13 +225,18 @@ class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
 class CacheEventEntry(msgspec.Struct, kw_only=True):
     key: EncodedObjectKey
     size_bytes: NonNegative = 0
-    # Any integers: an id outside uint32 is not a validation error (LMCache answers 200);
-    # the coordinator records the placement and treats the content as unknown (WIRE.md).
-    token_ids: list[int] = msgspec.field(default_factory=list)
+    # On the wire a JSON list of any integers. Decoded as raw JSON (no Python int per
+    # token), then `TokenIds`: a uint32 array, or, when an id is outside uint32 (not a
+    # validation error: LMCache answers 200; the coordinator records the placement and
+    # treats the content as unknown, WIRE.md), the ints as a list. Entries decoded in a
+    # batch are converted by the batch, all at once; entries built in code, here.
+    token_ids: msgspec.Raw = NO_TOKEN_IDS
     token_offset: TokenOffset = UNKNOWN_TOKEN_OFFSET
 
     def __post_init__(self) -> None:
         check_token_offset(self.token_offset)
+        if type(self.token_ids) is not msgspec.Raw:
+            self.token_ids = token_ids_of(self.token_ids)
 
 
 def check_token_offset(offset: int) -> None:
@@ -315,10 +264,26 @@ class CacheEventBatch(msgspec.Struct, kw_only=True):
     capacity_revision: NonNegative = 0
 
     def __post_init__(self) -> None:
+        _parse_token_lists(self.entries)
         if self.event_type in ("store", "delete", "config") and not self.backend:
             raise ValueError(f"backend must be non-empty for a {self.event_type} batch")
         if self.event_type == "config" and self.entries:
             raise ValueError("a config batch carries no entries")
+
+
+def _parse_token_lists(entries: list[CacheEventEntry]) -> None:
+    """The batch's token lists still raw JSON, parsed at once (one kernel call)."""
+    raw = [entry for entry in entries if type(entry.token_ids) is msgspec.Raw]
+    if not raw:
+        return
+    try:
+        parsed = token_lists_from_json([entry.token_ids for entry in raw])
+    except BadTokenList as exc:  # path: `$.entries[i].token_ids[j]`
+        where = next(i for i, entry in enumerate(entries) if entry is raw[exc.index])
+        raise ValueError(str(exc).replace(" - at `$", f" - at `$.entries[{where}]", 1)) \
+            from None
+    for entry, token_ids in zip(raw, parsed):
+        entry.token_ids = token_ids
 
 
 class EventsRequest(msgspec.Struct, kw_only=True):
@@ -335,7 +300,16 @@ class EventsReply(msgspec.Struct, kw_only=True):
 
 T = TypeVar("T")
 _decoders: dict[type, msgspec.json.Decoder] = {}
-encode = msgspec.json.Encoder().encode
+
+
+def _encode_more(value: Any) -> Any:
+    """What msgspec cannot encode itself: token ids held as an array."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+encode = msgspec.json.Encoder(enc_hook=_encode_more).encode
 
 
 def decode(body: bytes | str, shape: type[T]) -> T:
@@ -367,13 +341,16 @@ def convert_query(params: dict[str, str], shape: type[T]) -> T:
 # --- validation errors in FastAPI's shape (cold path: only a rejected request gets here) ---
 
 _AT = re.compile(r" - at `\$(.*)`$")
+_NESTED_AT = re.compile(r" - at `\$([^`]*)` - at `\$([^`]*)`$")
 _STEP = re.compile(r"\.([^.\[]+)|\[(-?\d+)\]|\[([^\]]*)\]")
 _TYPE_NAMES = {"int": "int_type", "str": "string_type", "float": "float_type",
                "bool": "bool_type", "array": "list_type", "object": "dict_type"}
 
 
 def _validation_error(exc: msgspec.ValidationError, where: str, raw: Any) -> WireError:
-    message = str(exc)
+    # A rule that names a field inside its struct (`$.entries[2].token_ids[3]`) is reported
+    # by msgspec at the struct (`... - at `$.batches[0]``): one path, outer then inner.
+    message = _NESTED_AT.sub(r" - at `$\2\1`", str(exc))
     path: list = []
     at = _AT.search(message)
     if at:

@@ -53,9 +53,10 @@ from typing import Literal, NamedTuple, Sequence
 import httpx
 import numpy as np
 
-from blend_wire import (EVENTS_PATH, UNKNOWN_TOKEN_OFFSET, BlendNamespace, CacheEventBatch,
-                        CacheEventEntry, EncodedObjectKey, EventsReply, EventsRequest, WireError,
-                        check_token_offset, decode, encode, pack_kv_rank)
+from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
+                        CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
+                        EventsRequest, TokenIds, WireError, check_token_offset, decode, encode,
+                        pack_kv_rank, token_ids_of)
 from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig
 from plugin.http import coordinator_http
 
@@ -98,7 +99,7 @@ def next_incarnation() -> int:
 class _Event(NamedTuple):
     event_type: Literal["store", "delete"]
     key: EncodedObjectKey
-    tokens: np.ndarray | None  # a private copy, never the caller's buffer
+    tokens: TokenIds | None  # a private copy, never the caller's buffer
     offset: int
     size_bytes: int
     tier: str
@@ -193,8 +194,9 @@ class CacheEventReporter:
         """Queue one STORE per chunk: its tokens and the position of its first token.
 
         The tokens are copied (the caller may reuse its buffer). A hash with no hex form
-        raises `TypeError` (an empty one, a bad offset, tier or backend, `ValueError`) and
-        nothing of this call is queued. `tier`/`backend` default to the reporter's.
+        raises `TypeError` (an empty one, a bad offset, tier or backend, tokens that are
+        not integers, `ValueError`) and nothing of this call is queued. `tier`/`backend`
+        default to the reporter's.
         """
         tier, backend = self._placement(tier, backend)
         if not len(chunk_hashes) == len(token_chunks) == len(offsets):
@@ -203,9 +205,10 @@ class CacheEventReporter:
         for chunk_hash, tokens, offset in zip(chunk_hashes, token_chunks, offsets):
             offset = UNKNOWN_TOKEN_OFFSET if offset is None else int(offset)
             check_token_offset(offset)  # checked here: batch building must not fail
-            events.append(_Event("store", encode_key(namespace, chunk_hash),
-                                 None if tokens is None else tokens.copy(), offset, size_bytes,
-                                 tier, backend))
+            if tokens is not None:
+                tokens = token_ids_of(tokens).copy()  # as the wire takes them, and ours
+            events.append(_Event("store", encode_key(namespace, chunk_hash), tokens, offset,
+                                 size_bytes, tier, backend))
         self._enqueue(events)
 
     def report_delete(self, namespace: BlendNamespace, chunk_hashes: Sequence[bytes], *,
@@ -323,7 +326,7 @@ class CacheEventReporter:
     def _entry(event: _Event) -> CacheEventEntry:
         if event.event_type == "delete":
             return CacheEventEntry(key=event.key)
-        tokens = [] if event.tokens is None else event.tokens.tolist()
+        tokens = NO_TOKEN_IDS if event.tokens is None else event.tokens
         return CacheEventEntry(key=event.key, size_bytes=event.size_bytes, token_ids=tokens,
                                token_offset=event.offset)
 

@@ -386,6 +386,11 @@ BAD_EVENTS = {
     "store without backend": ([batch(GOOD, backend="")], "backend"),
     "token ids of the wrong JSON type": ([batch(_with(GOOD, token_ids="1,2,3,4"))],
                                          "token_ids"),
+    "a float token id": ([batch(GOOD, entry("bb02", [21, 22, 2.5, 24], offset=4))],
+                         "$.batches[0].entries[1].token_ids[2]"),
+    "a bool token id in the last batch": (
+        [batch(GOOD, seq=1), batch(entry("bb02", [21, True, 23, 24], offset=4), seq=2)],
+        "$.batches[1].entries[0].token_ids[1]"),
     "only the last entry is bad": (
         [batch(GOOD, entry("bb02", B, offset=4), entry("dd03", D, offset=-5))],
         "entries[2]"),

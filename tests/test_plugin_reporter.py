@@ -312,7 +312,7 @@ def test_a_store_without_tokens_is_sent_with_an_unknown_offset():
         reporter.close()
         batch, = decode(server.requests[0][1], EventsRequest).batches
         assert (batch.event_type, batch.entries[0].key.chunk_hash_hex) == ("store", "01")
-        assert batch.entries[0].token_ids == [] and batch.entries[0].token_offset == -1
+        assert len(batch.entries[0].token_ids) == 0 and batch.entries[0].token_offset == -1
 
 
 @pytest.mark.parametrize("part", ["headers", "body"])
