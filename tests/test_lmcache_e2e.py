@@ -14,6 +14,7 @@ side-by-side, the L1 eviction and A's restart come last. Every test uses its own
 from __future__ import annotations
 
 import functools
+import os
 import random
 
 import httpx
@@ -94,6 +95,11 @@ class Fleet(ServerFleet):
         results = self.directory(sequence)
         return len(results) == len(sequence) // C and all(
             any(p["tier"] == "l2" for p in result["placements"]) for result in results)
+
+    def l2_files_written(self) -> int:
+        """Complete files in the shared L2 folder (not LMCache's `<key>.tmp` in progress)."""
+        return sum(not name.endswith(".tmp")
+                   for _, _, names in os.walk(self.l2_dir) for name in names)
 
     def store_and_wait(self, name: str, sequence: list[int], request_id: str) -> None:
         """Store on one server; wait until the coordinator indexed it and L2 holds it (a
@@ -244,7 +250,12 @@ def test_coordinator_down_b_answers_within_budget_local_only(fleet):
     fleet.store_and_wait("A", tokens(C) + remote_doc, "a-doc-before-outage")
     fleet.coordinator.stop()
     local_doc = tokens(2 * C)
+    files = fleet.l2_files_written()
     assert b.store(tokens(C) + local_doc, "b-doc-during-outage")  # its events are lost
+    # LMCache writes L2 in the background and reports that store when it is done: wait for
+    # it, so those events too are lost in the outage rather than delivered after the next
+    # test restarts the coordinator (seen under load: LMCache's lookup then found B's doc).
+    settled(lambda: fleet.l2_files_written() >= files + 3)
     fleet.local_doc = local_doc
     before = b.status()["plugin"]
     query = tokens(20) + remote_doc + tokens(20) + local_doc
