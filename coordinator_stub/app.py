@@ -7,10 +7,12 @@ Contract:
   `/healthz`). Every blocking step (validation of large bodies, the directory lock,
   matching) runs on a worker thread:
   * ingest on ONE scheduler thread (`coordinator_stub.ingest`): bodies are validated and
-    applied a batch at a time, emitters taking turns, so one client's flood delays
-    another's batch by at most one batch's work; per instance, batches apply in order.
-    Request bytes in flight are bounded: a body that does not fit is answered 503 with
-    `Retry-After` before it is read;
+    applied a batch at a time, emitters fairly queued by bytes, so however many clients
+    flood, another's batch waits for at most the batch step already running; per
+    instance, batches apply in order. Request bytes in flight are bounded: a body that
+    does not fit is answered 503 with `Retry-After` before it is read. When the last
+    of a burst (64 MiB or more) has gone, the freed heap is given back to the OS
+    (`give_back_memory`) on asyncio's default pool;
   * blend lookups on `match_workers` threads (one by default: the index serialises
     matches under its own lock, so a second matcher only adds lock and GIL hand-offs),
     so a long query stalls neither ingest nor `/healthz`. A lookup body of at most
@@ -69,6 +71,7 @@ from blend_wire import (
 )
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.connections import ConnectionGuard, connection_cap
+from coordinator_stub.ingest import give_back_memory
 from coordinator_stub.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator_stub.service import BadRequest, Coordinator, ServiceUnavailable, TooLarge
 
@@ -191,6 +194,10 @@ async def _events(request: web.Request) -> bytes:
         return await asyncio.wrap_future(coordinator.submit_events(body))
     finally:
         release()
+        if coordinator.ingest_budget.burst_over():
+            # Once this handler is done (its body freed), off the loop.
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.run_in_executor, None, give_back_memory)
 
 
 @_answers_errors

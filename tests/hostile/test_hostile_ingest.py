@@ -20,7 +20,7 @@ import pytest
 
 from blend_wire import EVENTS_PATH, BlendNamespace, encode
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.ingest import TURN_BYTES, ByteBudget, FairIngest
+from coordinator_stub.ingest import TRIM_AFTER_BYTES, TURN_BYTES, ByteBudget, FairIngest
 from coordinator_stub.process import launch_coordinator
 from coordinator_stub.service import Coordinator
 from hostile_helpers import A, batch, entry
@@ -218,6 +218,20 @@ async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
     print(f"victim {victim_s:.3f} s, flood {flood_s:.3f} s")
     assert victim_s < flood_s / 4, (victim_s, flood_s)
     assert await coord.lookup(A) == [("aa01", 0, 0)]
+
+
+def test_byte_budget_says_once_when_a_burst_is_over():
+    budget = ByteBudget(TRIM_AFTER_BYTES)
+    first = budget.try_reserve(TRIM_AFTER_BYTES // 2)
+    second = budget.try_reserve(TRIM_AFTER_BYTES // 2)
+    first()
+    assert not budget.burst_over()  # still one in flight
+    second()
+    assert budget.burst_over()  # all of it came and went: give memory back now
+    assert not budget.burst_over()  # once
+    small = budget.try_reserve(1000)
+    small()
+    assert not budget.burst_over()  # not a burst
 
 
 def test_byte_budget_reserve_for_small_bodies():
