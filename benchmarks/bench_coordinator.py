@@ -630,6 +630,12 @@ def main(argv=None) -> int:
                          "ms", "lower is better", "-"))
         print(ratio_line("CPU per lookup", ours.lookup_cpu_ms, reference.lookup_cpu_ms, "ms",
                          "lower is better", "-"))
+        if ours.noisy and reference.noisy:
+            for what, label in (("ingest", "victim ingest p99 flooded"),
+                                ("lookups", "victim lookup p99 flooded")):
+                print(ratio_line(label, ours.noisy["flooded"][what]["p99"],
+                                 reference.noisy["flooded"][what]["p99"], "ms",
+                                 "lower is better", "-"))
         print(f"  reference recall {reference.recall:.3f} ({reference.extra} unexpected matches)")
     verdicts = {
         "ingest >= 3x": ours.ingest_rate >= TARGET["ingest_ratio"] * reference.ingest_rate,
