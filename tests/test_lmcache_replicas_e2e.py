@@ -15,8 +15,8 @@ LMCache's own.
 
 from __future__ import annotations
 
+import functools
 import random
-import time
 
 import httpx
 import numpy as np
@@ -25,6 +25,7 @@ import pytest
 from blend_wire import BLEND_LOOKUP_PATH, INSTANCES_PATH, STATS_PATH, encode_tokens
 from coordinator_stub.nats_process import launch_nats_cluster
 from coordinator_stub.process import start_coordinator
+from helpers import wait_until
 
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
                     "project's Makefile); this test needs its server")
@@ -36,20 +37,11 @@ MODEL = "fleet-model"  # EngineClient's default model
 INSTANCE = "server-L"
 TIMEOUT_S = 6  # the replicas' --instance-timeout
 rng = random.Random(20261130)
+settled = functools.partial(wait_until, timeout=90.0, interval=0.1)
 
 
 def tokens(n: int) -> list[int]:
     return [rng.randrange(1000, 60000) for _ in range(n)]
-
-
-def wait_until(condition, what: str, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def listing(url: str) -> list[dict]:
@@ -83,15 +75,15 @@ def test_lmcache_server_with_two_replicas_keeps_its_registration_when_one_dies(t
             client = EngineClient(server.rpc_url, instance_id=4242)
             status = client.status()
             assert status["reporting"] == "plugin"  # LMCache's sink would fail every flush
-            wait_until(lambda: [i["instance_id"] for i in listing(b.url)] == [INSTANCE],
-                       "registered, as both replicas list it")
+            assert settled(lambda: [i["instance_id"] for i in listing(b.url)] == [INSTANCE]), \
+                "registered, as both replicas list it"
             [record] = listing(a.url)
             assert listing(b.url) == [record]
 
             first = tokens(2 * C)
             assert client.store(first, "first")
             for url in (a.url, b.url):
-                wait_until(lambda url=url: fleet_matches(url, first) == 2, f"stores at {url}")
+                assert settled(lambda url=url: fleet_matches(url, first) == 2), f"stores at {url}"
 
             # a dies. The server's next heartbeat and events go to b.
             a.process.kill()
@@ -99,8 +91,8 @@ def test_lmcache_server_with_two_replicas_keeps_its_registration_when_one_dies(t
             beats = client.status()["registration"]["heartbeats"]
             # Long enough for b's reaper to have reaped a server that went silent: the
             # heartbeat interval is 0.5 s, so 3 timeouts' worth of beats.
-            wait_until(lambda: client.status()["registration"]["heartbeats"]
-                       >= beats + 6 * TIMEOUT_S, "heartbeats at b", timeout=240)
+            assert settled(lambda: client.status()["registration"]["heartbeats"]
+                           >= beats + 6 * TIMEOUT_S, timeout=240), "heartbeats at b"
             registration = client.status()["registration"]
             assert registration["url"] == b.url and registration["moved"] >= 1
             assert registration["registrations"] == 1 and registration["forgotten"] == 0
@@ -112,13 +104,13 @@ def test_lmcache_server_with_two_replicas_keeps_its_registration_when_one_dies(t
 
             second = tokens(2 * C)
             assert client.store(second, "second")
-            wait_until(lambda: fleet_matches(b.url, second) == 2, "stores after a died")
+            assert settled(lambda: fleet_matches(b.url, second) == 2), "stores after a died"
 
             # A graceful stop deregisters (at b, the replica still up).
             client.close()
             client = None
             assert server.stop(timeout=60) is not None
-            wait_until(lambda: listing(b.url) == [], "deregistered at b")
+            assert settled(lambda: listing(b.url) == []), "deregistered at b"
             assert INSTANCE not in stats(b.url)["l1_keys_by_instance"]
             log_text = server.log_path.read_text(errors="replace")
             assert "InvalidURL" not in log_text and "Invalid port" not in log_text
