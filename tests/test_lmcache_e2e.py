@@ -255,7 +255,7 @@ def test_coordinator_down_b_answers_within_budget_local_only(fleet):
     # LMCache writes L2 in the background and reports that store when it is done: wait for
     # it, so those events too are lost in the outage rather than delivered after the next
     # test restarts the coordinator (seen under load: LMCache's lookup then found B's doc).
-    settled(lambda: fleet.l2_files_written() >= files + 3)
+    assert settled(lambda: fleet.l2_files_written() >= files + 3)
     fleet.local_doc = local_doc
     before = b.status()["plugin"]
     query = tokens(20) + remote_doc + tokens(20) + local_doc
