@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
 
-.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache clean
+.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-hostile soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,14 @@ bench-popular: $(STAMP)
 
 bench-lmcache: $(STAMP)
 	$(PY) -m benchmarks.bench_lmcache_lookup $(ARGS)
+
+# ~19k hostile sockets from two processes: needs `ulimit -n` of about 10k or more.
+bench-hostile: $(STAMP)
+	$(PY) -m benchmarks.bench_hostile_sockets $(ARGS)
+
+# 10 minutes of constant live set against the coordinator: RSS slope and latency per interval.
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak $(ARGS)
 
 bench: bench-local bench-coordinator bench-unified bench-popular bench-lmcache
 

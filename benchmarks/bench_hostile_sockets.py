@@ -18,7 +18,11 @@ its own descriptor limit, printed):
    coordinator holds, how many it closed to stay under the cap, its CPU time while
    holding them;
 4. release: the clients close their sockets; after `--settle` s, the coordinator's RSS
-   and descriptors again, and the quiet requests once more;
+   and descriptors again, and the quiet requests once more; then RSS after a garbage
+   collection and `malloc_trim`, next to what live objects hold (pymalloc and glibc in
+   use, `benchmarks.memory_probe`), so memory that is merely cached or fragmented shows
+   apart from memory still held; `--rounds` floods in all, and those figures after each
+   (what stays after one flood must not grow with the next);
 5. prints each phase's p50/p99/max per request kind, the hostile/quiet ratios, errors,
    and the machine. Every lookup must return the stored chunks.
 
@@ -35,16 +39,18 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import psutil
 
+from benchmarks import memory_probe
 from benchmarks.common import machine_description, percentile_ms
 from blend_wire import (BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, encode, encode_tokens,
                         pack_kv_rank)
-from coordinator_stub.process import start_coordinator
 
 C = 256
 MODEL = "hostile-model"
@@ -195,9 +201,10 @@ def _state(process: psutil.Process) -> tuple[int, int]:
 
 def run_cap(cap: int, args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
-    coordinator = start_coordinator("--enable-blend-lookup", "--max-connections", str(cap),
-                                    "--idle-timeout", str(args.idle_timeout),
-                                    "--log-level", "WARNING")
+    diag_dir = tempfile.TemporaryDirectory(prefix="hostile-")
+    coordinator = memory_probe.launch(
+        ["--enable-blend-lookup", "--max-connections", str(cap), "--idle-timeout",
+         str(args.idle_timeout), "--log-level", "ERROR"], Path(diag_dir.name))
     holders = None
     try:
         child = psutil.Process(coordinator.process.pid)
@@ -211,8 +218,9 @@ def run_cap(cap: int, args: argparse.Namespace) -> dict:
         requests.run(20)  # warm both paths (first-call allocations, kernels)
         print(f"\ncap {cap} requested -> {effective} (coordinator descriptor limit {soft}); "
               f"idle timeout {args.idle_timeout:g} s")
-        quiet_state = _state(child)
         quiet = requests.run(args.requests)
+        quiet_state = _state(child)
+        quiet_probe = coordinator.diagnose()
         holders = Holders(coordinator.host, coordinator.port, args.sockets, args.clients)
         time.sleep(1.0)  # let the coordinator accept (and evict) the tail
         held_state = _state(child)
@@ -226,16 +234,29 @@ def run_cap(cap: int, args: argparse.Namespace) -> dict:
         closed_by_server = holders.release()
         holders = None
         time.sleep(args.settle)
-        after_state = _state(child)
         after = requests.run(args.requests)
+        after_state = _state(child)
+        after_probe = coordinator.diagnose()
+        # More rounds of the same flood: what stays after one must not grow with the next.
+        rounds = [after_probe]
+        for _ in range(args.rounds - 1):
+            holders = Holders(coordinator.host, coordinator.port, args.sockets, args.clients)
+            time.sleep(1.0)
+            requests.run(10)
+            holders.release()
+            holders = None
+            time.sleep(args.settle)
+            rounds.append(coordinator.diagnose())
         return dict(cap=cap, effective=effective, quiet=quiet, hostile=hostile, after=after,
                     quiet_state=quiet_state, held_state=held_state, after_state=after_state,
                     held_for=held_for, idle_cpu=idle_cpu, closed_by_server=closed_by_server,
-                    opened=opened)
+                    opened=opened, quiet_probe=quiet_probe, after_probe=after_probe,
+                    rounds=rounds)
     finally:
         if holders is not None:
             holders.kill()
         coordinator.stop()
+        diag_dir.cleanup()
 
 
 def main(argv=None) -> int:
@@ -255,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--idle-hold", type=float, default=5.0,
                    help="seconds the sockets are held with no requests (idle CPU)")
     p.add_argument("--settle", type=float, default=3.0, help="seconds after the release")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="floods (open, hold, release) per cap: memory after each")
     p.add_argument("--seed", type=int, default=3)
     args = p.parse_args(argv)
     caps = args.cap or [4096, 19_000]
@@ -282,6 +305,16 @@ def report(r: dict, args: argparse.Namespace) -> None:
     print(f"coordinator RSS / open descriptors: quiet {q_rss / mb:.1f} MB / {q_fds}, holding "
           f"{h_rss / mb:.1f} MB / {h_fds}, {args.settle:g} s after the release "
           f"{a_rss / mb:.1f} MB / {a_fds}")
+    q, a = r["quiet_probe"], r["after_probe"]
+    print(f"  after gc + malloc_trim: RSS quiet {q['rss_after_trim'] / mb:.1f} MB, after the "
+          f"release {a['rss_after_trim'] / mb:.1f} MB; held by live objects (pymalloc and glibc "
+          f"in use) {memory_probe.held_bytes(q) / mb:.1f} -> "
+          f"{memory_probe.held_bytes(a) / mb:.1f} MB; pymalloc "
+          f"arenas {q['pymalloc'].get('arena_bytes', 0) / mb:.0f} -> "
+          f"{a['pymalloc'].get('arena_bytes', 0) / mb:.0f} MB")
+    print("  after each flood (gc + malloc_trim): " + ", ".join(
+        f"RSS {p['rss_after_trim'] / mb:.1f} MB / live {memory_probe.held_bytes(p) / mb:.1f} MB"
+        for p in r["rounds"]))
     opened, failed, seconds = r["opened"]
     print(f"hostile sockets opened {opened} (failed {failed}) in {seconds:.1f} s; held "
           f"{r['held_for']:.0f} s")

@@ -4,8 +4,9 @@ Run: `python -m benchmarks.soak [--duration 600] [--interval 30] [--warmup 120] 
 (`--help` lists every knob). Everything on 127.0.0.1:
 
 1. starts the bundled coordinator (`coordinator_stub`, blend lookup on) as a child process
-   on a free port, through a small launcher in this module that can also answer diagnostic
-   requests (`--diagnose`, below);
+   on a free port, through `benchmarks/memory_probe.py`, which can also answer diagnostic
+   requests (`--diagnose`, below); `--coordinator-checkout DIR` runs another checkout's
+   coordinator (an older commit in a worktree) under the same load, for before/after;
 2. runs `--servers` serving processes in this process, each a `BlendPlugin` with the fleet
    leg over an `InMemoryHost` (shared L2). Each stores a fresh document (`--doc-chunks`
    chunks of 256 tokens) every 1/`--store-rate` s and evicts its oldest once it holds
@@ -23,11 +24,11 @@ Run: `python -m benchmarks.soak [--duration 600] [--interval 30] [--warmup 120] 
    processes, latency of the last interval against the first after warm-up (ratio), errors,
    and the machine.
 
-`--diagnose` (slower: look at the figures without it): at the end of warm-up and at the
-end, the coordinator collects garbage and reports its live objects by type, glibc's
-`mallinfo2` (bytes in use vs free in the arenas), RSS before and after `malloc_trim`; with
-`--tracemalloc N` it also traces allocations (N frames) and the growth by source line is
-printed. `--malloc-arena-max N` runs the coordinator with `MALLOC_ARENA_MAX=N`.
+`--diagnose`: at the end of warm-up and at the end, the coordinator and this process
+report what their memory is made of (`benchmarks.memory_probe.diagnosis`: RSS before and
+after `malloc_trim`, anonymous vs file-backed, glibc's and pymalloc's heap figures, live
+objects by type) and the change is printed; with `--tracemalloc N` the coordinator also
+traces allocations (N frames; slower) and its growth by source line is printed. `--malloc-arena-max N` runs the coordinator with `MALLOC_ARENA_MAX=N`.
 `--trim-every-sample` trims the coordinator's heap before each RSS sample, so the slope
 shows memory that is held rather than memory the allocator keeps cached.
 
@@ -39,20 +40,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
-import gc
-import json
 import os
 import random
-import re
-import select
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +53,7 @@ import httpx
 import numpy as np
 import psutil
 
+from benchmarks import memory_probe
 from benchmarks.common import machine_description
 from blend_wire import (BLEND_LOOKUP_PATH, HEALTH_PATH, INSTANCES_PATH, METRICS_PATH, STATS_PATH,
                         encode, encode_tokens)
@@ -68,141 +62,6 @@ from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig
 C = 256
 MODEL = "soak-model"
 VOCAB = 128_256
-_LISTENING = re.compile(r"listening on (https?://\S+)")
-_DIAG_SIGNAL = signal.SIGUSR1
-
-
-# --- the coordinator side: a launcher with a diagnostic hook ----------------------------------
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def mallinfo() -> dict:
-    """glibc's heap figures: `arena` (bytes the main and other arenas took from the OS with
-    brk/mmap, excluding large mmapped blocks), `uordblks` in use, `fordblks` free,
-    `hblkhd` in large mmapped blocks. Empty when not on glibc."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallinfo2"):
-        return {}
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return {name: getattr(info, name) for name, _ in _MallInfo2._fields_}
-
-
-def _rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-def _diagnose(out_dir: Path) -> None:
-    """Write what this process holds to `out_dir/diag-N.json` (and a tracemalloc snapshot)."""
-    number = len(list(out_dir.glob("diag-*.json")))
-    gc.collect()
-    counts = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
-    rss_before = _rss()
-    heap_before = mallinfo()
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-    report = {
-        "rss": rss_before, "rss_after_trim": _rss(), "mallinfo": heap_before,
-        "mallinfo_after_trim": mallinfo(), "allocated_blocks": sys.getallocatedblocks(),
-        "gc_objects": dict(counts), "gc_counts": gc.get_count(),
-        "threads": threading.active_count(),
-    }
-    if tracemalloc.is_tracing():
-        snapshot_path = out_dir / f"diag-{number}.tracemalloc"
-        tracemalloc.take_snapshot().dump(str(snapshot_path))
-        report["tracemalloc"] = str(snapshot_path)
-        report["traced"] = tracemalloc.get_traced_memory()[0]
-    partial = out_dir / f".diag-{number}.json"
-    partial.write_text(json.dumps(report))
-    partial.rename(out_dir / f"diag-{number}.json")
-
-
-def _trim() -> None:
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def serve_coordinator(argv: list[str]) -> int:
-    """The coordinator's own `main`, after installing the diagnostic hooks: SIGUSR1 writes a
-    report to $SOAK_DIAG_DIR, SIGUSR2 trims the heap; $SOAK_TRACEMALLOC frames are traced."""
-    from coordinator_stub.__main__ import main
-
-    frames = int(os.environ.get("SOAK_TRACEMALLOC", "0"))
-    if frames:
-        tracemalloc.start(frames)
-    out_dir = os.environ.get("SOAK_DIAG_DIR")
-    if out_dir:
-        signal.signal(_DIAG_SIGNAL, lambda *_: _diagnose(Path(out_dir)))
-    signal.signal(signal.SIGUSR2, lambda *_: _trim())
-    return main(argv)
-
-
-@dataclass
-class Coordinator:
-    url: str
-    process: subprocess.Popen
-    diag_dir: Path
-
-    def diagnose(self, timeout: float = 120.0) -> dict:
-        number = len(list(self.diag_dir.glob("diag-*.json")))
-        self.process.send_signal(_DIAG_SIGNAL)
-        path = self.diag_dir / f"diag-{number}.json"
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError("the coordinator wrote no diagnostic report")
-            time.sleep(0.05)
-        return json.loads(path.read_text())
-
-    def trim(self) -> None:
-        self.process.send_signal(signal.SIGUSR2)
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process.stdout.close()
-        return self.process.returncode
-
-
-def start(args: argparse.Namespace, diag_dir: Path) -> Coordinator:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SOAK_DIAG_DIR": str(diag_dir),
-           "SOAK_TRACEMALLOC": str(args.tracemalloc)}
-    if args.malloc_arena_max:
-        env["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
-    command = [sys.executable, "-m", "benchmarks.soak", "--serve-coordinator", "--host",
-               "127.0.0.1", "--port", "0", "--enable-blend-lookup", "--log-level", "WARNING",
-               *args.coordinator_flag]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 180
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([process.stdout], [], [], remaining)[0]:
-            process.kill()
-            raise RuntimeError("the coordinator did not start within 180 s")
-        line = process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the coordinator exited with {process.wait()} before binding")
-        found = _LISTENING.search(line)
-        if found:
-            return Coordinator(found.group(1), process, diag_dir)
 
 
 # --- the load ----------------------------------------------------------------------------------
@@ -225,7 +84,10 @@ class Load:
         self.args = args
         self.rng = np.random.default_rng(args.seed)
         self.l2: dict = {}
-        self.hosts = [InMemoryHost(C, shared_l2=self.l2) for _ in range(args.servers)]
+        # The host's request history is a test aid, not the engine's: keep it short so the
+        # client's figures show the plugin (its own traces keep the last 1024 lookups).
+        self.hosts = [InMemoryHost(C, shared_l2=self.l2, history=16)
+                      for _ in range(args.servers)]
         self.plugins = [BlendPlugin(PluginConfig(
             coordinator_url=url, event_reporting=True, event_flush_interval=0.1,
             blend_timeout=args.budget, chunk_size=C, instance_id=f"soak-server-{i}"), host)
@@ -468,43 +330,6 @@ def _print_row(sample: Sample, cpu_per_s: float) -> None:
           f"  errors {errors:3d}  p50/p99 ms: {lat}", flush=True)
 
 
-def _growth_by_type(first: dict, last: dict, top: int = 15) -> list[tuple[str, int, int]]:
-    a, b = first["gc_objects"], last["gc_objects"]
-    rows = [(name, b.get(name, 0) - a.get(name, 0), b.get(name, 0)) for name in set(a) | set(b)]
-    rows.sort(key=lambda r: -abs(r[1]))
-    return rows[:top]
-
-
-def report_diagnosis(first: dict, last: dict) -> None:
-    print("\ncoordinator diagnosis, end of warm-up -> end:")
-    for label, key in (("RSS", "rss"), ("RSS after malloc_trim", "rss_after_trim")):
-        print(f"  {label:22s} {first[key] / 2**20:8.1f} -> {last[key] / 2**20:8.1f} MB "
-              f"({(last[key] - first[key]) / 2**20:+.1f})")
-    m0, m1 = first["mallinfo"], last["mallinfo"]
-    if m0:
-        for name, label in (("arena", "heap from the OS"), ("uordblks", "heap in use"),
-                            ("fordblks", "heap free (cached)"), ("hblkhd", "large mmapped")):
-            print(f"  {label:22s} {m0[name] / 2**20:8.1f} -> {m1[name] / 2**20:8.1f} MB "
-                  f"({(m1[name] - m0[name]) / 2**20:+.1f})")
-    print(f"  {'python blocks':22s} {first['allocated_blocks']:8d} -> "
-          f"{last['allocated_blocks']:8d} ({last['allocated_blocks'] - first['allocated_blocks']:+d})")
-    print("  gc-tracked objects by type, largest change first (change, now):")
-    for name, change, now in _growth_by_type(first, last):
-        print(f"    {change:+9d} {now:9d}  {name}")
-    if "tracemalloc" in first and "tracemalloc" in last:
-        before = tracemalloc.Snapshot.load(first["tracemalloc"])
-        after = tracemalloc.Snapshot.load(last["tracemalloc"])
-        print(f"  traced: {first['traced'] / 2**20:.1f} -> {last['traced'] / 2**20:.1f} MB; "
-              "growth by line:")
-        for stat in after.compare_to(before, "lineno")[:15]:
-            print(f"    {stat}")
-        print("  growth by traceback (top 3):")
-        for stat in after.compare_to(before, "traceback")[:3]:
-            print(f"    {stat.size_diff / 2**10:+.0f} KiB, {stat.count_diff:+d} blocks")
-            for line in stat.traceback.format()[-12:]:
-                print(f"      {line}")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -536,13 +361,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="malloc_trim the coordinator's heap before each RSS sample")
     p.add_argument("--coordinator-flag", action="append", default=[],
                    help="extra flag for the coordinator (repeat)")
+    p.add_argument("--coordinator-checkout", metavar="DIR",
+                   help="run the coordinator of another checkout (e.g. an older commit in a "
+                        "worktree) under the same load: a before/after comparison")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--serve-coordinator"]:
-        return serve_coordinator(argv[1:])
     args = parse_args(argv)
     print(f"machine: {machine_description()}; load average at start "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} (other work may share the cores)")
@@ -556,7 +382,10 @@ def main(argv=None) -> int:
           f"{', diagnose' if args.diagnose else ''}"
           f"{f', tracemalloc {args.tracemalloc} frames' if args.tracemalloc else ''}")
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        coordinator = start(args, Path(tmp))
+        coordinator = memory_probe.launch(
+            ["--enable-blend-lookup", "--log-level", "WARNING", *args.coordinator_flag],
+            Path(tmp), checkout=args.coordinator_checkout, tracemalloc_frames=args.tracemalloc,
+            malloc_arena_max=args.malloc_arena_max)
         load = None
         try:
             child = psutil.Process(coordinator.process.pid)
@@ -567,6 +396,7 @@ def main(argv=None) -> int:
             started = time.monotonic()
             samples: list[Sample] = []
             diagnosis: list[dict] = []
+            client_diagnosis: list[dict] = []
             last_cpu = sum(child.cpu_times()[:2])
             next_at = started + args.interval
             while True:
@@ -584,11 +414,13 @@ def main(argv=None) -> int:
                 last_cpu = cpu
                 if args.diagnose and not diagnosis and now >= args.warmup:
                     diagnosis.append(coordinator.diagnose())
+                    client_diagnosis.append(memory_probe.diagnosis())  # the load runs on
                 if now >= args.duration:
                     break
                 next_at += args.interval
             if args.diagnose:
                 diagnosis.append(coordinator.diagnose())
+                client_diagnosis.append(memory_probe.diagnosis())  # the load runs on
             stats_http.close()
         finally:
             if load is not None:
@@ -596,7 +428,9 @@ def main(argv=None) -> int:
             code = coordinator.stop()
         summarize(samples, args, code)
         if len(diagnosis) == 2:
-            report_diagnosis(*diagnosis)
+            memory_probe.report_diagnosis("coordinator", *diagnosis)
+            memory_probe.report_diagnosis("client (this process: the plugins and the load)",
+                                          *client_diagnosis)
     return 0
 
 
