@@ -115,20 +115,16 @@ def pymalloc_stats() -> dict:
 def _diagnose(out_dir: Path) -> None:
     """Write what this process holds to `out_dir/diag-N.json` (and a tracemalloc snapshot)."""
     number = len(list(out_dir.glob("diag-*.json")))
-    report = diagnosis()
-    if tracemalloc.is_tracing():
-        snapshot_path = out_dir / f"diag-{number}.tracemalloc"
-        tracemalloc.take_snapshot().dump(str(snapshot_path))
-        report["tracemalloc"] = str(snapshot_path)
-        report["traced"] = tracemalloc.get_traced_memory()[0]
+    report = diagnosis(out_dir / f"diag-{number}.tracemalloc")
     partial = out_dir / f".diag-{number}.json"
     partial.write_text(json.dumps(report))
     partial.rename(out_dir / f"diag-{number}.json")
 
 
-def diagnosis() -> dict:
+def diagnosis(snapshot_path: Path | None = None) -> dict:
     """What this process holds: RSS (before and after `malloc_trim`), its parts, the heap
-    figures of glibc and of pymalloc, and the gc-tracked objects by type."""
+    figures of glibc and of pymalloc, and the gc-tracked objects by type. While tracemalloc
+    traces, a snapshot is dumped to `snapshot_path` and named in the report."""
     gc.collect()
     counts = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
     rss_before = _rss()
@@ -143,6 +139,10 @@ def diagnosis() -> dict:
         "gc_objects": dict(counts), "gc_counts": gc.get_count(),
         "threads": threading.active_count(),
     }
+    if snapshot_path is not None and tracemalloc.is_tracing():
+        tracemalloc.take_snapshot().dump(str(snapshot_path))
+        report["tracemalloc"] = str(snapshot_path)
+        report["traced"] = tracemalloc.get_traced_memory()[0]
     return report
 
 

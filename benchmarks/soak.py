@@ -27,8 +27,9 @@ Run: `python -m benchmarks.soak [--duration 600] [--interval 30] [--warmup 120] 
 `--diagnose`: at the end of warm-up and at the end, the coordinator and this process
 report what their memory is made of (`benchmarks.memory_probe.diagnosis`: RSS before and
 after `malloc_trim`, anonymous vs file-backed, glibc's and pymalloc's heap figures, live
-objects by type) and the change is printed; with `--tracemalloc N` the coordinator also
-traces allocations (N frames; slower) and its growth by source line is printed. `--malloc-arena-max N` runs the coordinator with `MALLOC_ARENA_MAX=N`.
+objects by type) and the change is printed; with `--tracemalloc N` the coordinator (with
+`--client-tracemalloc N` this process) also traces allocations (N frames; slower) and the
+growth by source line is printed. `--malloc-arena-max N` runs the coordinator with `MALLOC_ARENA_MAX=N`.
 `--trim-every-sample` trims the coordinator's heap before each RSS sample, so the slope
 shows memory that is held rather than memory the allocator keeps cached.
 
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,12 +300,23 @@ class Load:
 
 @dataclass
 class Sample:
+    """One interval, reduced (its latencies to p50/p99, ms): the soak keeps every sample,
+    so a sample must not hold the interval's raw figures or the client would grow."""
+
     t: float
     coordinator_rss: int
     client_rss: int
-    coordinator_cpu_s: float
     keys: int
-    interval: Interval
+    percentiles: dict[str, tuple[float, float]]
+    counts: collections.Counter
+    errors: collections.Counter
+
+    @classmethod
+    def of(cls, t: float, coordinator_rss: int, client_rss: int, keys: int,
+           interval: Interval) -> "Sample":
+        return cls(t, coordinator_rss, client_rss, keys,
+                   {kind: (_p(v, 50), _p(v, 99)) for kind, v in interval.latencies.items()},
+                   interval.counts, interval.errors)
 
 
 def _p(values: list[float], q: float) -> float:
@@ -320,13 +333,12 @@ def _slope_mb_per_10min(samples: list[Sample], attr: str, since: float) -> tuple
 
 
 def _print_row(sample: Sample, cpu_per_s: float) -> None:
-    iv = sample.interval
-    lat = " ".join(f"{kind} {_p(v, 50):.1f}/{_p(v, 99):.1f}"
-                   for kind, v in sorted(iv.latencies.items()))
-    errors = sum(iv.errors.values())
+    lat = " ".join(f"{kind} {p50:.1f}/{p99:.1f}"
+                   for kind, (p50, p99) in sorted(sample.percentiles.items()))
+    errors = sum(sample.errors.values())
     print(f"{sample.t:7.0f}s  coord {sample.coordinator_rss / 2**20:7.1f} MB  client "
           f"{sample.client_rss / 2**20:7.1f} MB  coord cpu {cpu_per_s:4.2f} s/s  keys "
-          f"{sample.keys:6d}  ops {sum(v for k, v in iv.counts.items() if 'chunks' not in k):6d}"
+          f"{sample.keys:6d}  ops {sum(v for k, v in sample.counts.items() if 'chunks' not in k):6d}"
           f"  errors {errors:3d}  p50/p99 ms: {lat}", flush=True)
 
 
@@ -355,6 +367,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="coordinator reports (objects by type, heap) at warm-up end and end")
     p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                    help="trace the coordinator's allocations (with --diagnose)")
+    p.add_argument("--client-tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="trace this process's allocations too (with --diagnose; slower)")
     p.add_argument("--malloc-arena-max", type=int, default=0,
                    help="MALLOC_ARENA_MAX for the coordinator (0: glibc's default)")
     p.add_argument("--trim-every-sample", action="store_true",
@@ -390,6 +404,8 @@ def main(argv=None) -> int:
         try:
             child = psutil.Process(coordinator.process.pid)
             me = psutil.Process()
+            if args.client_tracemalloc:
+                tracemalloc.start(args.client_tracemalloc)
             load = Load(coordinator.url, args)
             stats_http = httpx.Client(base_url=coordinator.url, timeout=30.0)
             load.start()
@@ -407,20 +423,20 @@ def main(argv=None) -> int:
                     time.sleep(0.5)
                 cpu = sum(child.cpu_times()[:2])
                 keys = stats_http.get(STATS_PATH).json()["num_keys"]
-                sample = Sample(now, child.memory_info().rss, me.memory_info().rss,
-                                cpu, keys, load.take())
+                sample = Sample.of(now, child.memory_info().rss, me.memory_info().rss, keys,
+                                   load.take())
                 samples.append(sample)
                 _print_row(sample, (cpu - last_cpu) / args.interval)
                 last_cpu = cpu
                 if args.diagnose and not diagnosis and now >= args.warmup:
                     diagnosis.append(coordinator.diagnose())
-                    client_diagnosis.append(memory_probe.diagnosis())  # the load runs on
+                    client_diagnosis.append(memory_probe.diagnosis(Path(tmp) / "client-0"))
                 if now >= args.duration:
                     break
                 next_at += args.interval
             if args.diagnose:
                 diagnosis.append(coordinator.diagnose())
-                client_diagnosis.append(memory_probe.diagnosis())  # the load runs on
+                client_diagnosis.append(memory_probe.diagnosis(Path(tmp) / "client-1"))
             stats_http.close()
         finally:
             if load is not None:
@@ -446,18 +462,16 @@ def summarize(samples: list[Sample], args: argparse.Namespace, code: int) -> Non
               f"{last.coordinator_rss / 2**20:.1f} MB (x{last.coordinator_rss / first.coordinator_rss:.3f}),"
               f" client {first.client_rss / 2**20:.1f} -> {last.client_rss / 2**20:.1f} MB "
               f"(x{last.client_rss / first.client_rss:.3f}); keys {first.keys} -> {last.keys}")
-        for kind in sorted(set(first.interval.latencies) | set(last.interval.latencies)):
-            a, b = first.interval.latencies.get(kind, []), last.interval.latencies.get(kind, [])
-            if a and b:
-                print(f"{kind:14s} p50 {_p(a, 50):6.2f} -> {_p(b, 50):6.2f} ms "
-                      f"(x{_p(b, 50) / _p(a, 50):.2f}), p99 {_p(a, 99):6.2f} -> "
-                      f"{_p(b, 99):6.2f} ms (x{_p(b, 99) / _p(a, 99):.2f}), first interval "
-                      "after warm-up -> last")
+        for kind in sorted(set(first.percentiles) & set(last.percentiles)):
+            (a50, a99), (b50, b99) = first.percentiles[kind], last.percentiles[kind]
+            print(f"{kind:14s} p50 {a50:6.2f} -> {b50:6.2f} ms (x{b50 / a50:.2f}), p99 "
+                  f"{a99:6.2f} -> {b99:6.2f} ms (x{b99 / a99:.2f}), first interval after "
+                  "warm-up -> last")
     totals: collections.Counter = collections.Counter()
     errors: collections.Counter = collections.Counter()
     for s in samples:
-        totals.update(s.interval.counts)
-        errors.update(s.interval.errors)
+        totals.update(s.counts)
+        errors.update(s.errors)
     for source in ("lookup", "plugin"):
         planted = totals[f"{source} chunks planted"]
         if planted:
