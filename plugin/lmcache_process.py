@@ -73,6 +73,7 @@ class LMCacheServer:
     log_path: Path
     command: list[str]
     instance_id: str
+    _terminating: bool = field(default=False, repr=False)
 
     @property
     def rpc_url(self) -> str:
@@ -84,10 +85,20 @@ class LMCacheServer:
         except OSError:
             return ""
 
+    def terminate(self) -> None:
+        """Ask for a graceful stop (SIGTERM), once: a second SIGTERM would cut LMCache's
+        shutdown short (no deregistration). `stop` then waits for it."""
+        if self.process.poll() is None and not self._terminating:
+            self._terminating = True
+            self.process.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 20.0, kill: bool = False) -> int:
         """SIGTERM (or SIGKILL with `kill`), then wait; SIGKILL if it lingers. Idempotent."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            if kill:
+                self.process.kill()
+            else:
+                self.terminate()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -371,9 +382,9 @@ class ServerFleet:
 
     `start(name, **options)` starts a server with the fleet's options (the call's win) and
     connects a client (`client_options` for all); `restart(name)` stops it gracefully and
-    starts it again as before; `close()` closes every client, then stops every server. A
-    fleet whose start fails part-way closes what it started (as a context manager, or by
-    the caller's `close()`): no process outlives it.
+    starts it again as before; `close()` closes every client, then stops every server (side
+    by side, each gracefully). A fleet whose start fails part-way closes what it started (as
+    a context manager, or by the caller's `close()`): no process outlives it.
     """
 
     def __init__(self, *, client_options: dict | None = None, **server_options) -> None:
@@ -402,6 +413,8 @@ class ServerFleet:
     def close(self) -> None:
         for client in self.clients.values():
             client.close()
+        for server in self.servers.values():
+            server.terminate()  # all shut down side by side
         for server in self.servers.values():
             server.stop()
         self.clients.clear()
