@@ -21,7 +21,8 @@ Contract:
   A flow that becomes active (its queue was empty) starts at the virtual clock, or at
   its previous finish tag less `TURN_BYTES` if that is later: an emitter that ran ahead of
   the others by more than a turn keeps its place; one that did not (a light emitter,
-  however often it posts) goes first.
+  however often it posts) goes first. A body leaves its queue before it is answered, so
+  one its emitter sends on the answer (even before the turn ends) finds the flow idle.
 - Guarantees, from the tags: (1) a newly active emitter whose next turn is cheaper than
   every backlogged flow's next step is served as soon as the step running ends, however
   many emitters flood; (2) backlogged emitters get equal bytes of work: over any interval
@@ -149,7 +150,7 @@ class FairIngest:
         with self._cond:
             for queue in self._queues.values():
                 for job in queue:
-                    _fail(job, IngestClosed("the coordinator is shutting down"))
+                    _settle(job, IngestClosed("the coordinator is shutting down"))
             self._queues.clear()
             self._waiting.clear()
             self._finish.clear()
@@ -161,7 +162,7 @@ class FairIngest:
         job = _Job(body)
         with self._cond:
             if self._closed:
-                _fail(job, IngestClosed("the coordinator is shutting down"))
+                _settle(job, IngestClosed("the coordinator is shutting down"))
                 return job.future
             self._enqueue_locked(_peek_route(body), job)
         return job.future
@@ -200,33 +201,43 @@ class FairIngest:
                 self._running = key
                 queue = self._queues[key]
             spent = 0
+            drained = False  # the flow's queue emptied during this turn
             while True:  # one turn: steps of this flow's bodies, up to TURN_BYTES
                 job = queue[0]  # only this thread takes from a queue
                 spent += _cost(job)
                 try:
-                    done = self._step(job)
+                    outcome = self._step(job)
                 except Exception as exc:  # an internal error fails this body, not the thread
                     log.exception("ingest step failed; the body is answered with an error")
-                    _fail(job, exc)
-                    done = True
+                    outcome = exc
                 self.steps += 1
                 with self._cond:
-                    if done:
+                    if outcome is not None:
                         queue.popleft()
+                        drained = drained or not queue
                         self._kept -= job.kept
                         job.kept = 0
                     elif key is None:  # scanned: now it queues behind its emitter's bodies
                         queue.popleft()
                         self._enqueue_locked(_route(job), job)
-                    if queue and not self._closed and spent + _cost(queue[0]) <= TURN_BYTES:
-                        continue
-                    self._end_turn_locked(key, start + spent)
+                    more = (queue and not self._closed
+                            and spent + _cost(queue[0]) <= TURN_BYTES)
+                    if not more:
+                        self._end_turn_locked(key, start + spent, drained)
+                if outcome is not None:
+                    # Answered once it has left its queue: a body its emitter sends on
+                    # the answer finds the flow idle, and is tagged as newly active.
+                    _settle(job, outcome)
+                if not more:
                     break
 
-    def _end_turn_locked(self, key: object, finish: int) -> None:
+    def _end_turn_locked(self, key: object, finish: int, drained: bool) -> None:
         self._running = _NOBODY
         if self._queues[key]:
-            self._wait_locked(key, finish)
+            # Bodies that came after the queue emptied: newly active, as if they had come
+            # after the turn; otherwise backlogged, next at the turn's finish tag.
+            self._wait_locked(key, max(self._clock, finish - TURN_BYTES) if drained
+                              else finish)
             return
         del self._queues[key]
         if not self._queues:  # nothing queued anywhere: no one to be fair to
@@ -237,14 +248,14 @@ class FairIngest:
             self._finish = {k: f for k, f in self._finish.items()
                             if f - TURN_BYTES > self._clock}
 
-    def _step(self, job: _Job) -> bool:
-        """One step of `job`; True when it is finished (future resolved)."""
+    def _step(self, job: _Job) -> EventsReply | BaseException | None:
+        """One step of `job`: None, or when the body is done, what answers it (its reply,
+        or the error that rejects it), to be settled once it has left its queue."""
         if job.phase == _SCAN:
             try:
                 job.raws = decode(job.body, _Outline).batches
             except WireError as exc:
-                _fail(job, exc)
-                return True
+                return exc
             keep = len(job.body) <= self.keep_decoded_bytes
             with self._cond:
                 if keep and self._kept + len(job.body) <= self.keep_decoded_bytes:
@@ -252,21 +263,18 @@ class FairIngest:
                     self._kept += job.kept
             job.body = None  # the raws are views of it; nothing else needs it
             job.phase = _VALIDATE
-            if not job.raws:
-                return _finish(job)
-            return False
+            return _reply(job) if not job.raws else None
         if job.phase == _VALIDATE:
             try:
                 batch = _decode_batch(job.raws[job.next], job.next)
             except WireError as exc:
-                _fail(job, exc)
-                return True
+                return exc
             if job.kept:
                 job.decoded.append(batch)
             job.next += 1
             if job.next == len(job.raws):
                 job.phase, job.next = _APPLY, 0
-            return False
+            return None
         # _APPLY
         i = job.next
         batch = job.decoded[i] if job.kept else _decode_batch(job.raws[i], i)
@@ -275,7 +283,7 @@ class FairIngest:
         verdict = self._apply_batch(batch)
         job.counts[_COUNT_OF[verdict]] += 1
         job.next += 1
-        return _finish(job) if job.next == len(job.raws) else False
+        return _reply(job) if job.next == len(job.raws) else None
 
 
 
@@ -335,18 +343,21 @@ def validated_batches(body: bytes) -> list[msgspec.Raw]:
     return raws
 
 
-def _finish(job: _Job) -> bool:
+def _reply(job: _Job) -> EventsReply:
     applied, duplicates, stale = job.counts
-    job.raws, job.decoded = [], []  # before the reply: then the body's last user is done
-    if not job.future.done():
-        job.future.set_result(EventsReply(applied=applied, duplicates=duplicates, stale=stale))
-    return True
+    return EventsReply(applied=applied, duplicates=duplicates, stale=stale)
 
 
-def _fail(job: _Job, exc: BaseException) -> None:
+def _settle(job: _Job, outcome: EventsReply | BaseException) -> None:
+    """Answer the body; what it held goes first (then its bytes' last user is done)."""
     job.raws, job.decoded, job.body = [], [], None
-    if not job.future.done():
-        job.future.set_exception(exc)
+    if job.future.done():
+        return
+    if isinstance(outcome, BaseException):
+        job.future.set_exception(outcome)
+    else:
+        job.future.set_result(outcome)
+
 
 
 class ByteBudget:

@@ -21,7 +21,8 @@ import pytest
 
 from blend_wire import EVENTS_PATH, BlendNamespace, encode
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.ingest import TRIM_AFTER_BYTES, TURN_BYTES, ByteBudget, FairIngest
+from coordinator_stub.ingest import (STEP_BYTES, TRIM_AFTER_BYTES, TURN_BYTES, ByteBudget,
+                                     FairIngest)
 from coordinator_stub.process import launch_coordinator
 from coordinator_stub.service import Coordinator
 from helpers import wait_until
@@ -82,10 +83,13 @@ class _Flood:
     own application, and how many steps the scheduler ran in between."""
 
     def __init__(self, flooders: int, bodies: int = 6, entries: int = 500,
-                 victim_after: int = 0, victims: int = 1) -> None:
+                 victim_after: int = 0, victims: int = 1, on_answer: bool = False,
+                 victim_entries: int = 1) -> None:
         self.ingest = FairIngest(self._apply)
         self.victim_after = victim_after or 2 * flooders + 1  # mid-round, tags spread
         self.victims = victims
+        self.on_answer = on_answer  # the victim posts again the moment it is answered
+        self.victim_entries = victim_entries
         self.flood_applied = 0
         self.due = 0  # the victim's next seq to post, or 0
         self.arrived: tuple[int, int] | None = None  # (batches applied, steps) at arrival
@@ -104,11 +108,17 @@ class _Flood:
         if self.flood_applied + 1 == self.victim_after:
             self.due = 1
         if self.due:  # the victim posts while this flood batch is being applied
-            self.arrived = (self.flood_applied, self.ingest.steps)
-            self.futures.append(self.ingest.submit(_sized_body("victim", self.due, 1)))
-            self.due = 0
+            self._post_victim()
         self.flood_applied += 1
         return "applied"
+
+    def _post_victim(self) -> None:
+        self.arrived = (self.flood_applied, self.ingest.steps)
+        future = self.ingest.submit(_sized_body("victim", self.due, self.victim_entries))
+        self.due = 0
+        if self.on_answer:
+            future.add_done_callback(lambda _: self.due and self._post_victim())
+        self.futures.append(future)
 
     def run(self) -> list[tuple[int, int]]:
         self.ingest.start()
@@ -141,6 +151,24 @@ def test_a_light_emitter_posting_back_to_back_never_waits_for_more_than_one_batc
     waits = _Flood(flooders, bodies=victims + 4, victims=victims).run()
     assert len(waits) == victims
     assert set(waits) == {(1, 3)}, waits
+
+
+@pytest.mark.parametrize("flooders", [3, 8])
+def test_an_emitter_posting_again_on_its_answer_is_still_newly_active(flooders):
+    # Its answer came before its turn ended, so its next body joined a queue that
+    # still held the answered one: it waited as a backlogged flow, behind every flooder
+    # not yet served in the round (seen in the noisy-neighbour bench: up to 8 steps).
+    # Its bodies (~25 KB, like the bench's victim) each fit in a turn, two do not.
+    victims, entries = 12, 120
+    body = len(_sized_body("victim", 1, entries))
+    assert 2 * (2 * body + body // 8 + 3 * STEP_BYTES) > TURN_BYTES >= \
+        2 * body + body // 8 + 3 * STEP_BYTES
+    waits = _Flood(flooders, bodies=victims + 4, victims=victims, on_answer=True,
+                   victim_entries=entries).run()
+    assert len(waits) == victims
+    # At most the flood batch being applied when it came (or, when it came as its own
+    # turn ended, none), then its own scan and validation.
+    assert all(batches <= 1 and steps <= 3 for batches, steps in waits), waits
 
 
 def test_backlogged_emitters_share_bytes_of_work_fairly():
