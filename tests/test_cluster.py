@@ -14,6 +14,7 @@ of lookups exactly as it does, and has the same key, placement and index counts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import signal
 import subprocess
@@ -37,9 +38,12 @@ from blend_wire import (
 )
 from coordinator_stub.nats_process import launch_nats_cluster
 from coordinator_stub.process import launch_coordinator, start_coordinator
+from helpers import wait_until
 
 CHUNK = 16
 MODELS = ("m", "n")
+# Outcomes across processes (replicas, NATS): generous deadlines for a loaded machine.
+settled = functools.partial(wait_until, timeout=60.0, interval=0.1)
 
 
 @pytest.fixture
@@ -358,13 +362,13 @@ def test_a_replica_paused_past_the_retention_reloads_a_shared_snapshot_or_stops(
             post(a.url, body)
         for running in (b, c):
             wait_applied(running.url, 11)
-        wait_until(lambda: replica_stats(c.url)["snapshot_seq"] >= 11, "c's own snapshot")
+        assert settled(lambda: replica_stats(c.url)["snapshot_seq"] >= 11), "c's own snapshot"
         for running in (b, c):
             running.process.send_signal(signal.SIGSTOP)
         time.sleep(2)  # their pending fetches expire: nothing more is handed to them
         for body in bodies[10:]:
             post(a.url, body)
-        wait_until(lambda: replica_stats(a.url)["snapshot_seq"] >= 81, "a's snapshot")
+        assert settled(lambda: replica_stats(a.url)["snapshot_seq"] >= 81), "a's snapshot"
         for running in (b, c):
             running.process.send_signal(signal.SIGCONT)
 
@@ -579,16 +583,6 @@ def l1_instances(url: str) -> set[str]:
     return set(httpx.get(url + STATS_PATH, timeout=15).json()["l1_keys_by_instance"])
 
 
-def wait_until(condition, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 class Heartbeats:
     """What a registered server does: a heartbeat every `interval` s to one replica,
     moving to the next when it cannot be reached (or answers 5xx). Every answer's
@@ -651,19 +645,19 @@ def test_the_instance_registry_is_the_same_at_every_replica_and_outlives_restart
             batch = workload._batch(instance, "store", [workload._entry(i, "m") for i in
                                                         range(3)])
             post(b.url, encode({"batches": [batch]}))
-        wait_until(lambda: listing(b.url) == listing(a.url) and len(listing(a.url)) == 2,
-                   "both replicas list both instances")
+        assert settled(lambda: listing(b.url) == listing(a.url) and len(listing(a.url)) == 2), \
+            "both replicas list both instances"
         [kept_record, _] = listing(a.url)
         assert kept_record["instance_id"] == "kept"
 
         # kept heartbeats, first at b, then (b "fails") at a; silent says nothing.
         beats = Heartbeats("kept", [b.url, a.url])
-        wait_until(lambda: len(beats.statuses) >= 5, "heartbeats at b")
+        assert settled(lambda: len(beats.statuses) >= 5), "heartbeats at b"
         beats.move_to(1)
-        wait_until(lambda: [i["instance_id"] for i in listing(a.url)] == ["kept"],
-                   "silent reaped at a")
-        wait_until(lambda: [i["instance_id"] for i in listing(b.url)] == ["kept"],
-                   "silent reaped at b")
+        assert settled(lambda: [i["instance_id"] for i in listing(a.url)] == ["kept"]), \
+            "silent reaped at a"
+        assert settled(lambda: [i["instance_id"] for i in listing(b.url)] == ["kept"]), \
+            "silent reaped at b"
         # Reaped exactly once, at the same point: one drop on each replica, same state.
         for url in (a.url, b.url):
             assert counters(url)["instances_dropped"] == 1, url
@@ -679,15 +673,15 @@ def test_the_instance_registry_is_the_same_at_every_replica_and_outlives_restart
         assert listing(b.url) == [kept_record]
         beats.move_to(0)  # back to b: it still knows kept
         count = len(beats.statuses)
-        wait_until(lambda: len(beats.statuses) >= count + 5, "heartbeats at restarted b")
+        assert settled(lambda: len(beats.statuses) >= count + 5), "heartbeats at restarted b"
 
         # a is rebuilt from the stream alone (SIGKILL, no snapshot): the same registry,
         # and the reap replayed at the same record, once.
         a.process.kill()
         a.process.wait()
         a = start_coordinator(*flags_a, port=a.port)
-        wait_until(lambda: replica_stats(a.url)["applied_seq"]
-                   >= replica_stats(b.url)["applied_seq"] - 5, "a caught up")
+        assert settled(lambda: replica_stats(a.url)["applied_seq"]
+                       >= replica_stats(b.url)["applied_seq"] - 5), "a caught up"
         assert listing(a.url) == [kept_record]
         assert counters(a.url)["instances_dropped"] == 1
         assert l1_instances(a.url) == {"kept"}
@@ -697,8 +691,8 @@ def test_the_instance_registry_is_the_same_at_every_replica_and_outlives_restart
 
         # A departure at one replica frees the instance's resources at both.
         assert httpx.delete(f"{b.url}{INSTANCES_PATH}/kept", timeout=30).status_code == 204
-        wait_until(lambda: listing(a.url) == [] and l1_instances(a.url) == set(),
-                   "kept gone at a")
+        assert settled(lambda: listing(a.url) == [] and l1_instances(a.url) == set()), \
+            "kept gone at a"
         assert listing(b.url) == [] and l1_instances(b.url) == set()
         assert httpx.put(f"{a.url}{INSTANCES_PATH}/kept/heartbeat",
                          timeout=30).status_code == 404

@@ -5,24 +5,17 @@ two independent coordinators, so the second answers 404 and it registers there a
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 
 import httpx
 
 from blend_wire import INSTANCES_PATH
 from coordinator_stub.process import launch_coordinator, start_coordinator
+from helpers import wait_until
 from plugin.registrar import InstanceRegistrar
 
-
-def wait_until(condition, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+settled = functools.partial(wait_until, timeout=60.0, interval=0.05)
 
 
 def ids(url: str) -> list[str]:
@@ -37,12 +30,12 @@ def test_registers_heartbeats_moves_to_the_next_replica_and_deregisters():
                                           ip="127.0.0.1", http_port=8123,
                                           heartbeat_interval=0.1, timeout=5)
             try:
-                wait_until(lambda: registrar.stats().heartbeats >= 3, "heartbeats at a")
+                assert settled(lambda: registrar.stats().heartbeats >= 3), "heartbeats at a"
                 assert ids(a.url) == ["s1"] and ids(b.url) == []
                 [listed] = httpx.get(a.url + INSTANCES_PATH, timeout=10).json()["instances"]
                 assert (listed["ip"], listed["http_port"]) == ("127.0.0.1", 8123)
                 a.stop()
-                wait_until(lambda: ids(b.url) == ["s1"], "registered at b")
+                assert settled(lambda: ids(b.url) == ["s1"]), "registered at b"
                 stats = registrar.stats()
                 assert stats.url == b.url and stats.moved >= 1
                 # b never heard of s1: its 404 made the registrar register there at once.
