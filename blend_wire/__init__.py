@@ -1,4 +1,4 @@
-"""The HTTP contract between serving processes and a coordinator (shared/WIRE.md).
+"""The HTTP contract between serving processes and a coordinator (docs/WIRE.md).
 
 A neutral package: the only place the wire shapes, their defaults and limits, the token
 codec and the shared value types (`BlendNamespace`, and `BlendMatch` /

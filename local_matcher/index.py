@@ -1,6 +1,6 @@
 """The content index: which stored chunks does a token sequence contain, and where?
 
-Design (shared/DESIGN.md, "The content index"): content of exactly `chunk_size` tokens is
+Design (docs/DESIGN.md, "The content index"): content of exactly `chunk_size` tokens is
 stored once in a `ContentStore`; every chunk hash that names that content is an
 *occupant* of it, carrying its own stored offset and claimed by one or more namespaces.
 A match rolls a fingerprint over the query, lets the filter and the exact table reject
