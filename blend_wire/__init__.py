@@ -40,7 +40,7 @@ from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 import msgspec
 import numpy as np
 
-from local_matcher.types import UNKNOWN_TOKEN_OFFSET
+from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, UNKNOWN_TOKEN_OFFSET
 
 BLEND_LOOKUP_PATH = "/directory/blend-lookup"
 EVENTS_PATH = "/events"
@@ -166,11 +166,14 @@ def world_size_of(kv_rank: int) -> int:
 # --- POST /directory/blend-lookup ---------------------------------------------------
 
 
-class BlendLookupRequest(msgspec.Struct, kw_only=True):
+class BlendLookupRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_b64: str = ""
     model_name: Name = ""
     world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
     cache_salt: str = ""
+    # Ours, opt-in: answer `BlendCandidatesReply` instead. LMCache's coordinator ignores an
+    # unknown field and answers its default form, which is how a client tells them apart.
+    candidates: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_b64 and not self.model_name:
@@ -191,6 +194,36 @@ class WireBlendMatch(msgspec.Struct, kw_only=True):
 
 
 class BlendLookupReply(msgspec.Struct, kw_only=True):
+    matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
+
+
+class WireChunkOffer(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A chunk holding a found content: its stored offset and where it is held (in the
+    requester's namespace): the instances whose L1 has it, and whether a shared tier does."""
+
+    chunk_hash: str
+    old_st: int
+    l1: list[str] = msgspec.field(default_factory=list)
+    shared: bool = False
+
+
+class WireFoundContent(msgspec.Struct, kw_only=True):
+    """One content found in the query: every position it occurs at, ascending, and up to
+    `min(len(positions) + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)` chunks holding it,
+    first indexed first."""
+
+    positions: list[int]
+    chunks: list[WireChunkOffer]
+
+
+class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The reply to a blend lookup that asked for `candidates` (docs/WIRE.md).
+
+    A client decodes every blend-lookup reply with this shape: `candidates` is None when
+    the coordinator answered the default form (`matches`), as LMCache's does."""
+
+    chunk_size: int | None = None
+    candidates: list[WireFoundContent] | None = None
     matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
 
 

@@ -64,6 +64,7 @@ from blend_wire import (
     INSTANCES_PATH,
     METRICS_PATH,
     STATS_PATH,
+    BlendLookupReply,
     HealthReply,
     HeartbeatReply,
     WireError,
@@ -214,8 +215,9 @@ async def _blend_lookup(request: web.Request) -> bytes:
                            coordinator.parse_lookup(body))
     metrics = request.app.get(METRICS)
     if metrics is not None:
-        metrics.observe_lookup("blend-lookup", time.perf_counter() - started,
-                               len(reply.matches))
+        found = (len(reply.matches) if type(reply) is BlendLookupReply
+                 else sum(len(content.positions) for content in reply.candidates))
+        metrics.observe_lookup("blend-lookup", time.perf_counter() - started, found)
     return encode(reply)
 
 

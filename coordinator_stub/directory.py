@@ -321,6 +321,43 @@ class KeyDirectory:
             return []
         return index.match(tokens, namespace)
 
+    def candidates(self, tokens: np.ndarray, namespace: BlendNamespace) -> list:
+        """The candidates form of a blend lookup (`ContentIndex.candidates`), not under the
+        directory lock, as `match`."""
+        index = self._index
+        if index is None or tokens.size < self.chunk_size:
+            return []
+        return index.candidates(tokens, namespace)
+
+    def places_of(self, chunk_hash: bytes, namespace: BlendNamespace
+                  ) -> tuple[list[str], bool]:
+        """Where `namespace`'s keys of a chunk are held: (instances whose L1 has one,
+        sorted; whether a shared tier has one).
+
+        A hint for the requester's choice among chunks of one content, read without the
+        directory lock so that lookups never wait for ingest: it is the state as of some
+        moment while batches apply (tuples are replaced whole; a many-keys record changed
+        under the read answers "nowhere known", which only makes a chunk look remote)."""
+        binding = self._bindings.get(chunk_hash)
+        if binding is None:
+            return [], False
+        holds, key_ns, places = binding[2], self._key_ns, self._places
+        try:
+            pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple else
+                     [(k, p) for k, ps in list(holds.places.items()) for p in ps])
+            l1, shared = set(), False
+            for key_no, place_no in pairs:
+                if key_ns[key_no] != namespace:
+                    continue
+                place = places[place_no]
+                if place[_SHARED]:
+                    shared = True
+                elif place[_TIER] == "l1":
+                    l1.add(place[_INSTANCE])
+        except (RuntimeError, IndexError, TypeError):
+            return [], False
+        return sorted(l1), shared
+
     # --- ingest -----------------------------------------------------------------------
 
     def ingest(self, batches: list[CacheEventBatch]) -> EventsReply:

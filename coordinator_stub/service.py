@@ -40,6 +40,7 @@ import numpy as np
 
 from blend_wire import (
     MAX_TOKEN_IDS,
+    BlendCandidatesReply,
     BlendLookupReply,
     BlendLookupRequest,
     CacheEventBatch,
@@ -51,6 +52,8 @@ from blend_wire import (
     EncodedObjectKey,
     EventsRequest,
     KeyPlacements,
+    WireChunkOffer,
+    WireFoundContent,
     RegisterReply,
     RegisterRequest,
     WireBlendMatch,
@@ -141,11 +144,22 @@ class Coordinator:
         if tokens.size > self.config.max_query_tokens:
             raise TooLarge(f"query of {tokens.size} tokens exceeds "
                            f"{self.config.max_query_tokens} (--max-query-tokens)")
+        if request.candidates:
+            return self._candidates(tokens, request.namespace)
         if not self.directory.blend_enabled or tokens.size < self.config.chunk_size:
             return BlendLookupReply(matches=[])
         return BlendLookupReply(matches=[
             WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
             for m in self.directory.match(tokens, request.namespace)])
+
+    def _candidates(self, tokens, namespace) -> BlendCandidatesReply:
+        directory = self.directory
+        found = [WireFoundContent(
+                     positions=list(content.positions),
+                     chunks=[_offer(chunk_hash, old_st, *directory.places_of(chunk_hash, namespace))
+                             for chunk_hash, old_st in content.chunks])
+                 for content in directory.candidates(tokens, namespace)]
+        return BlendCandidatesReply(chunk_size=self.config.chunk_size, candidates=found)
 
     # --- directory queries ------------------------------------------------------------------
 
@@ -276,3 +290,7 @@ def _rehearse(config: CoordinatorConfig) -> None:
 
 
 __all__ = ["BadRequest", "Coordinator", "ServiceUnavailable", "TooLarge", "WireError"]
+
+
+def _offer(chunk_hash: bytes, old_st: int, l1: list[str], shared: bool) -> WireChunkOffer:
+    return WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=l1, shared=shared)

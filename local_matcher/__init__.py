@@ -4,7 +4,7 @@
 namespace; `LocalMatcher` is the one-namespace view a serving process uses.
 """
 
-from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
+from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult, ContentCandidates
 from local_matcher.index import ContentIndex
 from local_matcher.matcher import LocalMatcher
 
@@ -12,6 +12,7 @@ __all__ = [
     "UNKNOWN_TOKEN_OFFSET",
     "BlendMatch",
     "CBMatchResult",
+    "ContentCandidates",
     "ContentIndex",
     "LocalMatcher",
 ]

@@ -51,8 +51,10 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
+from local_matcher import kernels
 from local_matcher.store import ContentStore
-from local_matcher.types import MAX_TOKEN_ID, BlendMatch
+from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, MAX_TOKEN_ID,
+                                 BlendMatch, ContentCandidates)
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +263,59 @@ class ContentIndex:
             slot_chunk = self._slot_chunk
             return list(map(BlendMatch, [slot_chunk[s] for s in slots.tolist()], offsets,
                             positions.tolist()))
+
+    def candidates(self, query, namespace: Hashable) -> list[ContentCandidates]:
+        """Every position of `query` where content `namespace` claims occurs, by content.
+
+        The candidates form (DESIGN.md, "Unified lookup"): unlike `match`, no chunk is
+        assigned to a position here, so a caller that drops some positions (the prefix, an
+        overlap) can give their chunks to later ones. One `ContentCandidates` per content
+        found, in order of its first position; every position verified token by token.
+        Cost: O(query + positions + chunks named), however many chunks hold a content.
+        """
+        tokens = as_tokens(query)
+        if tokens.ndim != 1:
+            raise ValueError(f"query must be one-dimensional, got shape {tokens.shape}")
+        if tokens.size < self.chunk_size:
+            return []
+        with self._lock:
+            ns_id = self._ns_ids.get(namespace)
+            if ns_id is None:
+                return []
+            store = self._store
+            first_pos, first_cid, repeat_pos, repeat_cid = store.probe(
+                tokens, self.probe_stride, _mask_bit(ns_id))
+            if not first_pos.size:
+                return []
+            real = store.verify_repeats(tokens, repeat_pos, repeat_cid)
+            repeat_pos, repeat_cid = repeat_pos[real], repeat_cid[real]
+            # Content i of the result is the i-th first occurrence; each repeat joins its own.
+            by_cid = np.argsort(first_cid)
+            group = np.concatenate((np.arange(first_cid.size),
+                                    by_cid[np.searchsorted(first_cid[by_cid], repeat_cid)]))
+            positions = np.concatenate((first_pos, repeat_pos))
+            order = np.lexsort((positions, group))
+            sizes = np.bincount(group, minlength=first_cid.size)
+            views = [np.frombuffer(a, dtype=np.int32) for a in
+                     (self._head, self._slot_ns, self._next)]
+            try:
+                heads = self._heads_of(first_cid, ns_id, *views[:2])
+                limits = np.minimum(sizes + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)
+                slots, counts = kernels.walk_lists(heads, limits, views[2])
+                offsets = np.frombuffer(self._slot_offset, dtype=np.int64)[slots].tolist()
+            finally:
+                del views
+            slot_chunk = self._slot_chunk
+            hashes = [slot_chunk[s] for s in slots.tolist()]
+        position_lists = np.split(positions[order], np.cumsum(sizes)[:-1])
+        found, start = [], 0
+        for where, count in zip(position_lists, counts.tolist()):
+            if count:  # 0: a stale mask bit let a content of other namespaces through
+                found.append(ContentCandidates(
+                    tuple(where.tolist()),
+                    tuple(zip(hashes[start:start + count], offsets[start:start + count]))))
+                start += count
+        return found
 
     def _heads_of(self, cids: np.ndarray, ns_id: int, head: np.ndarray, slot_ns: np.ndarray
                   ) -> np.ndarray:

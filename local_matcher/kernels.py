@@ -209,6 +209,46 @@ def take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid, cursor, 
     return out_pos[:k], out_slot[:k]
 
 
+@njit(cache=True, nogil=True)
+def verify_repeats(query, repeat_pos, repeat_cid, blocks):
+    """1 where a repeat candidate of `probe` really holds its content (token by token).
+
+    The candidates form names every position of a content, not only as many as it has
+    occupants, so every repeat is compared; a mismatch stops at its first differing token."""
+    ok = np.zeros(repeat_pos.shape[0], dtype=np.uint8)
+    for j in range(repeat_pos.shape[0]):
+        if _same_tokens(query, repeat_pos[j], _row(blocks, repeat_cid[j])):
+            ok[j] = 1
+    return ok
+
+
+@njit(cache=True, nogil=True)
+def walk_lists(heads, limits, next_slot):
+    """The first ``limits[i]`` slots of each circular list starting at ``heads[i]``.
+
+    Returns (slots, counts): list i's slots are ``slots[sum(counts[:i]):][:counts[i]]``,
+    in list order; a list shorter than its limit gives all of its slots once."""
+    total = 0
+    for i in range(heads.shape[0]):
+        total += limits[i]
+    slots = np.empty(total, dtype=np.int64)
+    counts = np.zeros(heads.shape[0], dtype=np.int64)
+    k = 0
+    for i in range(heads.shape[0]):
+        head = heads[i]
+        if head == -1:
+            continue
+        slot = head
+        while counts[i] < limits[i]:
+            slots[k] = slot
+            k += 1
+            counts[i] += 1
+            slot = next_slot[slot]
+            if slot == head:
+                break
+    return slots[:k], counts
+
+
 @njit(cache=True, inline="always")
 def _find(row, fp, blocks, table_fp, table_cid, table_shift):
     """The id of the stored content equal to `row`, or -1."""

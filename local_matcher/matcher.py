@@ -26,7 +26,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from local_matcher.index import ContentIndex, as_tokens
-from local_matcher.types import CBMatchResult
+from local_matcher.types import CBMatchResult, ContentCandidates
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,12 @@ class LocalMatcher:
         size = self.chunk_size
         return [CBMatchResult.from_match(m, size)
                 for m in self._index.match(token_ids, namespace)]
+
+    def candidates(self, token_ids, *, namespace: Hashable = _LOCAL) -> list[ContentCandidates]:
+        """Every position of `token_ids` where content registered under `namespace` occurs,
+        with the chunks holding it (`ContentIndex.candidates`)."""
+        self.flush()
+        return self._index.candidates(token_ids, namespace)
 
     def flush(self) -> None:
         """Apply every queued registration and eviction now."""

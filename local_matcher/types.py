@@ -43,3 +43,24 @@ class CBMatchResult(NamedTuple):
             match.cur_st + chunk_size,
             match.chunk_hash,
         )
+
+
+#: The candidates form names, per content, at most this many chunks beyond one per
+#: position it occurs at (so a caller preferring some placements has a choice), and at most
+#: `MAX_CANDIDATE_CHUNKS` in all. A chunk can serve one position of a result, so more than
+#: one per position is only ever a choice, never more reuse.
+CANDIDATE_SPARE_CHUNKS = 4
+MAX_CANDIDATE_CHUNKS = 64
+
+
+class ContentCandidates(NamedTuple):
+    """One stored content found in a query, in the candidates form of a lookup.
+
+    `positions`: every query position where the content occurs, verified token by token,
+    ascending. `chunks`: `(chunk_hash, old_st)` of chunks holding it that the requester's
+    namespace claims, first indexed first (LMCache's order), at most
+    `min(len(positions) + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)`.
+    """
+
+    positions: tuple[int, ...]
+    chunks: tuple[tuple[Hashable, int], ...]

@@ -19,8 +19,8 @@ from plugin.plugin import BlendPlugin, LookupTrace, PluginStats
 from plugin.registrar import InstanceRegistrar, RegistrarStats
 from plugin.reporter import CacheEventReporter, ReporterStats
 from plugin.types import (BlendMatch, BlendNamespace, BreakerState, CBMatchResult,
-                          CBUnifiedLookupResult, FleetReply, FleetStatus, LookupKey, MatchState,
-                          Source)
+                          CBUnifiedLookupResult, ChunkOffer, FleetReply, FleetStatus,
+                          FoundContent, LookupKey, MatchState, Place, Source)
 
 __all__ = [
     "BlendCoordinatorClient",
@@ -31,15 +31,18 @@ __all__ = [
     "CBMatchResult",
     "CBUnifiedLookupResult",
     "CacheEventReporter",
+    "ChunkOffer",
     "ClientStats",
     "ConfigError",
     "FleetReply",
     "FleetStatus",
+    "FoundContent",
     "InMemoryHost",
     "InstanceRegistrar",
     "LookupKey",
     "LookupTrace",
     "MatchState",
+    "Place",
     "PluginConfig",
     "PluginStats",
     "RegistrarStats",

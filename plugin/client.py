@@ -10,10 +10,17 @@ Contract:
   `UNKNOWN` (never submitted, already taken, cancelled or expired). `DONE` and `FAILED` hand
   the result over and forget the id; a reply arriving after that, or after `cancel`, is
   discarded.
-- Matches are `CBMatchResult`s, the same shape as the local leg's, ascending by `cur_st`.
-  Replies are validated where they enter: an entry with bad hex, a negative `old_st`, a
-  `cur_st` outside the query (`cur_st + C` beyond it) or a repeated chunk is dropped and
-  counted.
+- Results are `FoundContent`s, the same shape as the local leg's (the candidates form).
+  Every query asks for the candidates form (`"candidates": true`); a coordinator that
+  answers the default form instead (LMCache's, which ignores the field) is remembered per
+  URL and asked LMCache's own body from then on, its matches handed over as one position
+  and one chunk each. No lookup fails for it and it costs no extra round-trip.
+- Replies are trusted for nothing. The body is read under a size cap (`max_reply_bytes`,
+  counted after gzip/deflate decoding, enforced while reading) and validated where it
+  enters: a chunk size other than ours fails the reply; an entry with bad hex, an `old_st`
+  outside `[0, MAX_TOKEN_OFFSET]`, a position outside the query (`cur_st + C` beyond it),
+  or a chunk already named is dropped and counted. Each `l1` list naming this instance
+  (`instance_id`) makes that chunk `Place.THIS_SERVER`; `shared` makes it `SHARED`.
 - At most `match_concurrency` round-trips are in flight: queries wait in a queue drained by
   at most that many tasks on the executor (the caller's, e.g. `BlendPlugin`'s, or one this
   client owns and shuts down in `close`). A query still queued when its deadline passes
@@ -45,6 +52,7 @@ import dataclasses
 import logging
 import threading
 import time
+import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -52,17 +60,22 @@ from typing import Callable, Sequence
 import httpx
 import numpy as np
 
-from blend_wire import (BLEND_LOOKUP_PATH, BlendLookupReply, BlendLookupRequest, BlendNamespace,
-                        WireError, decode, encode, encode_tokens)
+from blend_wire import (BLEND_LOOKUP_PATH, MAX_CANDIDATE_CHUNKS, MAX_TOKEN_OFFSET,
+                        BlendCandidatesReply, BlendLookupRequest, BlendNamespace, WireError,
+                        decode, encode, encode_tokens)
+from plugin.config import DEFAULT_MAX_REPLY_BYTES
 from plugin.http import coordinator_http
-from plugin.types import BreakerState, CBMatchResult, FleetReply, MatchState
+from plugin.types import (BreakerState, ChunkOffer, FleetReply, FoundContent, MatchState,
+                          Place)
 
 log = logging.getLogger(__name__)
 
 # A round-trip with less time than this left cannot come back in time: treat the query as
 # past its deadline instead of sending it (and counting the sure timeout against the breaker).
 _MIN_USEFUL_S = 0.002
-_JSON = {"content-type": "application/json"}
+# Encodings the bounded reader can decode (anything else fails the reply).
+_JSON = {"content-type": "application/json", "accept-encoding": "gzip, deflate"}
+_INFLATE_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 
 
 @dataclass
@@ -114,6 +127,7 @@ class _Endpoint:
     opened_at: float = 0.0
     probe_out: bool = False
     failures: int = 0  # consecutive unhealthy failures
+    candidates: bool = True  # False once it answered the default form to a candidates query
 
 
 @dataclass(eq=False)
@@ -136,7 +150,8 @@ class BlendCoordinatorClient:
                  breaker_cooldown_s: float = 5.0, result_ttl_s: float = 30.0,
                  max_tracked: int = 4096, executor: Executor | None = None,
                  clock: Callable[[], float] = time.monotonic, token: str | None = None,
-                 ca_file: str | None = None) -> None:
+                 ca_file: str | None = None, instance_id: str = "",
+                 max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
         if match_concurrency < 1:
             raise ValueError(f"match_concurrency={match_concurrency} must be >= 1")
         urls = base_url.split(",") if isinstance(base_url, str) else list(base_url)
@@ -145,6 +160,8 @@ class BlendCoordinatorClient:
             raise ValueError("at least one coordinator URL is needed")
         self.base_url = ",".join(urls)
         self.chunk_size = chunk_size
+        self.instance_id = instance_id
+        self.max_reply_bytes = max_reply_bytes
         self.timeout = timeout
         self.match_concurrency = match_concurrency
         self.breaker_threshold = breaker_threshold
@@ -423,76 +440,158 @@ class BlendCoordinatorClient:
                     self._stats.late_discarded += 1
                 return
 
-    def _round_trip(self, query: _Query, budget: float) -> tuple[CBMatchResult, ...]:
-        namespace = query.namespace
+    def _round_trip(self, query: _Query, budget: float) -> tuple[FoundContent, ...]:
+        namespace, endpoint = query.namespace, query.endpoint
+        asked_candidates = endpoint.candidates
         body = encode(BlendLookupRequest(tokens_b64=encode_tokens(query.tokens),
                                          model_name=namespace.model_name,
                                          world_size=namespace.world_size,
-                                         cache_salt=namespace.cache_salt))
+                                         cache_salt=namespace.cache_salt,
+                                         candidates=asked_candidates))
         try:
-            response = query.endpoint.http.post(BLEND_LOOKUP_PATH, content=body, timeout=budget,
-                                       headers=_JSON)
+            with endpoint.http.stream("POST", BLEND_LOOKUP_PATH, content=body, timeout=budget,
+                                      headers=_JSON) as response:
+                if response.status_code != 200:
+                    text = _read_capped(response, 4096, endpoint.url)[:200]
+                    raise _QueryFailed(f"HTTP {response.status_code} from {endpoint.url}"
+                                       f"{BLEND_LOOKUP_PATH}: {text!r}",
+                                       unhealthy=response.status_code >= 500)
+                content = _read_capped(response, self.max_reply_bytes, endpoint.url)
         except httpx.TimeoutException as exc:
-            raise _QueryFailed(f"no reply from {query.endpoint.url} within {budget:.3f} s "
+            raise _QueryFailed(f"no reply from {endpoint.url} within {budget:.3f} s "
                                f"({type(exc).__name__})", unhealthy=True) from None
         except httpx.HTTPError as exc:
-            raise _QueryFailed(f"{type(exc).__name__} talking to {query.endpoint.url}: {exc}",
+            raise _QueryFailed(f"{type(exc).__name__} talking to {endpoint.url}: {exc}",
                                unhealthy=True) from None
-        if response.status_code != 200:
-            raise _QueryFailed(f"HTTP {response.status_code} from {query.endpoint.url}"
-                               f"{BLEND_LOOKUP_PATH}: {response.text[:200]!r}",
-                               unhealthy=response.status_code >= 500)
         try:
-            reply = decode(response.content, BlendLookupReply)
+            reply = decode(content, BlendCandidatesReply)
         except WireError as exc:
-            raise _QueryFailed(f"reply from {query.endpoint.url} is not a blend-lookup reply: {exc}",
+            raise _QueryFailed(f"reply from {endpoint.url} is not a blend-lookup reply: {exc}",
                                unhealthy=False) from None
-        if not reply.matches and b'"matches"' not in response.content:
+        if reply.candidates is not None:
+            if reply.chunk_size != self.chunk_size:
+                raise _QueryFailed(f"{endpoint.url} matches {reply.chunk_size}-token chunks, "
+                                   f"this server stores {self.chunk_size}: set both to one "
+                                   "chunk size", unhealthy=False)
+            return self._found(reply, len(query.tokens))
+        if not reply.matches and b'"matches"' not in content:
             # The shape defaults `matches` to empty; a reply without it at all is some other
             # service answering, not "nothing found".
-            raise _QueryFailed(f"reply from {query.endpoint.url} has no `matches`: "
-                               f"{response.text[:200]!r}", unhealthy=False)
-        return self._segments(reply, len(query.tokens))
+            raise _QueryFailed(f"reply from {endpoint.url} has no `matches`: "
+                               f"{content[:200]!r}", unhealthy=False)
+        if asked_candidates:
+            with self._lock:
+                endpoint.candidates = False
+            log.info("%s answers blend lookups in LMCache's default form (no candidates): "
+                     "using it", endpoint.url)
+        return self._found_in_matches(reply, len(query.tokens))
 
-    def _segments(self, reply: BlendLookupReply, num_tokens: int) -> tuple[CBMatchResult, ...]:
-        """The reply's valid entries as segments, ascending by `cur_st`; the rest counted."""
-        size = self.chunk_size
-        kept: list[CBMatchResult] = []
+    def _found(self, reply: BlendCandidatesReply, num_tokens: int) -> tuple[FoundContent, ...]:
+        """The candidates form's valid entries; the rest dropped and counted."""
+        size, me = self.chunk_size, self.instance_id
+        last = num_tokens - size
+        found: list[FoundContent] = []
+        seen: set[bytes] = set()
+        dropped, first_reason = 0, ""
+        for content in reply.candidates:
+            positions = content.positions
+            if not all(0 <= p <= last for p in positions) or any(
+                    a >= b for a, b in zip(positions, positions[1:])):
+                dropped += 1
+                first_reason = first_reason or (
+                    f"positions {positions[:8]} are not ascending inside the "
+                    f"{num_tokens}-token query")
+                continue
+            offers = []
+            for entry in content.chunks[:MAX_CANDIDATE_CHUNKS]:
+                chunk_hash = _hex(entry.chunk_hash)
+                reason = _why_unusable(entry.chunk_hash, chunk_hash, entry.old_st, seen)
+                if reason:
+                    dropped += 1
+                    first_reason = first_reason or reason
+                    continue
+                seen.add(chunk_hash)
+                place = (Place.THIS_SERVER if me and me in entry.l1 else
+                         Place.SHARED if entry.shared else Place.PEER)
+                offers.append(ChunkOffer(chunk_hash, entry.old_st, place))
+            if offers and positions:
+                found.append(FoundContent(tuple(positions), tuple(offers)))
+        self._count_dropped(dropped, first_reason)
+        return tuple(found)
+
+    def _found_in_matches(self, reply: BlendCandidatesReply, num_tokens: int
+                          ) -> tuple[FoundContent, ...]:
+        """The default form's valid matches, one position and one chunk each."""
+        last = num_tokens - self.chunk_size
+        found: list[FoundContent] = []
         seen: set[bytes] = set()
         dropped, first_reason = 0, ""
         for entry in reply.matches:
-            try:
-                chunk_hash = bytes.fromhex(entry.chunk_hash)
-            except ValueError:
-                chunk_hash = None
-            reason = _why_unusable(entry, chunk_hash, num_tokens, size, seen)
+            chunk_hash = _hex(entry.chunk_hash)
+            reason = _why_unusable(entry.chunk_hash, chunk_hash, entry.old_st, seen) or (
+                "" if 0 <= entry.cur_st <= last else
+                f"cur_st={entry.cur_st} + chunk_size {self.chunk_size} lies outside the "
+                f"{num_tokens}-token query")
             if reason:
                 dropped += 1
                 first_reason = first_reason or reason
                 continue
             seen.add(chunk_hash)
-            kept.append(CBMatchResult(entry.old_st, entry.old_st + size, entry.cur_st,
-                                      entry.cur_st + size, chunk_hash))
+            found.append(FoundContent((entry.cur_st,),
+                                      (ChunkOffer(chunk_hash, entry.old_st, Place.PEER),)))
+        self._count_dropped(dropped, first_reason)
+        found.sort(key=lambda content: content.positions[0])
+        return tuple(found)
+
+    def _count_dropped(self, dropped: int, first_reason: str) -> None:
         if dropped:
             with self._lock:
                 self._stats.dropped_entries += dropped
-            log.warning("dropped %d invalid match(es) from the coordinator reply (first: %s)",
-                        dropped, first_reason)
-        kept.sort(key=lambda s: s.cur_st)
-        return tuple(kept)
+            log.warning("dropped %d invalid entr%s from the coordinator reply (first: %s)",
+                        dropped, "y" if dropped == 1 else "ies", first_reason)
 
 
-def _why_unusable(entry, chunk_hash: bytes | None, num_tokens: int, size: int,
-                  seen: set[bytes]) -> str:
-    """Why a reply entry cannot be used (empty when it can)."""
+def _read_capped(response: httpx.Response, cap: int, url: str) -> bytes:
+    """The response body, decoded, refused as soon as it would exceed `cap` bytes.
+
+    Decoded here (not by httpx) so that a compressed body is inflated no further than the
+    cap: a small gzip bomb costs at most `cap` bytes and the time to inflate them."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    wbits = _INFLATE_WBITS.get(encoding)
+    if wbits is None and encoding not in ("", "identity"):
+        raise _QueryFailed(f"reply from {url} has content-encoding {encoding!r}, which this "
+                           "client does not decode", unhealthy=False)
+    inflate = zlib.decompressobj(wbits) if wbits else None
+    parts, size = [], 0
+    try:
+        for raw in response.iter_raw():
+            data = raw if inflate is None else inflate.decompress(raw, cap + 1 - size)
+            size += len(data)
+            if size > cap or (inflate is not None and inflate.unconsumed_tail):
+                raise _QueryFailed(f"reply from {url} exceeds {cap} bytes (max_reply_bytes)",
+                                   unhealthy=False)
+            parts.append(data)
+    except zlib.error as exc:
+        raise _QueryFailed(f"reply from {url} is not valid {encoding}: {exc}",
+                           unhealthy=False) from None
+    return b"".join(parts)
+
+
+def _hex(text: str) -> bytes | None:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return None
+
+
+def _why_unusable(text: str, chunk_hash: bytes | None, old_st: int, seen: set[bytes]) -> str:
+    """Why a reply's chunk cannot be used (empty when it can)."""
     if chunk_hash is None:
-        return f"chunk_hash {entry.chunk_hash[:40]!r} is not hex"
+        return f"chunk_hash {text[:40]!r} is not hex"
     if not chunk_hash:
         return "empty chunk_hash"
-    if entry.old_st < 0:
-        return f"old_st={entry.old_st} is negative"
-    if not 0 <= entry.cur_st <= num_tokens - size:
-        return f"cur_st={entry.cur_st} + chunk_size {size} lies outside the {num_tokens}-token query"
+    if not 0 <= old_st <= MAX_TOKEN_OFFSET:
+        return f"old_st={old_st} is outside [0, 2^53-1]"
     if chunk_hash in seen:
         return "chunk reported twice"
     return ""

@@ -42,6 +42,12 @@ ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
 # the emitter and reader roles), and a CA file for an https:// coordinator.
 ENV_COORDINATOR_TOKEN = "LMCACHE_COORDINATOR_TOKEN"
 ENV_COORDINATOR_CA_FILE = "LMCACHE_COORDINATOR_CA_FILE"
+# Ours: the cap on one blend-lookup reply, in bytes after decoding.
+ENV_MAX_REPLY_BYTES = "LMCACHE_COORDINATOR_BLEND_MAX_REPLY_BYTES"
+
+#: Default `max_reply_bytes`: a reply for a 100k-token query with every chunk found is well
+#: under 1 MiB; anything much larger is not a coordinator answering honestly.
+DEFAULT_MAX_REPLY_BYTES = 4 << 20
 
 #: Default `event_timeout`: LMCache 0.5.6's cache-event sink timeout (`HttpCacheEventSink`).
 DEFAULT_EVENT_TIMEOUT_S = 2.0
@@ -75,6 +81,8 @@ class PluginConfig:
     # not the lookup's budget.
     event_timeout: float = DEFAULT_EVENT_TIMEOUT_S
     match_concurrency: int = 8
+    # A blend-lookup reply larger than this (decoded) fails the fleet leg of that lookup.
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
     chunk_size: int = 256
     instance_id: str = field(default_factory=default_instance_id)
     # Bearer token sent with every coordinator request (access control on; needs the
@@ -121,6 +129,7 @@ class PluginConfig:
         _check_positive("blend_timeout", self.blend_timeout)
         _check_positive("event_timeout", self.event_timeout)
         _check_int_at_least("match_concurrency", self.match_concurrency, 1)
+        _check_int_at_least("max_reply_bytes", self.max_reply_bytes, 1024)
         _check_int_at_least("chunk_size", self.chunk_size, 1)
         if not isinstance(self.instance_id, str) or not self.instance_id:
             raise ConfigError("instance_id must be a non-empty string")
@@ -198,6 +207,9 @@ class PluginConfig:
         if ENV_MATCH_CONCURRENCY in env:
             values["match_concurrency"] = _parse_int(
                 ENV_MATCH_CONCURRENCY, env[ENV_MATCH_CONCURRENCY], minimum=1)
+        if ENV_MAX_REPLY_BYTES in env:
+            values["max_reply_bytes"] = _parse_int(
+                ENV_MAX_REPLY_BYTES, env[ENV_MAX_REPLY_BYTES], minimum=1024)
         if ENV_CHUNK_SIZE in env:
             values["chunk_size"] = _parse_int(ENV_CHUNK_SIZE, env[ENV_CHUNK_SIZE], minimum=1)
         if env.get(ENV_INSTANCE_ID):

@@ -13,8 +13,10 @@ Contract:
   world size below 1) and arms the deadline `now + match_budget_s`. Every call advances what
   it can and returns None while the prefix, the coordinator (before the deadline) or the
   sparse prefetch is pending. Past the deadline the lookup continues local-only; the late
-  reply is discarded. Then both legs are merged (`plugin.lookup`), one sparse prefetch is
-  submitted (none when there is nothing to fetch), and only the chunks it found are returned.
+  reply is discarded. Then both legs' candidates are merged and selected
+  (`plugin.lookup.select`: every position either leg found, chunks assigned after the
+  selection, each chunk once), one sparse prefetch is submitted (none when there is nothing
+  to fetch), and only the chunks it found are returned.
   A request id's state is released when its lookup completes, when `cancel(request_id)` is
   called (the engine aborted the request), or once nobody has polled it for
   `abandon_after_s` (a few match budgets): an abandoned lookup holds its tokens (one
@@ -70,10 +72,10 @@ from local_matcher import LocalMatcher
 from plugin.client import BlendCoordinatorClient, ClientStats
 from plugin.config import ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_INSTANCE_ID, PluginConfig
 from plugin.host import ServingHost
-from plugin.lookup import Candidate, merge_candidates, resolve_overlaps
+from plugin.lookup import Candidate, every_offer, select
 from plugin.reporter import CacheEventReporter, ReporterStats
-from plugin.types import (CBMatchResult, CBUnifiedLookupResult, FleetStatus, LookupKey,
-                          MatchState, Source, tokens_of)
+from plugin.types import (CBMatchResult, CBUnifiedLookupResult, ChunkOffer, FleetStatus,
+                          FoundContent, LookupKey, MatchState, Place, Source, tokens_of)
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,8 @@ class LookupTrace:
     request_id: str
     num_tokens: int
     prefix_tokens: int
-    local_matches: int
-    fleet_matches: int
+    local_matches: int          # positions the local leg found (each with its chunks)
+    fleet_matches: int          # positions the coordinator's reply named
     fleet_status: FleetStatus
     segments: list[CBMatchResult]
     sources: list[Source]       # per segment: which leg(s) found it
@@ -129,10 +131,11 @@ class _Lookup:
     started: bool = False
     calls: int = 0
     prefix_tokens: int | None = None
-    local: list[CBMatchResult] = field(default_factory=list)
-    fleet: Sequence[CBMatchResult] = ()
+    local: list[FoundContent] = field(default_factory=list)
+    fleet: Sequence[FoundContent] = ()
     fleet_status: FleetStatus = FleetStatus.OFF
-    prefetch: list[Candidate] | None = None
+    prefetch: list[CBMatchResult] | None = None   # what the sparse prefetch was asked for
+    selected: list[Candidate] = field(default_factory=list)
 
 
 class BlendPlugin:
@@ -170,7 +173,8 @@ class BlendPlugin:
                 breaker_threshold=config.breaker_threshold,
                 breaker_cooldown_s=config.breaker_cooldown_s, result_ttl_s=config.result_ttl_s,
                 max_tracked=config.max_tracked_queries, executor=self._workers, clock=clock,
-                token=config.coordinator_token, ca_file=config.coordinator_ca_file)
+                token=config.coordinator_token, ca_file=config.coordinator_ca_file,
+                instance_id=config.instance_id, max_reply_bytes=config.max_reply_bytes)
         if config.fleet_enabled and report_events:
             self.reporter = CacheEventReporter.from_config(config, executor=self._workers)
         self._lock = threading.Lock()
@@ -340,7 +344,10 @@ class BlendPlugin:
             state.fleet_status = FleetStatus.PENDING
         else:
             state.fleet_status = FleetStatus.DECLINED
-        state.local = self._matcher.match(state.tokens, namespace=namespace)
+        state.local = [
+            FoundContent(found.positions, tuple(ChunkOffer(chunk_hash, old_st, Place.THIS_SERVER)
+                                                for chunk_hash, old_st in found.chunks))
+            for found in self._matcher.candidates(state.tokens, namespace=namespace)]
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
         request_id = state.request_id
@@ -359,32 +366,37 @@ class BlendPlugin:
             elif reply.state is MatchState.UNKNOWN:
                 state.fleet_status = FleetStatus.LOST
             else:
-                state.fleet = reply.matches
+                state.fleet = reply.found
                 state.fleet_status = (FleetStatus.OK if reply.state is MatchState.DONE
                                       else FleetStatus.FAILED)
+        size = self.chunk_size
         if state.prefetch is None:
-            candidates = merge_candidates(state.local, state.fleet, state.prefix_tokens)
-            if not self.config.resolve_after_prefetch:
-                candidates = resolve_overlaps(candidates)
-            state.prefetch = candidates
-            if not candidates:
+            if self.config.resolve_after_prefetch:
+                state.prefetch = every_offer(state.local, state.fleet, state.prefix_tokens, size)
+            else:
+                state.selected = select(state.local, state.fleet, state.prefix_tokens, size)
+                state.prefetch = [c.segment for c in state.selected]
+            if not state.prefetch:
                 return self._complete(state, [])
-            self.host.submit_prefetch(request_id, [c.segment for c in candidates])
+            self.host.submit_prefetch(request_id, state.prefetch)
         found = self.host.poll_prefetch(request_id)
         if found is None:
             return None
         found = set(found)
-        kept = [c for c in state.prefetch if c.segment.hash in found]
         if self.config.resolve_after_prefetch:
-            kept = resolve_overlaps(kept)
+            kept = select(state.local, state.fleet, state.prefix_tokens, size, available=found)
+        else:
+            kept = [c for c in state.selected if c.segment.hash in found]
         return self._complete(state, kept)
 
     def _complete(self, state: _Lookup, kept: list[Candidate]) -> CBUnifiedLookupResult:
         segments = [c.segment for c in kept]
         self.traces.append(LookupTrace(
             request_id=state.request_id, num_tokens=len(state.tokens),
-            prefix_tokens=state.prefix_tokens, local_matches=len(state.local),
-            fleet_matches=len(state.fleet), fleet_status=state.fleet_status, segments=segments,
+            prefix_tokens=state.prefix_tokens,
+            local_matches=sum(len(f.positions) for f in state.local),
+            fleet_matches=sum(len(f.positions) for f in state.fleet),
+            fleet_status=state.fleet_status, segments=segments,
             sources=[c.source for c in kept], prefetched=len(state.prefetch or ()),
             elapsed_s=self._clock() - state.started_at, calls=state.calls))
         with self._lock:

@@ -8,11 +8,14 @@
 - `CBUnifiedLookupResult`: what a unified lookup returns: how many leading tokens the prefix
   cache covers, and the reusable non-prefix segments, ascending by `cur_st`, non-overlapping,
   each starting at or after the prefix coverage.
-- `CBMatchResult` is the one result shape of both legs: the local matcher and the coordinator
-  client each return a list of them. `BlendMatch`, `CBMatchResult` come from
-  `local_matcher.types` and `BlendNamespace` from `blend_wire`; re-exported, never redefined.
-- Every state is an Enum defined here: `Source` (which leg found a segment), `FleetStatus`
-  (what one lookup's coordinator leg came to), `MatchState` and `FleetReply` (the client's
+- `FoundContent` is the one result shape of both legs (the candidates form): per content
+  found, every position it occurs at and the chunks (`ChunkOffer`: hash, stored offset,
+  `Place`) that could serve it; the selection turns them into `CBMatchResult` segments.
+  `BlendMatch`, `CBMatchResult` come from `local_matcher.types` and `BlendNamespace` from
+  `blend_wire`; re-exported, never redefined.
+- Every state is an Enum defined here: `Place` (where a chunk is held, cheapest first),
+  `Source` (which leg found a segment), `FleetStatus` (what one lookup's coordinator leg
+  came to), `MatchState` and `FleetReply` (the client's
   hand-over), `BreakerState`. The string-valued ones compare equal to their values
   (`FleetStatus.OK == "ok"`), so traces read well in logs and tests.
 """
@@ -30,8 +33,8 @@ from local_matcher.index import as_tokens
 from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
 
 __all__ = ["LookupKey", "CBUnifiedLookupResult", "BlendMatch", "CBMatchResult",
-           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET", "Source", "FleetStatus", "MatchState",
-           "FleetReply", "BreakerState", "tokens_of"]
+           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET", "Place", "ChunkOffer", "FoundContent",
+           "Source", "FleetStatus", "MatchState", "FleetReply", "BreakerState", "tokens_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,6 +81,32 @@ def tokens_of(key: LookupKey) -> np.ndarray:
 # --- states -----------------------------------------------------------------------------------
 
 
+class Place(enum.IntEnum):
+    """Where a candidate chunk's KV is held; the selection prefers the lower value."""
+
+    THIS_SERVER = 0   # this server's L1 (every local-leg chunk; or the coordinator says so)
+    SHARED = 1        # a shared, fleet-wide tier
+    PEER = 2          # only another instance's L1, or not said (LMCache's default reply)
+
+
+class ChunkOffer(NamedTuple):
+    """A chunk that can serve a position whose content it holds."""
+
+    chunk_hash: bytes
+    old_st: int
+    place: Place
+
+
+class FoundContent(NamedTuple):
+    """One content a leg found in the query: every position it occurs at (ascending) and
+    the chunks holding it, in the order the leg named them. Both legs hand these over;
+    the selection (`plugin.lookup.select`) decides which positions to keep and which chunk
+    serves each."""
+
+    positions: tuple[int, ...]
+    offers: tuple[ChunkOffer, ...]
+
+
 class Source(enum.StrEnum):
     """Which leg(s) of a unified lookup reported a segment."""
 
@@ -105,7 +134,7 @@ class MatchState(enum.Enum):
     """Where one coordinator query stands, as `BlendCoordinatorClient.take` reports it."""
 
     PENDING = "pending"    # queued or in flight; ask again
-    DONE = "done"          # answered; the matches are the coordinator's (possibly none)
+    DONE = "done"          # answered; `found` is the coordinator's (possibly nothing)
     FAILED = "failed"      # the round-trip failed or was skipped; no matches
     UNKNOWN = "unknown"    # never submitted, already taken, cancelled or expired
 
@@ -115,7 +144,7 @@ class FleetReply:
     """One hand-over from the coordinator client. Always truthy; read `state`."""
 
     state: MatchState
-    matches: tuple[CBMatchResult, ...] = ()
+    found: tuple[FoundContent, ...] = ()
 
 
 

@@ -1,6 +1,6 @@
 """ContentIndex against a brute-force model: random stores, removals and queries.
 
-The model states the match rule the obvious way: at each probed position, of the chunks
+The model states the match rule (and the candidates form) the obvious way: at each probed position, of the chunks
 whose content equals the window, claimed by the requester's namespace and not named yet
 in this query, name the one the namespace claimed first. Two pools: a few hashes over
 random contents (collisions, moves, overlaps), and many hashes over three contents (many
@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from local_matcher import ContentIndex
+from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS
 
 C = 3
 NAMESPACES = ("a", "b", "c")
@@ -86,6 +87,22 @@ class Model:
                 found.append((start, chunk_hash, offset))
         return found
 
+    def candidates(self, query, namespace, stride):
+        """Per content the namespace claims, every probed position where it occurs and its
+        chunks in the order `match` names them; contents by first position."""
+        by_content: dict[tuple, list] = {}
+        for chunk_hash, (content, offset, claims) in self.chunks.items():
+            if namespace in claims:
+                by_content.setdefault(content, []).append((claims[namespace], chunk_hash, offset))
+        found = []
+        for content, chunks in by_content.items():
+            positions = [start for start in range(0, len(query) - C + 1, stride)
+                         if tuple(query[start:start + C]) == content]
+            if positions:
+                limit = min(len(positions) + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)
+                found.append((tuple(positions), tuple((h, o) for _, h, o in sorted(chunks)[:limit])))
+        return sorted(found)
+
     def stats(self) -> tuple[int, int, int, int]:
         return (len({content for content, _, _ in self.chunks.values()}), len(self.chunks),
                 sum(len(claims) for _, _, claims in self.chunks.values()),
@@ -138,6 +155,8 @@ def run_against_model(operations, stride) -> None:
             got = index.match(op[1], op[2])
             assert [(m.cur_st, m.chunk_hash, m.old_st) for m in got] == \
                 model.match(op[1], op[2], stride)
+            found = index.candidates(op[1], op[2])
+            assert [tuple(f) for f in found] == model.candidates(op[1], op[2], stride)
         stats = index.stats()
         assert (stats["num_contents"], stats["num_chunks"], stats["num_claims"],
                 stats["num_namespaces"]) == model.stats()

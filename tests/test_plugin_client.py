@@ -14,6 +14,7 @@ from blend_wire import decode_tokens
 from helpers import (FakeClock, HangingServer, LoopbackServer, Reply, TricklingServer,
                      closed_port_url, take_when_done, wait_until)
 from plugin import BlendCoordinatorClient, BlendNamespace, CBMatchResult, FleetReply, MatchState
+from plugin.types import ChunkOffer, FoundContent, Place
 
 C = 16
 NS = BlendNamespace("model", "salt", 2)
@@ -34,7 +35,9 @@ def seg(chunk_hash: bytes, old_st: int, cur_st: int) -> CBMatchResult:
 
 
 def done(*segments: CBMatchResult) -> FleetReply:
-    return FleetReply(MatchState.DONE, segments)
+    """The hand-over of a default-form reply: one position and one chunk per match."""
+    return FleetReply(MatchState.DONE, tuple(
+        FoundContent((s.cur_st,), (ChunkOffer(s.hash, s.old_st, Place.PEER),)) for s in segments))
 
 
 def matches_reply(*entries) -> Reply:
@@ -75,7 +78,7 @@ def test_submit_once_per_request_id_and_pending_stays_tracked(client_factory):
         assert client.submit("r1", TOKENS, NS)
         assert not client.submit("r1", TOKENS, NS)
         pending = client.take("r1")
-        assert pending.state is MatchState.PENDING and pending.matches == ()
+        assert pending.state is MatchState.PENDING and pending.found == ()
         assert client.take("r1").state is MatchState.PENDING  # asking does not cancel
         assert take_when_done(client, "r1") == DONE_EMPTY
         assert len(server.requests) == 1

@@ -20,7 +20,8 @@ from helpers import (FakeClock, LoopbackServer, Reply, closed_port_url, ok_reply
                      store, wait_until)
 from plugin import (BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost, LookupKey,
                     MatchState, PluginConfig, Source)
-from plugin.lookup import Candidate, merge_candidates, resolve_overlaps
+from plugin.lookup import Candidate, select
+from plugin.types import ChunkOffer, FoundContent, Place
 
 LOCAL, FLEET, BOTH = Source.LOCAL, Source.FLEET, Source.BOTH
 
@@ -70,30 +71,53 @@ def seg(old_st, cur_st, chunk_hash):
     return CBMatchResult(old_st, old_st + C, cur_st, cur_st + C, chunk_hash)
 
 
-# --- merge order (pure) -------------------------------------------------------------------------
+# --- selection (pure; the property test against a brute force is test_plugin_selection.py) ----
 
 
-def test_prefix_covered_match_is_dropped_before_overlaps_are_resolved():
-    covered = seg(0, 8, b"p")       # starts inside the 16-token prefix, ends at 24
-    usable = seg(100, 20, b"u")     # overlaps the covered one
-    candidates = merge_candidates([covered, usable], [], prefix_coverage_tokens=16)
-    assert [c.segment for c in resolve_overlaps(candidates)] == [usable]
-    # Resolving first would have let the covered match shadow the usable one.
-    assert [c.segment for c in resolve_overlaps([Candidate(covered, LOCAL), Candidate(usable, LOCAL)])] == [covered]
+def found(positions, *chunks, place=Place.PEER):
+    """A content found at `positions`, held by `chunks` ((hash, old_st) pairs)."""
+    return FoundContent(tuple(positions), tuple(ChunkOffer(h, o, place) for h, o in chunks))
+
+
+def local(positions, *chunks):
+    return found(positions, *chunks, place=Place.THIS_SERVER)
+
+
+def test_prefix_covered_position_is_dropped_before_overlaps_are_resolved():
+    covered = local([8], (b"p", 0))    # starts inside the 16-token prefix, ends at 24
+    usable = local([20], (b"u", 100))  # overlaps the covered one
+    assert select([covered, usable], [], 16, C) == [Candidate(seg(100, 20, b"u"), LOCAL)]
+    # With no prefix the covered position is kept and shadows the usable one.
+    assert [c.segment for c in select([covered, usable], [], 0, C)] == [seg(0, 8, b"p")]
 
 
 def test_overlaps_resolve_leftmost_greedy_and_ascending():
-    a, b, c, d = seg(0, 40, b"a"), seg(0, 0, b"b"), seg(0, 10, b"c"), seg(0, 16, b"d")
-    kept = resolve_overlaps(merge_candidates([a, c], [b, d], 0))
-    assert [k.segment for k in kept] == [b, d, a]  # 0 wins over 10; 16 starts where 0 ends
+    kept = select([local([40], (b"a", 0)), local([10], (b"c", 0))],
+                  [found([0], (b"b", 0)), found([16], (b"d", 0))], 0, C)
+    assert [k.segment for k in kept] == [seg(0, 0, b"b"), seg(0, 16, b"d"), seg(0, 40, b"a")]
     assert [k.source for k in kept] == [FLEET, FLEET, LOCAL]
 
 
-def test_chunk_from_both_sources_collapses_to_one():
-    local = seg(32, 48, b"x")
-    assert merge_candidates([local], [seg(32, 48, b"x")], 0) == [Candidate(local, BOTH)]
-    # At two positions: the earlier one is kept.
-    assert merge_candidates([local], [seg(32, 20, b"x")], 0) == [Candidate(seg(32, 20, b"x"), BOTH)]
+def test_a_chunk_is_not_spent_on_a_position_the_selection_drops():
+    # Content X occurs at 8 (overlapped by the kept match at 0) and again at 40. LMCache's
+    # rule gives X's only chunk to 8, which is then dropped, and 40 gets nothing.
+    kept = select([], [found([0], (b"a", 0)), found([8, 40], (b"x", 256))], 0, C)
+    assert [k.segment for k in kept] == [seg(0, 0, b"a"), seg(256, 40, b"x")]
+
+
+def test_each_chunk_serves_one_position_and_the_cheapest_chunk_is_given():
+    offers = found([0, 16, 32], (b"peer", 0))
+    shared = found([0, 16, 32], (b"l2", 512), place=Place.SHARED)
+    mine = local([0, 16, 32], (b"mine", 256))
+    kept = select([mine], [offers, shared], 0, C)
+    assert [(k.segment.cur_st, k.segment.hash) for k in kept] == [
+        (0, b"mine"), (16, b"l2"), (32, b"peer")]
+
+
+def test_a_chunk_both_legs_name_is_one_chunk_at_its_cheaper_place():
+    kept = select([local([48], (b"x", 32))], [found([20, 48], (b"x", 32))], 0, C)
+    # The fleet's earlier position is kept; the local leg named the same chunk: BOTH.
+    assert kept == [Candidate(seg(32, 20, b"x"), BOTH)]
 
 
 # --- the state machine --------------------------------------------------------------------------
