@@ -162,6 +162,31 @@ def test_b_finds_a_document_stored_behind_another_prefix_on_a(fleet):
     assert all(torch.equal(loaded[c], a.chunk_kv("a-doc", c)) for c in range(4))
 
 
+def test_a_passage_repeated_in_the_prompt_is_reused_where_the_selection_keeps_it(fleet):
+    # Overlapping retrieved passages: x occurs twice in B's prompt, and its first occurrence
+    # overlaps a match (z, a window that runs into x) that the selection keeps. LMCache's
+    # rule names x's chunk at its first occurrence, which is then dropped; ours names it at
+    # the second. The chunks are A's (B gets them through the fleet and the shared L2).
+    b = fleet.clients["B"]
+    x = tokens(C)
+    prompt = tokens(150) + x + tokens(90) + x + tokens(30)
+    at_x2 = 150 + C + 90
+    z = prompt[50:50 + C]
+    fleet.store_and_wait("A", tokens(C) + x, "a-passage-x")
+    fleet.store_and_wait("A", tokens(C) + z, "a-window-z")
+    baseline = b.status()["l1_read_locked"]
+    ours, _, _ = b.lookup(prompt, "b-repeated-ours")
+    assert found(ours) == [(C, 50), (C, at_x2)]
+    assert len({s.hash for s in ours.non_prefix_segments}) == 2  # each chunk named once
+    theirs, _, _ = b.lookup(prompt, "b-repeated-builtin", builtin=True)
+    assert found(theirs) == [(C, 50)]  # x's chunk spent on the dropped first occurrence
+    b.end_session("b-repeated-builtin")
+    # LMCache's sparse prefetch loaded and read-locked both chunks; its retrieve takes them.
+    assert b.status()["l1_read_locked"] >= baseline + 2
+    b.retrieve_blend(prompt, "b-repeated-ours", ours.non_prefix_segments)
+    assert settled(lambda: b.status()["l1_read_locked"] == baseline)
+
+
 def test_an_unknown_document_finds_nothing(fleet):
     result, _, _ = fleet.clients["B"].lookup(tokens(5 * C), "b-unknown")
     assert result.prefix_coverage_tokens == 0 and found(result) == []
