@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
 
-.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-hostile soak clean
+.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-hostile soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench-popular: $(STAMP)
 bench-lmcache: $(STAMP)
 	$(PY) -m benchmarks.bench_lmcache_lookup $(ARGS)
 
+# Reuse on CacheBlend's MuSiQue prompts (../shared/data/musique; elsewhere: ARGS="--data DIR").
+bench-rag: $(STAMP)
+	$(PY) -m benchmarks.bench_rag $(ARGS)
+
 # ~19k hostile sockets from two processes: needs `ulimit -n` of about 10k or more.
 bench-hostile: $(STAMP)
 	$(PY) -m benchmarks.bench_hostile_sockets $(ARGS)
@@ -56,7 +60,7 @@ bench-hostile: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m benchmarks.soak $(ARGS)
 
-bench: bench-local bench-coordinator bench-unified bench-popular bench-lmcache
+bench: bench-local bench-coordinator bench-unified bench-popular bench-lmcache bench-rag
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
