@@ -38,7 +38,8 @@ over the queries, for:
   (`reusable_tokens`): see there.
 
 Also: per workload, the queries on which unified reuses less than the fleet leg alone,
-unified lookup p50/p99 (first call to result, polled as a scheduler does), and the
+unified lookup p50/p99 (first call to result, polled as a scheduler does) and its CPU time
+(this process and the coordinator's, over a second pass of unified lookups alone), and the
 coordinator's reply bytes to `POST /directory/blend-lookup` in its default form and with
 `"candidates": true` (a coordinator without the candidates form answers that request in
 its default form: said so). Every returned segment is checked against the stored chunk it
@@ -61,6 +62,7 @@ from pathlib import Path
 from typing import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
+import psutil
 
 from benchmarks.bench_unified_lookup import MODEL, save, timed_lookup
 from benchmarks.common import machine_description, percentile_ms
@@ -260,6 +262,8 @@ class Run:
     wrong: dict[str, int] = field(default_factory=dict)
     fleet_statuses: dict[str, int] = field(default_factory=dict)
     stored_chunks: int = 0
+    cpu_plugin_ms: float = 0.0       # per unified lookup: this process (plugin + workers)
+    cpu_coordinator_ms: float = 0.0  # per unified lookup: the coordinator process
 
     def percent(self, system: str) -> float:
         return 100.0 * sum(self.reused[system]) / self.prompt_tokens
@@ -365,6 +369,19 @@ def run_one(work: Workload, chunk: int, lmcache: bool, warmup: int) -> Run:
             run.default_bytes.append(len(default.content))
             run.candidates_bytes.append(len(candidates.content))
             run.candidates_form |= "candidates" in candidates.json()
+
+        # CPU per unified lookup, steadier than wall time on shared cores: this process (the
+        # plugin and its worker threads) and the coordinator process, over one more pass of
+        # unified lookups alone, polled every millisecond (a busy poll would count as CPU).
+        coordinator_cpu = psutil.Process(coordinator.process.pid)
+        own, theirs = time.process_time(), sum(coordinator_cpu.cpu_times()[:2])
+        for q, (server, tokens) in enumerate(work.queries):
+            key = LookupKey(f"{work.name}-{chunk}-cpu{q}", tokens, MODEL)
+            while unified[server].cb_unified_lookup(key, 1) is None:
+                time.sleep(0.001)
+        run.cpu_plugin_ms = (time.process_time() - own) / len(work.queries) * 1e3
+        run.cpu_coordinator_ms = ((sum(coordinator_cpu.cpu_times()[:2]) - theirs)
+                                  / len(work.queries) * 1e3)
     finally:
         http.close()
         for plugin in unified + local + fleet_only:
@@ -393,6 +410,7 @@ def reuse_table(runs: list[Run], systems: list[str]) -> list[str]:
 def detail_table(runs: list[Run]) -> list[str]:
     head = ["workload", "chunk", "queries", "prompt tokens", "stored chunks",
             "queries unified < fleet leg", "unified lookup p50 / p99 ms",
+            "unified lookup CPU ms: plugin + coordinator",
             "reply B default p50 / total", "reply B candidates p50 / total",
             "candidates / default (total)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -406,6 +424,7 @@ def detail_table(runs: list[Run]) -> list[str]:
             r.workload, str(r.chunk), str(r.queries), f"{r.prompt_tokens:,}",
             f"{r.stored_chunks:,}", f"{r.below_fleet()} of {r.queries}",
             f"{percentile_ms(r.latencies, 50):.2f} / {percentile_ms(r.latencies, 99):.2f}",
+            f"{r.cpu_plugin_ms:.2f} + {r.cpu_coordinator_ms:.2f}",
             f"{p50(r.default_bytes):,} / {sum(r.default_bytes):,}", candidates, ratio]) + " |")
     return lines
 
