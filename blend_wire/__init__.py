@@ -50,6 +50,7 @@ DIRECTORY_LOOKUP_PATH = "/directory/lookup"
 DIRECTORY_KEYS_PATH = "/directory/keys"
 INSTANCES_PATH = "/instances"
 METRICS_PATH = "/metrics"
+CHUNK_SIZE_PATH = "/config/chunk-size"  # LMCache 0.5.7
 
 
 # --- ranges: what the directory and the index can hold ----------------------------------
@@ -295,6 +296,9 @@ class CacheEventBatch(msgspec.Struct, kw_only=True):
     ts: Annotated[float, msgspec.Meta(ge=0, le=1e18)] = 0.0  # finite: epoch seconds
     capacity_bytes: NonNegative = 0
     capacity_revision: NonNegative = 0
+    # LMCache 0.5.7: entries this emitter incarnation dropped before they reached the
+    # coordinator, cumulative (0 from emitters that do not count them, e.g. LMCache 0.5.6).
+    dropped_events: NonNegative = 0
 
     def __post_init__(self) -> None:
         _parse_token_lists(self.entries)
@@ -431,6 +435,8 @@ def _value_at(raw: Any, path: list, parent: bool) -> Any:
 from blend_wire.chunk_keys import MAX_TOKEN_IDS, lookup_kv_ranks, prefix_chunk_hashes  # noqa: E402
 from blend_wire.fleet import (  # noqa: E402
     BlendIndexStats,
+    ChunkSizeBindReply,
+    ChunkSizeBindRequest,
     DirectoryKeyInfo,
     DirectoryKeysQuery,
     DirectoryKeysReply,

@@ -15,10 +15,14 @@ from typing import Annotated, Literal
 import msgspec
 
 from blend_wire import MAX_WORLD_SIZE, EncodedObjectKey, Name, NonNegative
+from blend_wire.chunk_keys import MAX_TOKEN_IDS
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 OptionalPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+#: A chunk size a server binds (LMCache 0.5.7: `ge=1`); the upper bound is what one
+#: `/events` token list may carry (`MAX_TOKEN_IDS`), so any size that can work fits.
+ChunkSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_IDS)]
 
 
 # --- /instances -------------------------------------------------------------------------
@@ -33,6 +37,8 @@ class RegisterRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     p2p_advertised_url: Name = ""
     mq_port: OptionalPort = 0
+    # LMCache 0.5.7: the server's final chunk size, bound as `PUT /config/chunk-size` is.
+    chunk_size: ChunkSize | None = None
 
     def __post_init__(self) -> None:
         self.instance_id = self.instance_id.strip()
@@ -137,6 +143,19 @@ class DirectoryKeyInfo(msgspec.Struct, kw_only=True):
 class DirectoryKeysReply(msgspec.Struct, kw_only=True):
     total: int = 0
     keys: list[DirectoryKeyInfo] = msgspec.field(default_factory=list)
+
+
+# --- /config/chunk-size (LMCache 0.5.7) --------------------------------------------------
+
+
+class ChunkSizeBindRequest(msgspec.Struct, kw_only=True):
+    """`PUT /config/chunk-size`: the final chunk size a server fleet negotiated."""
+
+    chunk_size: ChunkSize
+
+
+class ChunkSizeBindReply(msgspec.Struct, kw_only=True):
+    chunk_size: int
 
 
 # --- /directory/stats and /healthz ------------------------------------------------------------

@@ -57,6 +57,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from coordinator_stub.access import access_middleware
 from blend_wire import (
     BLEND_LOOKUP_PATH,
+    CHUNK_SIZE_PATH,
     DIRECTORY_KEYS_PATH,
     DIRECTORY_LOOKUP_PATH,
     EVENTS_PATH,
@@ -74,7 +75,8 @@ from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.connections import ConnectionGuard, connection_cap
 from coordinator_stub.ingest import give_back_memory
 from coordinator_stub.metrics import CONTENT_TYPE, CoordinatorMetrics
-from coordinator_stub.service import BadRequest, Coordinator, ServiceUnavailable, TooLarge
+from coordinator_stub.service import (BadRequest, ChunkSizeConflict, Coordinator,
+                                      ServiceUnavailable, TooLarge)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,8 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
             return _detail(400, str(exc), "bad_request", request)
         except TooLarge as exc:
             return _detail(413, str(exc), "too_large", request)
+        except ChunkSizeConflict as exc:
+            return _detail(409, str(exc), "chunk_size_conflict", request)
         except _Unreadable as exc:
             return _detail(exc.status, str(exc), "unreadable", request)
         except (_Busy, ServiceUnavailable) as exc:
@@ -265,9 +269,21 @@ async def _metrics(request: web.Request) -> web.Response:
 @_answers_errors
 async def _register(request: web.Request) -> bytes:
     replica = request.app[REPLICA]
+    body = await _read_body(request)
+    coordinator = request.app[COORDINATOR]
     if replica is not None:  # through the log: every replica registers it alike
-        return await replica.submit_register(await _read_body(request))
-    return request.app[COORDINATOR].register(await _read_body(request))
+        await _run(request, None, coordinator.check_registration, body)
+        return await replica.submit_register(body)
+    # Off the loop: a chunk size it carries is bound, and its L1 readmitted, under the
+    # directory lock.
+    return await _run(request, None, coordinator.register, body)
+
+
+@_answers_errors
+async def _bind_chunk_size(request: web.Request) -> bytes:
+    """LMCache 0.5.7's `PUT /config/chunk-size` (service.py)."""
+    body = await _read_body(request)
+    return await _run(request, None, request.app[COORDINATOR].bind_chunk_size, body)
 
 
 async def _heartbeat(request: web.Request) -> web.Response:
@@ -400,4 +416,5 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     app.router.add_get(INSTANCES_PATH, _instances)
     app.router.add_put(INSTANCES_PATH + "/{instance_id}/heartbeat", _heartbeat)
     app.router.add_delete(INSTANCES_PATH + "/{instance_id}", _deregister)
+    app.router.add_put(CHUNK_SIZE_PATH, _bind_chunk_size)
     return app

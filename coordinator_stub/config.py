@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "{\"matches\": []}")
     parser.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
                         help="tokens per chunk; only stored content of exactly this many "
-                             "tokens is indexed (default: %(default)s)")
+                             "tokens is indexed. The minimum an LMCache 0.5.7 fleet may "
+                             "bind with PUT /config/chunk-size (default: %(default)s)")
     parser.add_argument("--blend-probe-stride", type=_positive_int, default=1,
                         help="probe the query every N positions; 1 finds every stored chunk "
                              "at any offset (full recall), larger values trade recall for "

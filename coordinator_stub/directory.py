@@ -108,6 +108,8 @@ _NO_ACCESSES: tuple = ()
 
 #: Placements a binding keeps in a flat tuple (scanned); past this, a `_ManyKeys`.
 _FEW = 8
+#: Emitters remembered as warned of a chunk-size mismatch (forgotten when they leave).
+_MAX_SIZE_WARNED = 4096
 
 Content = bytes | int | None
 
@@ -289,7 +291,10 @@ class KeyDirectory:
             ("batches_applied", "batches_duplicate", "batches_stale", "instances_fenced",
              "instances_dropped", "entries_applied", "entries_duplicate", "entries_stale",
              "entries_stored", "entries_deleted", "entries_accessed", "deletes_unknown",
-             "accesses_unknown", "token_lists_wrong_length", "token_lists_out_of_range"), 0)
+             "accesses_unknown", "token_lists_wrong_length", "token_lists_out_of_range",
+             "chunk_size_mismatched_emitters"), 0)
+        self._emitter = ""  # the instance whose batch is being applied
+        self._size_warned: set[str] = set()  # emitters warned of a chunk-size mismatch
         if enable_blend_lookup:
             self.enable_blend_lookup()
 
@@ -366,8 +371,10 @@ class KeyDirectory:
         counters = self._counters
         with self._lock:
             for batch in batches:
-                position = self._gate.position(batch.instance_id)
-                verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq)
+                position = self._gate.snapshot(batch.instance_id)
+                verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq,
+                                           tier=batch.tier,
+                                           dropped_events=batch.dropped_events, ts=batch.ts)
                 if verdict is Verdict.DUPLICATE:
                     duplicates += 1
                     counters["entries_duplicate"] += len(batch.entries)
@@ -385,9 +392,9 @@ class KeyDirectory:
         return EventsReply(applied=applied, duplicates=duplicates, stale=stale)
 
     def _apply_atomically(self, batch: CacheEventBatch, verdict: Verdict,
-                          position: tuple[int, int] | None) -> None:
+                          position: tuple) -> None:
         """Fence (if asked) and apply one admitted batch, all or nothing (module doc).
-        `position` is the gate cursor from before the batch was admitted."""
+        `position` is the gate's snapshot from before the batch was admitted."""
         counters = dict(self._counters)
         totals = (self._num_keys, self._num_placements)
         tier_totals = {tier: list(values) for tier, values in self._tier_totals.items()}
@@ -448,6 +455,7 @@ class KeyDirectory:
 
     def _apply(self, batch: CacheEventBatch) -> None:
         kind = batch.event_type
+        self._emitter = batch.instance_id  # named by a chunk-size mismatch warning
         if kind == "store":
             held = self._held_by.get(batch.instance_id)
             if held is None:
@@ -623,11 +631,25 @@ class KeyDirectory:
             return None
         if len(token_ids) != self.chunk_size:  # not indexable at this chunk size
             self._counters["token_lists_wrong_length"] += 1
+            self._warn_chunk_size(len(token_ids))
             return None
         if type(token_ids) is list:  # an id outside uint32: a miss, not a failed batch
             self._counters["token_lists_out_of_range"] += 1
             return None
         return token_ids.tobytes()
+
+    def _warn_chunk_size(self, length: int) -> None:
+        """Once per emitter (until it leaves): its STOREs are not indexed, say why."""
+        emitter = self._emitter
+        if emitter in self._size_warned or len(self._size_warned) >= _MAX_SIZE_WARNED:
+            return
+        self._size_warned.add(emitter)
+        self._counters["chunk_size_mismatched_emitters"] += 1
+        log.warning("instance %s stores chunks of %d tokens but this coordinator's chunk "
+                    "size is %d: its STOREs are not indexed and blend lookups find none of "
+                    "them. Run the coordinator with --chunk-size %d (or the server with "
+                    "--chunk-size %d)", emitter, length, self.chunk_size, length,
+                    self.chunk_size)
 
     @staticmethod
     def _indexed(content: Content, offset: int) -> bool:
@@ -723,20 +745,53 @@ class KeyDirectory:
     def drop_instance(self, instance_id: str) -> None:
         """An instance left (deregistered, or silent past the timeout): its L1 was that
         process's memory, so its L1 placements go; its L2 placements stay (fleet storage,
-        they leave by DELETE events). Its ingest cursor is forgotten, so its next batch
-        starts a fresh stream at any incarnation and seq (LMCache's `drop_instance`)."""
+        they leave by DELETE events). Its ingest cursor is forgotten, and its L1 batches
+        of this incarnation are refused until it registers again (`readmit`; LMCache
+        0.5.7's `drop_instance`, gate.py)."""
         with self._lock:
             self._counters["instances_dropped"] += 1
             try:
                 self._fence(instance_id, l1_only=True)
             finally:
-                self._gate.forget(instance_id)
+                self._gate.depart(instance_id)
+                self._size_warned.discard(instance_id)
                 for place in [p for p in self._capacity if p[0] == instance_id]:
                     del self._capacity[place]  # it declares its capacity again on return
                 if self._writer is not None:
                     self._writer.flush()
                 self._free_unused_places()
                 self._free_unused_keys()
+
+    def readmit(self, instance_id: str) -> None:
+        """The instance registered (again): its L1 batches are taken again."""
+        with self._lock:
+            self._gate.readmit(instance_id)
+
+    def bind_chunk_size(self, chunk_size: int) -> bool:
+        """Index at `chunk_size` from now on (LMCache 0.5.7's `bind_chunk_size`, whose
+        rules the caller checks); False if it already was. Chunks indexed at the old size
+        cannot be chunks at the new one: they leave the index (their placements, and the
+        tokens directory queries show, stay)."""
+        with self._lock:
+            if chunk_size == self.chunk_size:
+                return False
+            writer = self._writer
+            for chunk_hash, binding in list(self._bindings.items()):
+                content, offset, holds, accesses, reported = binding
+                if content is None:
+                    continue
+                tokens = content if type(content) is bytes else writer.tokens_of(chunk_hash)
+                self._bindings[chunk_hash] = (None, UNKNOWN_TOKEN_OFFSET, holds, accesses,
+                                              reported if reported is not None else tokens)
+            self.chunk_size = chunk_size
+            self._size_warned.clear()
+            if self._index is not None:
+                from local_matcher import ContentIndex
+
+                index = ContentIndex(chunk_size=chunk_size, probe_stride=self.probe_stride)
+                self._writer = _IndexWriter(index, chunk_size)
+                self._index = index
+            return True
 
     def _fence(self, instance_id: str, l1_only: bool = False) -> None:
         """Instance restarted: drop every placement it reported (and what they held); or,
@@ -1076,7 +1131,12 @@ class KeyDirectory:
         l1, l2 = self._tier_totals["l1"], self._tier_totals["l2"]
         return {"num_keys": self._num_keys, "num_placements": self._num_placements,
                 "l1_count": l1[0], "l1_size_bytes": l1[1],
-                "l2_count": l2[0], "l2_size_bytes": l2[1], **self._counters}
+                "l2_count": l2[0], "l2_size_bytes": l2[1], **self._counters,
+                **self._gate.totals()}
+
+    def ingest_streams(self) -> dict[str, dict]:
+        """The gate's per-emitter figures (gate.py), read without the lock, as totals."""
+        return self._gate.streams(ages=True)
 
     def blend_stats(self) -> dict[str, int]:
         """The blend index's stats (zeros with blend lookup off). Takes the index lock
@@ -1110,7 +1170,9 @@ class KeyDirectory:
                 "blend_enabled": self._index is not None,
                 "blend_bytes": blend_bytes,
                 "chunk_size": self.chunk_size,
-                "counters": dict(self._counters),
+                "counters": {**self._counters, **self._gate.totals()},
+                # LMCache 0.5.7's gate figures, per emitter (gate.py).
+                "ingest_streams": self._gate.streams(),
                 "capacity": [
                     {"instance_id": place[0], "tier": place[1], "backend": place[2],
                      "capacity_bytes": value[0], "capacity_revision": value[1]}

@@ -7,7 +7,13 @@ Contract:
   outcome (applied / duplicate / stale), entries applied by type, instances fenced,
   dropped and reaped, registered instances, directory keys, blend-index contents / chunks
   / claims / bytes, lookups with their latency histogram per endpoint, matches returned,
-  and rejected requests by reason.
+  and rejected requests by reason; STORE entries not indexed because their token list
+  is not the coordinator's chunk size (`blend_coordinator_chunk_size_mismatch_entries`)
+  and the emitters that sent them. LMCache 0.5.7's gate figures, under its names
+  (`lmcache_coordinator_ingest_*`): batches missing and events dropped by servers
+  (totals), and per tracked emitter (`instance_id` label) its missing batches, dropped
+  events, whether its view is incomplete, seconds since its last batch and its last
+  batch's delivery delay.
 - A scrape reads running totals (`KeyDirectory.totals`, lock-free) and the index's
   O(1) stats: it never walks the directory, never takes the directory lock. `render()`
   can block for a moment on the index lock while a match runs, so the HTTP layer calls
@@ -130,6 +136,14 @@ class _DirectoryCollector:
                                 value=self._registered())
         yield GaugeMetricFamily(_PREFIX + "directory_keys", "Keys with a placement",
                                 value=totals["num_keys"])
+        yield CounterMetricFamily(_PREFIX + "chunk_size_mismatch_entries",
+                                  "STORE entries not indexed: their token list is not the "
+                                  "coordinator's chunk size",
+                                  value=totals["token_lists_wrong_length"])
+        yield CounterMetricFamily(_PREFIX + "chunk_size_mismatched_emitters",
+                                  "Emitters warned of a chunk-size mismatch",
+                                  value=totals["chunk_size_mismatched_emitters"])
+        yield from _gate_metrics(totals, self._directory.ingest_streams())
         blend = self._directory.blend_stats()
         for name, field, text in (
                 ("index_contents", "num_contents", "Distinct contents in the blend index"),
@@ -137,3 +151,34 @@ class _DirectoryCollector:
                 ("index_claims", "num_claims", "Namespace claims on indexed chunks"),
                 ("index_bytes", "bytes", "Bytes held by the blend index")):
             yield GaugeMetricFamily(_PREFIX + name, text, value=blend[field])
+
+
+_LMCACHE = "lmcache_coordinator_ingest_"
+
+
+def _gate_metrics(totals: dict, streams: dict[str, dict]) -> Iterator[Metric]:
+    """LMCache 0.5.7's event-gate series (`observability._event_gate_specs`)."""
+    yield CounterMetricFamily(_LMCACHE + "event_batches_missing",
+                              "Cache-event batches that never arrived: skipped seq values "
+                              "in a stream the gate was already tracking",
+                              value=totals["batches_missing"])
+    yield CounterMetricFamily(_LMCACHE + "events_dropped_by_servers",
+                              "Cache events the servers reported dropping before they "
+                              "reached the coordinator", value=totals["events_dropped"])
+    for name, field, text in (
+            ("server_event_batches_missing", "missing_batches",
+             "Cache-event batches from this server that never arrived, in its current run"),
+            ("server_events_dropped", "events_dropped",
+             "Cache events this server reported dropping, in its current run"),
+            ("server_view_incomplete", "gap_detected",
+             "1 while the coordinator knows it is missing part of this server's cache"),
+            ("server_seconds_since_last_event", "seconds_since_last_event",
+             "Seconds since this server's last cache-event batch was applied"),
+            ("server_event_delivery_delay_seconds", "event_delivery_delay_seconds",
+             "For this server's last applied batch, time from sending to applying it "
+             "(across the two hosts' clocks)")):
+        family = GaugeMetricFamily(_LMCACHE + name, text, labels=["instance_id"])
+        for instance_id, stream in streams.items():
+            if stream[field] is not None:
+                family.add_metric([instance_id], float(stream[field]))
+        yield family

@@ -347,6 +347,7 @@ class LogReplica:
         if record.kind == REGISTER:
             instance_id, re_registered = instances.register(
                 decode(record.payload, RegisterRequest), at=self.log_time)
+            directory.readmit(instance_id)  # its L1 batches are taken again (gate.py)
             return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
         if record.kind == BEATS:
             for instance_id in decode(record.payload, list[str]):

@@ -15,8 +15,16 @@ Contract:
   (hashed as LMCache's prefix chain, fanned out per rank, copies in other object groups
   following); names a key could not carry and oversized sequences raise `BadRequest`
   (-> 400). `directory_keys(query)`: a filtered page of the directory.
-- `register`, `heartbeat`, `deregister`, `instances`: the instance registry, on the event
-  loop. Deregistering (or reaping) an instance also needs `drop_instance(id)`, which
+- `bind_chunk_size(body)` (`PUT /config/chunk-size`, LMCache 0.5.7) and a registration
+  carrying `chunk_size`: LMCache 0.5.7's rules against `--chunk-size`, the configured
+  minimum. The first binding at or above it fixes the size (the directory and the blend
+  index work at it from then on, token lookups hash at it); the same size again is
+  answered as before; a different one, or one below the minimum, raises
+  `ChunkSizeConflict` (-> 409) and changes nothing. With `--event-log` the size cannot
+  move (every replica must agree without a log record for it): only `--chunk-size`
+  itself binds. Both take the directory lock: the HTTP layer runs them off the loop.
+- `register` (binds the size it carries first, and takes the instance's L1 batches again:
+  gate.py), `heartbeat`, `deregister`, `instances`: the instance registry. Deregistering (or reaping) an instance also needs `drop_instance(id)`, which
   fences its L1 placements and forgets its ingest cursor (under the directory lock, so
   between two batches); the HTTP layer runs it off the event loop.
 - `stats()`: the directory's stats object, JSON-encoded.
@@ -35,6 +43,8 @@ coordinator uses is compiled (or loaded from numba's cache) before the first req
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import threading
 
 import numpy as np
 
@@ -44,6 +54,8 @@ from blend_wire import (
     BlendLookupReply,
     BlendLookupRequest,
     CacheEventBatch,
+    ChunkSizeBindReply,
+    ChunkSizeBindRequest,
     DirectoryKeyInfo,
     DirectoryKeysQuery,
     DirectoryKeysReply,
@@ -76,6 +88,9 @@ from coordinator_stub.ingest import ByteBudget, FairIngest
 from coordinator_stub.instances import InstanceRegistry
 
 
+log = logging.getLogger(__name__)
+
+
 class TooLarge(Exception):
     """A request beyond a configured limit (-> 413). The message says which limit."""
 
@@ -83,6 +98,10 @@ class TooLarge(Exception):
 class BadRequest(Exception):
     """A well-formed request the coordinator cannot serve (-> 400), as LMCache answers
     a token lookup whose names could not form a key. The message says why."""
+
+
+class ChunkSizeConflict(Exception):
+    """A chunk size the coordinator cannot bind (-> 409). The message says why."""
 
 
 class ServiceUnavailable(Exception):
@@ -102,6 +121,8 @@ class Coordinator:
         self.ingest_queue = FairIngest(self._apply_batch)
         self.ingest_budget = ByteBudget(config.max_ingest_bytes)
         self.instances = InstanceRegistry()
+        self._chunk_size_bound = False
+        self._bind_lock = threading.Lock()
         decode_tokens("AAAAAA==")  # compile (or load) the codec kernel before any request
         if config.enable_blend_lookup:
             _rehearse(config)
@@ -146,7 +167,7 @@ class Coordinator:
                            f"{self.config.max_query_tokens} (--max-query-tokens)")
         if request.candidates:
             return self._candidates(tokens, request.namespace)
-        if not self.directory.blend_enabled or tokens.size < self.config.chunk_size:
+        if not self.directory.blend_enabled or tokens.size < self.directory.chunk_size:
             return BlendLookupReply(matches=[])
         return BlendLookupReply(matches=[
             WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
@@ -159,7 +180,7 @@ class Coordinator:
                      chunks=[_offer(chunk_hash, old_st, *directory.places_of(chunk_hash, namespace))
                              for chunk_hash, old_st in content.chunks])
                  for content in directory.candidates(tokens, namespace)]
-        return BlendCandidatesReply(chunk_size=self.config.chunk_size, candidates=found)
+        return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=found)
 
     # --- directory queries ------------------------------------------------------------------
 
@@ -196,7 +217,7 @@ class Coordinator:
         tokens = np.asarray(request.token_ids, dtype=np.uint32)
         ranks = lookup_kv_ranks(request.world_size)
         return [(chunk_hash, (request.model_name, request.cache_salt, kv_rank, 0))
-                for chunk_hash in prefix_chunk_hashes(tokens, self.config.chunk_size)
+                for chunk_hash in prefix_chunk_hashes(tokens, self.directory.chunk_size)
                 for kv_rank in ranks]
 
     def directory_keys(self, query: dict[str, str]) -> bytes:
@@ -214,8 +235,48 @@ class Coordinator:
 
     # --- the instance registry (event loop) ------------------------------------------------
 
+    def bind_chunk_size(self, body: bytes) -> bytes:
+        """`PUT /config/chunk-size` (module doc)."""
+        chunk_size = self.bind(decode(body, ChunkSizeBindRequest).chunk_size)
+        return encode(ChunkSizeBindReply(chunk_size=chunk_size))
+
+    def bind(self, chunk_size: int) -> int:
+        """Bind the fleet's chunk size (module doc); the bound size, or ChunkSizeConflict."""
+        with self._bind_lock:
+            current = self.directory.chunk_size
+            if self._chunk_size_bound:
+                if chunk_size == current:
+                    return current
+                raise ChunkSizeConflict(
+                    f"coordinator is already bound to chunk size {current}; use a separate "
+                    f"coordinator for a fleet requiring chunk size {chunk_size}")
+            minimum = self.config.chunk_size
+            if chunk_size < minimum:
+                raise ChunkSizeConflict(
+                    f"chunk size {chunk_size} is smaller than the coordinator's configured "
+                    f"minimum {minimum} (--chunk-size)")
+            if self.config.cluster is not None and chunk_size != minimum:
+                raise ChunkSizeConflict(
+                    f"coordinator replicas over an event log keep their --chunk-size "
+                    f"({minimum}); restart every replica with --chunk-size {chunk_size}")
+            if self.directory.bind_chunk_size(chunk_size):
+                log.info("chunk size bound to %d (configured minimum %d)", chunk_size,
+                         minimum)
+            self._chunk_size_bound = True
+            return chunk_size
+
+    def check_registration(self, body: bytes) -> RegisterRequest:
+        """Decode a registration and bind the chunk size it carries (ChunkSizeConflict)."""
+        request = decode(body, RegisterRequest)
+        if request.chunk_size is not None:
+            self.bind(request.chunk_size)
+        return request
+
     def register(self, body: bytes) -> bytes:
-        instance_id, re_registered = self.instances.register(decode(body, RegisterRequest))
+        """`POST /instances`: bind the size it carries, register, take its L1 again."""
+        request = self.check_registration(body)
+        instance_id, re_registered = self.instances.register(request)
+        self.directory.readmit(instance_id)
         return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
 
     def heartbeat(self, instance_id: str) -> bool:
@@ -289,7 +350,8 @@ def _rehearse(config: CoordinatorConfig) -> None:
         raise RuntimeError("coordinator self-test failed: the scratch directory kept keys")
 
 
-__all__ = ["BadRequest", "Coordinator", "ServiceUnavailable", "TooLarge", "WireError"]
+__all__ = ["BadRequest", "ChunkSizeConflict", "Coordinator", "ServiceUnavailable", "TooLarge",
+           "WireError"]
 
 
 def _offer(chunk_hash: bytes, old_st: int, l1: list[str], shared: bool) -> WireChunkOffer:

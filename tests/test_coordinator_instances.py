@@ -115,8 +115,26 @@ async def test_deregistering_fences_l1_keeps_l2_and_forgets_the_cursor(coord):
     assert stats["l1_keys_by_instance"] == {}
     assert await coord.lookup(A) == []
     assert await coord.lookup(B) == [("bb02", 4, 0)]
-    # The cursor is gone: seq 1 at incarnation 0 is a fresh stream, not a duplicate.
+    # The cursor is gone: seq 1 at incarnation 0 is a fresh stream, not a duplicate, and
+    # its L2 batches are applied; its L1 batches wait for it to register again (LMCache
+    # 0.5.7: they would lay deltas on the slice the departure fenced).
     reply = await coord.post_events(batch(entry("aa01", A, offset=0), instance="i1"))
+    assert reply == {"applied": 0, "duplicates": 0, "stale": 1}
+    reply = await coord.post_events(batch(entry("cc03", A, offset=0), instance="i1",
+                                          tier="l2", backend="disk"))
+    assert reply == {"applied": 1, "duplicates": 0, "stale": 0}
+    await coord.register("i1")
+    reply = await coord.post_events(batch(entry("aa01", A, offset=0), instance="i1", seq=2))
+    assert reply == {"applied": 1, "duplicates": 0, "stale": 0}
+    assert (await coord.stats())["l1_keys_by_instance"] == {"i1": 1}
+
+
+async def test_a_departed_instance_restarting_is_taken_without_registering(coord):
+    """A higher incarnation is a restart: its L1 is new, so it is applied (and fenced)."""
+    await _l1_and_l2_of(coord, "i1")
+    await coord.call("DELETE", f"{INSTANCES_PATH}/i1", expect=204)
+    reply = await coord.post_events(batch(entry("aa01", A, offset=0), instance="i1",
+                                          incarnation=1))
     assert reply == {"applied": 1, "duplicates": 0, "stale": 0}
     assert (await coord.stats())["l1_keys_by_instance"] == {"i1": 1}
 

@@ -101,6 +101,7 @@ def test_placements_totals_and_access_counts_follow_lmcaches_rules(seed):
         roll = rng.random()
         if roll < 0.03:  # the instance departs: L1 fenced, its cursor forgotten
             directory.drop_instance(inst)
+            directory.readmit(inst)  # and registers again (its L1 batches count again)
             reference.fence(inst, l1_only=True)
             reference.cursors.discard(inst)
             stream[1] = 0
