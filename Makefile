@@ -7,8 +7,14 @@ STAMP := $(VENV)/.installed
 # --no-deps: its declared dependencies include CUDA-only packages; the CPU stack it imports
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
+# LMCache's next release beside it, for tests/test_lmcache057.py (the same LMCache tests on
+# it): its own target directory, put first on PYTHONPATH by plugin.lmcache_process. Its CPU
+# stack is the same `lmcache` extra (same declared dependencies as 0.5.6; torch stays pinned).
+LMCACHE_057_VERSION := 0.5.7rc2
+LMCACHE_057_DIR := .lmcache-0.5.7
+LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-hostile soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-hostile soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +22,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[test,lmcache]'
 	$(PY) -m pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
 	touch $(STAMP)
+
+$(LMCACHE_057_STAMP): Makefile | $(STAMP)
+	rm -rf $(LMCACHE_057_DIR)
+	$(PY) -m pip install --quiet --no-deps --target $(LMCACHE_057_DIR) lmcache==$(LMCACHE_057_VERSION)
+	touch $(LMCACHE_057_STAMP)
+
+lmcache-057: $(LMCACHE_057_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/fleet_demo.py
@@ -27,7 +40,7 @@ demo-lmcache: $(STAMP)
 demo-cluster: $(STAMP)
 	$(PY) examples/fleet_demo.py --cluster
 
-test: $(STAMP)
+test: $(STAMP) $(LMCACHE_057_STAMP)
 	$(PY) -m pytest -q
 
 bench-local: $(STAMP)
@@ -63,4 +76,4 @@ soak: $(STAMP)
 bench: bench-local bench-coordinator bench-unified bench-popular bench-lmcache bench-rag
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LMCACHE_057_DIR) build *.egg-info .pytest_cache .hypothesis

@@ -1,18 +1,33 @@
-"""The plugin inside a real LMCache 0.5.6 MP server: the one module that touches LMCache.
+"""The plugin inside a real LMCache 0.5.6 or 0.5.7rc2 MP server: the one module that
+touches LMCache.
 
 Load it into a stock server (CPU or GPU) with
 
     python -m lmcache.v1.multiprocess.server --engine-type blend ... \\
         --server-module '{"module_path": "plugin.lmcache_adapter"}'
 
-(or `lmcache server ...` with the same flag). `build_server_modules` is LMCache's default
-factory name. The module's JSON `config` holds `PluginConfig` field overrides (they win over
-the server's coordinator flags and the environment) plus `builtin_lookup` (see below).
+(or `lmcache server ...` with the same flag), the same line on both versions. LMCache
+0.5.6 calls the factory `build_server_modules` (its default factory name); 0.5.7 accepts
+only `{"module_path", "config"}` and builds the `DiscoverableModule` subclasses it finds
+here: `FleetBlend` (module name `fleet_blend`, built after LMCache's `blend`, whose
+`cb_unified_lookup` and `store` handlers it then overrides, as 0.5.6's factory modules
+did). The module's JSON `config` holds `PluginConfig` field overrides (they win over the
+server's coordinator flags and the environment) plus `builtin_lookup` (see below).
 
 Contract:
-- Requires `--engine-type blend` (ValueError otherwise) and exactly LMCache 0.5.6's internals:
-  at start-up every name in `LMCACHE_INTERNALS` is checked and a missing one fails the server
-  with a message naming it (`missing_lmcache_internals`).
+- Requires `--engine-type blend` (ValueError otherwise), no `--separate-object-groups`
+  (ValueError: object groups split one server's layout into several keys per chunk, and
+  the fleet's namespace leaves them out, so a chunk could not be found by a peer whose
+  groups differ), and exactly the internals of one supported LMCache version
+  (`SUPPORTED_VERSIONS`): at start-up every name in `LMCACHE_INTERNALS` plus that
+  version's `VERSION_INTERNALS` is checked and a missing one fails the server with a
+  message naming it (`missing_lmcache_internals`); another version fails naming both
+  supported ones. `MOVED_IN_057` says what 0.5.7 moved and where the adapter finds it.
+- LMCache 0.5.7 negotiates its chunk size when the first engine registers (the configured
+  `--chunk-size` is a minimum, rounded up to the model's block alignment). When the bound
+  size differs from the one the plugin was built with, the plugin's local matcher is
+  rebuilt at it, empty, as LMCache empties its own matcher (nothing is stored before the
+  binding: LMCache refuses to rebind once sessions exist).
 - Replaces the `cb_unified_lookup` RPC with `BlendPlugin`'s: local matcher + coordinator leg in
   one budget, prefix filter, leftmost-greedy, one sparse prefetch. The host side
   (`LMCacheHost`) is LMCache's own prefix leg and sparse prefetch, so found chunks stay
@@ -75,8 +90,8 @@ from lmcache.v1.mp_observability.event import EventType
 from lmcache.v1.mp_observability.event_bus import EventSubscriber
 from lmcache.v1.multiprocess.custom_types import CBMatchResult as LMCacheMatch
 from lmcache.v1.multiprocess.custom_types import CBUnifiedLookupResult, IPCCacheServerKey
-from lmcache.v1.multiprocess.ext_server_module import (ExtServerModuleBuildContext,
-                                                        server_module_handler)
+from lmcache.v1.multiprocess import ext_server_module as _ext_server_module
+from lmcache.v1.multiprocess.ext_server_module import server_module_handler
 from lmcache.v1.multiprocess.modules.blend import BlendModule
 from lmcache.v1.multiprocess.modules.blend.lookup import _CBUnifiedJob
 from lmcache.v1.multiprocess.modules.lookup import resolve_prefetched_obj_keys
@@ -93,7 +108,15 @@ from plugin.types import CBMatchResult, CBUnifiedLookupResult as PluginResult, L
 
 log = logging.getLogger(__name__)
 
-LMCACHE_VERSION = "0.5.6"
+from lmcache._version import __version__ as LMCACHE_VERSION  # noqa: E402
+
+SUPPORTED_VERSIONS = ("0.5.6", "0.5.7rc2")
+#: 0.5.7's module API (`DiscoverableModule`, packed `token_bytes`); 0.5.6's otherwise.
+LMCACHE_057 = hasattr(_ext_server_module, "load_server_module_classes")
+if LMCACHE_057:
+    from lmcache.v1.multiprocess.engine_module import DiscoverableModule, ModuleBuildContext
+    from lmcache.v1.multiprocess.token_codec import pack_token_ids
+
 STATUS_METHOD = "fleet_blend.status"
 BUILTIN_LOOKUP_METHOD = "fleet_blend.builtin_cb_unified_lookup"
 
@@ -136,7 +159,37 @@ LMCACHE_INTERNALS: tuple[tuple[str, str], ...] = (
     ("lmcache.v1.multiprocess.config", "CoordinatorConfig.heartbeat_interval"),
     ("lmcache.v1.rpc_utils", "get_ip"),
     ("lmcache.v1.mp_coordinator.blend_client", "BlendCoordinatorClient.maybe_create"),
+    ("lmcache.v1.multiprocess.config", "MPServerConfig.separate_object_groups"),
 )
+# What each version has that the other does not, as used here (`MOVED_IN_057` pairs them).
+VERSION_INTERNALS: dict[str, tuple[tuple[str, str], ...]] = {
+    "0.5.6": (
+        ("lmcache.v1.multiprocess.ext_server_module", "ExtServerModuleBuildContext"),
+        ("lmcache.v1.multiprocess.custom_types", "IPCCacheServerKey.token_ids"),
+    ),
+    "0.5.7rc2": (
+        ("lmcache.v1.multiprocess.engine_module", "DiscoverableModule.create"),
+        ("lmcache.v1.multiprocess.engine_module", "ModuleBuildContext.require"),
+        ("lmcache.v1.multiprocess.engine_module", "ModuleBuildContext.config_for"),
+        ("lmcache.v1.multiprocess.ext_server_module", "load_server_module_classes"),
+        ("lmcache.v1.multiprocess.custom_types", "IPCCacheServerKey.token_bytes"),
+        ("lmcache.v1.multiprocess.custom_types", "IPCCacheServerKey.num_tokens"),
+        ("lmcache.v1.multiprocess.token_codec", "pack_token_ids"),
+        ("lmcache.v1.multiprocess.engine_context",
+         "MPCacheServerContext.add_chunk_size_bind_listener"),
+    ),
+}
+#: What LMCache 0.5.7 moved, from 0.5.6's name to where the adapter finds it now.
+MOVED_IN_057 = {
+    "ext_server_module.ExtServerModuleBuildContext + build_server_modules factory":
+        "engine_module.DiscoverableModule.create(ModuleBuildContext) (FleetBlend)",
+    "IPCCacheServerKey.token_ids (tuple of int)":
+        "IPCCacheServerKey.token_bytes (packed big-endian uint32, token_codec)",
+    "Session.set_tokens(list of int)": "Session.set_tokens(packed bytes)",
+    "chunk size fixed at start (--chunk-size)":
+        "negotiated at the first engine registration "
+        "(MPCacheServerContext.add_chunk_size_bind_listener)",
+}
 # Attributes LMCache sets on a live BlendModule in __init__ (not visible on the class).
 BLEND_INSTANCE_INTERNALS = ("_coordinator", "_segmented_prefix")
 # Set in SessionManager.__init__: checked on the live server, not on the class.
@@ -154,21 +207,56 @@ def missing_lmcache_internals(blend: object | None = None, *, loaded_front_end_o
     """Names of `LMCACHE_INTERNALS` (and, given a live BlendModule, its instance attributes)
     that this LMCache installation lacks. Empty when the adapter can run."""
     missing = []
-    for module_name, dotted in LMCACHE_INTERNALS:
+    for module_name, dotted in LMCACHE_INTERNALS + VERSION_INTERNALS.get(LMCACHE_VERSION, ()):
         if dotted in _INSTANCE_ONLY:
             continue
         if module_name == _FRONT_END and loaded_front_end_only and module_name not in sys.modules:
             continue
-        try:
-            target: Any = importlib.import_module(module_name)
-            for part in dotted.split("."):
-                target = getattr(target, part)
-        except (ImportError, AttributeError):
+        if not _has(module_name, dotted):
             missing.append(f"{module_name}.{dotted}")
     if blend is not None:
         missing += [f"BlendModule instance attribute {name}" for name in BLEND_INSTANCE_INTERNALS
                     if not hasattr(blend, name)]
     return missing
+
+
+def _has(module_name: str, dotted: str) -> bool:
+    """Whether `module_name` has `dotted` (an attribute, or a dataclass / msgspec field)."""
+    try:
+        target: Any = importlib.import_module(module_name)
+        *path, last = dotted.split(".")
+        for part in path:
+            target = getattr(target, part)
+    except (ImportError, AttributeError):
+        return False
+    return (hasattr(target, last) or last in getattr(target, "__struct_fields__", ())
+            or last in getattr(target, "__dataclass_fields__", {}))
+
+
+# --- LMCache's keys across versions --------------------------------------------------------
+
+def key_tokens(key: IPCCacheServerKey) -> np.ndarray:
+    """The key's token ids as uint32 (0.5.7 packs them big-endian: one vectorised swap)."""
+    if LMCACHE_057:
+        return np.frombuffer(key.token_bytes, dtype=">u4").astype(np.uint32)
+    return np.asarray(key.token_ids, dtype=np.uint32)
+
+
+def key_num_tokens(key: IPCCacheServerKey) -> int:
+    return key.num_tokens if LMCACHE_057 else len(key.token_ids)
+
+
+def make_key(**fields) -> IPCCacheServerKey:
+    """An `IPCCacheServerKey` from `token_ids` (a sequence of int), on either version."""
+    tokens = fields.pop("token_ids")
+    if LMCACHE_057:
+        return IPCCacheServerKey(token_bytes=pack_token_ids(tokens), **fields)
+    return IPCCacheServerKey(token_ids=tuple(int(t) for t in tokens), **fields)
+
+
+def _session_tokens(key: IPCCacheServerKey):
+    """What `Session.set_tokens` takes on this version."""
+    return key.token_bytes if LMCACHE_057 else list(key.token_ids)
 
 
 # --- payloads of the server-module methods (the harness in plugin.lmcache_process uses them) --
@@ -246,7 +334,7 @@ class LMCacheHost:
         tail: list[LMCacheMatch] = []
         if op is not None and op.segmented and op.retained:
             C = self.chunk_size
-            hashes = self._hashes(op.key, len(op.key.token_ids) // C * C)
+            hashes = self._hashes(op.key, key_num_tokens(op.key) // C * C)
             tail = [LMCacheMatch(i * C, (i + 1) * C, i * C, (i + 1) * C, hashes[i])
                     for i in op.retained if op.leading <= i < len(hashes)]
         return CBUnifiedLookupResult(
@@ -271,7 +359,7 @@ class LMCacheHost:
         segmented = bool(blend._segmented_prefix) and not (
             resolved is not None and resolved[0].recurrent_gids)
         handle, gids, windows, num_chunks, no_context = blend._submit_prefix_leg(ipc_key, tp)
-        job = _CBUnifiedJob(matches=[], num_tokens=len(ipc_key.token_ids), prefix_handle=handle,
+        job = _CBUnifiedJob(matches=[], num_tokens=key_num_tokens(ipc_key), prefix_handle=handle,
                             prefix_lock_gids=gids, prefix_windows=windows,
                             prefix_num_chunks=num_chunks, no_gpu_context=no_context)
         with self._lock:
@@ -465,6 +553,11 @@ class TierWatcher(EventSubscriber):
         with self._lock:
             return len(self._chunks)
 
+    def forget_all(self) -> None:
+        with self._lock:
+            self._chunks.clear()
+            self._tokens.clear()
+
     def _on_l1_write(self, event) -> None:
         self._apply(True, [(k, "l1", m.backend.value) for k, m in
                            zip(event.metadata["keys"], event.metadata["meta"])])
@@ -539,7 +632,9 @@ class FleetBlendModule:
             self.reporter = CacheEventReporter.from_config(config)
         self.reporting = ("lmcache" if lmcache_reports and config.fleet_enabled
                           else "plugin" if self.reporter is not None else "off")
-        self.tiers = TierWatcher(self.plugin.on_evict, self.reporter)
+        self._config = config
+        # Through self.plugin at call time: a chunk-size binding replaces the plugin.
+        self.tiers = TierWatcher(lambda hashes: self.plugin.on_evict(hashes), self.reporter)
         bus = self._ctx.event_bus
         if not bus.enabled:
             log.warning("LMCache's event bus is disabled (--disable-observability): evicted "
@@ -557,6 +652,20 @@ class FleetBlendModule:
     def context(self):
         return self._ctx
 
+    def rebind_chunk_size(self, chunk_size: int) -> None:
+        """LMCache 0.5.7 bound the server's chunk size (module doc): if it moved, a new,
+        empty plugin at that size replaces the one built at the configured size."""
+        if chunk_size == self.host.chunk_size:
+            return
+        previous = self.plugin
+        self._config = dataclasses.replace(self._config, chunk_size=chunk_size)
+        self.host.chunk_size = chunk_size
+        self.plugin = BlendPlugin(self._config, self.host, report_events=False)
+        self.tiers.forget_all()
+        previous.close()
+        log.info("fleet blend: LMCache bound the chunk size to %d; the local matcher starts "
+                 "empty at that size", chunk_size)
+
     # --- RPCs ---------------------------------------------------------------------------------
 
     @request_handler(HandlerType.BLOCKING)
@@ -568,8 +677,8 @@ class FleetBlendModule:
             self.host.settle()
             self.host.begin(key, tp_size)
             result = self.plugin.cb_unified_lookup(
-                LookupKey(rid, key.token_ids, key.model_name, key.world_size, key.cache_salt),
-                tp_size)
+                LookupKey(rid, key_tokens(key), key.model_name, key.world_size,
+                          key.cache_salt), tp_size)
             if result is None:
                 return None
             return self.host.finish(rid, result)
@@ -588,10 +697,10 @@ class FleetBlendModule:
         if registering:
             try:
                 session = self._ctx.session_manager.get_or_create(key.request_id)
-                session.set_tokens(list(key.token_ids))
+                session.set_tokens(_session_tokens(key))
                 hashes = [TokenHasher.hash_to_bytes(h)
                           for h in session.get_hashes(key.start, key.end)]
-                tokens = np.asarray(key.token_ids, dtype=np.uint32)
+                tokens = key_tokens(key)
                 self.tiers.track(hashes, tokens, key.start, self.host.chunk_size)
             except Exception:
                 log.exception("fleet blend: could not prepare %s for the local matcher",
@@ -628,6 +737,7 @@ class FleetBlendModule:
     def report_status(self) -> dict:
         l1 = self._ctx.storage_manager.report_status()
         return {"fleet_blend": {
+            "lmcache_version": LMCACHE_VERSION,
             "reporting": self.reporting,
             "plugin": dataclasses.asdict(self.plugin.stats()),
             "host": self.host.stats(),
@@ -653,7 +763,18 @@ class FleetBlendModule:
 
 # --- the factory LMCache calls ------------------------------------------------------------------
 
-def plugin_config(build: ExtServerModuleBuildContext) -> PluginConfig:
+@dataclass
+class FleetBuild:
+    """What building the module needs, as either LMCache version hands it over."""
+
+    server_context: Any       # LMCache's MPCacheServerContext
+    mp_config: Any            # MPServerConfig
+    coordinator_config: Any   # CoordinatorConfig
+    config: dict              # the --server-module JSON `config`
+    blends: list              # the server's BlendModule(s): exactly one is expected
+
+
+def plugin_config(build: FleetBuild) -> PluginConfig:
     """The server's coordinator settings (flags and environment, as LMCache resolved them),
     then `PluginConfig`'s environment names, then the module config's field overrides."""
     coordinator = build.coordinator_config
@@ -672,7 +793,7 @@ def plugin_config(build: ExtServerModuleBuildContext) -> PluginConfig:
     return PluginConfig.from_env(**values)
 
 
-def lmcache_reports_events(build: ExtServerModuleBuildContext) -> bool:
+def lmcache_reports_events(build: FleetBuild) -> bool:
     """True when LMCache's own cache-event subscriber reports to the coordinator: only under
     `lmcache server` (its HTTP front end), with a URL and event reporting on."""
     http_server = sys.modules.get("lmcache.v1.multiprocess.http_server")
@@ -681,19 +802,29 @@ def lmcache_reports_events(build: ExtServerModuleBuildContext) -> bool:
     return front_end and bool(coordinator.url) and bool(coordinator.event_reporting)
 
 
-def build_server_modules(build: ExtServerModuleBuildContext) -> list[FleetBlendModule]:
-    """LMCache's server-module factory: our blend lookup in place of LMCache's."""
+def build_fleet_blend(build: FleetBuild) -> FleetBlendModule:
+    """Our blend lookup in place of LMCache's, after every check (module doc)."""
     if build.mp_config.engine_type != "blend":
         raise ValueError(f"plugin.lmcache_adapter replaces the blend module's lookup: start the "
                          f"server with --engine-type blend (got {build.mp_config.engine_type!r})")
-    blends = [m for m in build.modules if isinstance(m, BlendModule)]
+    if getattr(build.mp_config, "separate_object_groups", False):
+        raise ValueError("plugin.lmcache_adapter does not run with --separate-object-groups: "
+                         "object groups split this server's layout into several keys per "
+                         "chunk, and the fleet's namespace leaves them out, so peers with "
+                         "other groups could not use its chunks; start the server without it")
+    if LMCACHE_VERSION not in SUPPORTED_VERSIONS:
+        raise RuntimeError(f"plugin.lmcache_adapter is written for LMCache "
+                           f"{' or '.join(SUPPORTED_VERSIONS)}; this is LMCache "
+                           f"{LMCACHE_VERSION}")
+    blends = build.blends
     if len(blends) != 1:
         raise RuntimeError(f"expected one BlendModule among the server's modules, found "
                            f"{len(blends)}")
     missing = missing_lmcache_internals(blends[0], loaded_front_end_only=True)
     if missing:
-        raise RuntimeError(f"plugin.lmcache_adapter is written for LMCache {LMCACHE_VERSION}; "
-                           f"this LMCache lacks: {', '.join(missing)}")
+        raise RuntimeError(f"plugin.lmcache_adapter is written for LMCache "
+                           f"{' or '.join(SUPPORTED_VERSIONS)}; this LMCache "
+                           f"{LMCACHE_VERSION} lacks: {', '.join(missing)}")
     unknown_adapter = set(build.config) - _ADAPTER_KEYS - {
         f.name for f in dataclasses.fields(PluginConfig)}
     if unknown_adapter:
@@ -708,10 +839,37 @@ def build_server_modules(build: ExtServerModuleBuildContext) -> list[FleetBlendM
         registrar = take_over_replicas(build, config, blends[0], builtin)
     module = FleetBlendModule(blends[0], config, lmcache_reports=lmcache_reports_events(build),
                               builtin_lookup=builtin, registrar=registrar)
-    return [module]
+    if LMCACHE_057:
+        build.server_context.add_chunk_size_bind_listener(module.rebind_chunk_size)
+    return module
 
 
-def take_over_replicas(build: ExtServerModuleBuildContext, config: PluginConfig,
+def build_server_modules(build) -> list[FleetBlendModule]:
+    """LMCache 0.5.6's server-module factory (its `ExtServerModuleBuildContext`)."""
+    return [build_fleet_blend(FleetBuild(
+        server_context=build.server_context, mp_config=build.mp_config,
+        coordinator_config=build.coordinator_config, config=dict(build.config),
+        blends=[m for m in build.modules if isinstance(m, BlendModule)]))]
+
+
+if LMCACHE_057:
+    class FleetBlend(DiscoverableModule):
+        """LMCache 0.5.7's module: built after `blend`, whose lookup and store it serves."""
+
+        module_name = "fleet_blend"
+        module_dependencies = (BlendModule,)
+
+        @classmethod
+        def create(cls, build_ctx: ModuleBuildContext) -> FleetBlendModule:
+            engine_type = build_ctx.mp_config.engine_type
+            blends = [build_ctx.require(BlendModule)] if engine_type == "blend" else []
+            return build_fleet_blend(FleetBuild(
+                server_context=build_ctx.engine_context, mp_config=build_ctx.mp_config,
+                coordinator_config=build_ctx.coordinator_config,
+                config=dict(build_ctx.config_for(cls)), blends=blends))
+
+
+def take_over_replicas(build: FleetBuild, config: PluginConfig,
                        blend: BlendModule, builtin_lookup: bool) -> InstanceRegistrar | None:
     """Several coordinator URLs (module doc): LMCache's registrar and event sink are kept
     from starting, and the plugin's registrar (under `lmcache server`) is returned."""

@@ -1,5 +1,11 @@
-"""Real LMCache 0.5.6 MP servers loading the plugin, and an engine-side client, for tests,
+"""Real LMCache MP servers loading the plugin, and an engine-side client, for tests,
 the LMCache demo and benchmarks (not loaded by `import plugin`; needs LMCache and torch).
+
+Which LMCache: by default the one this process imports (the venv's 0.5.6, or 0.5.7rc2
+when this process runs with `LMCACHE_057_DIR` first on its path, as tests/test_lmcache057.py
+runs the LMCache tests), or the one `lmcache_dir` names (`lmcache_dir_for(version)`). The
+engine client speaks this process's LMCache, so a server of the other version needs a
+process of its own (`lmcache_env(version)`).
 
 - `start_lmcache_server(...)` starts `lmcache server` (HTTP front end: coordinator
   registration, heartbeats, LMCache's own cache-event reporting) or the ZMQ-only
@@ -31,6 +37,11 @@ from pathlib import Path
 from typing import Sequence
 
 ADAPTER_MODULE = "plugin.lmcache_adapter"
+ROOT = Path(__file__).resolve().parents[1]
+#: `make test` installs LMCache 0.5.7rc2 here (`pip install --no-deps --target`), beside
+#: the venv's 0.5.6.
+LMCACHE_057_DIR = ROOT / ".lmcache-0.5.7"
+LMCACHE_057 = "0.5.7rc2"
 READY_TIMEOUT_S = 90.0  # a cold numba cache costs ~15 s per server on a shared 2-core box
 
 
@@ -51,6 +62,31 @@ def lmcache_command(*args: str) -> list[str]:
     if script.exists():
         return [str(script), *args]
     return [sys.executable, "-m", "lmcache.cli.main", *args]
+
+
+def lmcache_dir_for(version: str) -> str | None:
+    """Where LMCache `version` is importable from: None for the venv's (0.5.6), the target
+    directory for 0.5.7rc2 (an error saying how to install it when it is not there)."""
+    if version == "0.5.6":
+        return None
+    if version != LMCACHE_057:
+        raise ValueError(f"no LMCache {version} here: use 0.5.6 or {LMCACHE_057}")
+    if not (LMCACHE_057_DIR / "lmcache" / "__init__.py").exists():
+        raise FileNotFoundError(f"LMCache {LMCACHE_057} is not installed in {LMCACHE_057_DIR}; "
+                                f"run `make lmcache-057` (make test does it)")
+    return str(LMCACHE_057_DIR)
+
+
+def lmcache_env(version: str, extra: dict | None = None) -> dict:
+    """The environment of a Python process importing LMCache `version` and this checkout."""
+    return {**os.environ, "PYTHONPATH": _python_path(lmcache_dir_for(version), str(ROOT)),
+            **(extra or {})}
+
+
+def _python_path(lmcache_dir: str | None, root: str) -> str:
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = [lmcache_dir] if lmcache_dir else []
+    return os.pathsep.join(first + [root] + [p for p in inherited if p not in (root, lmcache_dir)])
 
 
 def quiet_lmcache_env(extra: dict | None = None) -> dict:
@@ -133,11 +169,13 @@ def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True
                 instance_id: str | None = None, chunk_size: int = 256,
                 l1_size_gb: float = 0.25, extra_flags: Sequence[str] = (),
                 env: dict | None = None, log_dir: str | None = None,
-                cwd: str | None = None) -> LMCacheServer:
+                cwd: str | None = None, lmcache_dir: str | None = None) -> LMCacheServer:
     rpc_port = free_port()
     http_port = free_port() if front_end else None
     instance_id = instance_id or name
-    if front_end:
+    if front_end and lmcache_dir:
+        command = [sys.executable, "-m", "lmcache.cli.main", "server"]
+    elif front_end:
         command = lmcache_command("server")
     else:
         command = [sys.executable, "-m", "lmcache.v1.multiprocess.server"]
@@ -161,9 +199,10 @@ def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True
     log_dir = log_dir or tempfile.mkdtemp(prefix="lmcache-logs-")
     log_path = Path(log_dir) / f"{name}-{rpc_port}.log"
     log = open(log_path, "w")
-    root = cwd or str(Path(__file__).resolve().parents[1])
+    root = cwd or str(ROOT)
+    path = _python_path(lmcache_dir, root)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-                               env=quiet_lmcache_env({"PYTHONPATH": root, **(env or {})}),
+                               env=quiet_lmcache_env({"PYTHONPATH": path, **(env or {})}),
                                )
     log.close()
     server = LMCacheServer(name, rpc_port, http_port, process, log_path, command, instance_id)
@@ -249,12 +288,11 @@ class EngineClient:
     def key(self, tokens: Sequence[int], request_id: str, *, start: int = 0,
             end: int | None = None, worker: int | None = 0, salt: str = "",
             model: str | None = None):
-        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-        tokens = tuple(int(t) for t in tokens)
-        return IPCCacheServerKey(model_name=model or self.model, world_size=1, worker_id=worker,
-                                 token_ids=tokens, start=start,
-                                 end=len(tokens) if end is None else end,
-                                 request_id=request_id, cache_salt=salt, num_kv_readers=1)
+        from plugin.lmcache_adapter import make_key  # the key's token field moved in 0.5.7
+        return make_key(model_name=model or self.model, world_size=1, worker_id=worker,
+                        token_ids=[int(t) for t in tokens], start=start,
+                        end=len(tokens) if end is None else end,
+                        request_id=request_id, cache_salt=salt, num_kv_readers=1)
 
     def _blocks(self, count: int) -> list[int]:
         if self._next_block + count > self.num_blocks:

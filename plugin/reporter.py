@@ -26,7 +26,9 @@ Contract:
   same order (a retry of something that did land is then a harmless duplicate), and events
   reported meanwhile queue behind them.
 - The queue is bounded (`max_events` entries, formed batches included): when it is full the
-  oldest events are dropped first and counted in `stats().dropped_events`.
+  oldest events are dropped first and counted in `stats().dropped_events`, which every batch
+  built afterwards carries as its cumulative `dropped_events` (LMCache 0.5.7's field: the
+  coordinator counts the rises per emitter).
 - Several coordinator URLs (replicas sharing one event log, comma-separated): events go
   to one at a time; a connection error or a 5xx other than 503 sends the same body on to
   the next replica at once (a replica that appended it before failing makes the copy a
@@ -319,7 +321,7 @@ class CacheEventReporter:
                     instance_id=self.instance_id, incarnation=self.incarnation,
                     seq=next(self._seq), event_type=event_type, tier=tier,
                     backend=backend, entries=entries[start:start + self.max_entries_per_batch],
-                    ts=now))
+                    ts=now, dropped_events=self._stats.dropped_events))
         return batches
 
     @staticmethod

@@ -1,7 +1,10 @@
-"""plugin.lmcache_adapter without a server: the pinned LMCache, the internals it uses, the
-factory's refusals, the RPC signatures, and the tier rule for the local matcher.
+"""plugin.lmcache_adapter without a server: the pinned LMCache, the internals it uses (and
+what moved between the supported versions), the factory's refusals, the RPC signatures,
+and the tier rule for the local matcher.
 
-The adapter in a running server is tests/test_lmcache_e2e.py.
+Runs against whichever supported LMCache is importable: 0.5.6 in the suite's own process,
+0.5.7rc2 in the child run of tests/test_lmcache057.py. The adapter in a running server is
+tests/test_lmcache_e2e.py.
 """
 
 from __future__ import annotations
@@ -20,21 +23,34 @@ from lmcache.v1.multiprocess.modules.blend.lookup import LookupMixin
 from lmcache.v1.multiprocess.request_handler import validate_handler
 
 from plugin import lmcache_adapter
-from plugin.lmcache_adapter import (LMCACHE_VERSION, FleetBlendModule, TierWatcher,
-                                    build_server_modules, missing_lmcache_internals)
+from plugin.lmcache_adapter import (LMCACHE_057, LMCACHE_VERSION, MOVED_IN_057,
+                                    SUPPORTED_VERSIONS, VERSION_INTERNALS, FleetBlendModule,
+                                    FleetBuild, TierWatcher, _has, build_fleet_blend,
+                                    make_key, missing_lmcache_internals)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_installed_lmcache_is_the_pinned_one():
+def test_the_installed_lmcache_is_a_pinned_one():
     assert importlib.metadata.version("lmcache") == LMCACHE_VERSION
-    pinned = re.search(r"^LMCACHE_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
-    assert pinned and pinned.group(1) == LMCACHE_VERSION
+    assert LMCACHE_VERSION in SUPPORTED_VERSIONS
+    makefile = (ROOT / "Makefile").read_text()
+    pinned = re.findall(r"^LMCACHE(?:_057)?_VERSION := (\S+)$", makefile, re.M)
+    assert sorted(pinned) == sorted(SUPPORTED_VERSIONS)
 
 
 def test_every_lmcache_internal_the_adapter_uses_is_there():
     assert missing_lmcache_internals() == []
 
+
+def test_what_moved_between_the_versions_is_named():
+    """Each version's own internals are there and the other's are not: what MOVED_IN_057
+    states, checked on the installed LMCache (the other version checks it the other way)."""
+    other = next(v for v in SUPPORTED_VERSIONS if v != LMCACHE_VERSION)
+    assert [f"{m}.{d}" for m, d in VERSION_INTERNALS[LMCACHE_VERSION] if not _has(m, d)] == []
+    assert [f"{m}.{d}" for m, d in VERSION_INTERNALS[other] if _has(m, d)] == []
+    assert LMCACHE_057 == (LMCACHE_VERSION == "0.5.7rc2")
+    assert len(MOVED_IN_057) == 4 and all(MOVED_IN_057.values())
 
 def test_a_missing_internal_is_named(monkeypatch):
     monkeypatch.delattr(LookupMixin, "_sparse_classify")  # where BlendModule gets it from
@@ -43,7 +59,7 @@ def test_a_missing_internal_is_named(monkeypatch):
     blend = object.__new__(BlendModule)  # a live module's instance attributes, unset
     assert "BlendModule instance attribute _coordinator" in missing_lmcache_internals(blend)
     with pytest.raises(RuntimeError, match=r"lacks: .*BlendModule\._sparse_classify"):
-        build_server_modules(_build(modules=(blend,)))
+        build_fleet_blend(_build(modules=(blend,)))
 
 
 def test_the_replacement_handlers_match_lmcache_rpc_contract():
@@ -55,20 +71,31 @@ def test_the_replacement_handlers_match_lmcache_rpc_contract():
 
 def test_the_factory_requires_the_blend_engine():
     with pytest.raises(ValueError, match="--engine-type blend"):
-        build_server_modules(_build(engine_type="default"))
+        build_fleet_blend(_build(engine_type="default"))
+
+
+def test_the_factory_refuses_separate_object_groups():
+    with pytest.raises(ValueError, match="--separate-object-groups"):
+        build_fleet_blend(_build(modules=(_blend(),), separate_object_groups=True))
 
 
 def test_the_factory_refuses_unknown_config_keys():
+    with pytest.raises(ValueError, match="blend_timout"):
+        build_fleet_blend(_build(modules=(_blend(),), config={"blend_timout": 0.5}))
+
+
+def _blend():
     blend = object.__new__(BlendModule)
     blend._coordinator, blend._segmented_prefix = None, False
-    with pytest.raises(ValueError, match="blend_timout"):
-        build_server_modules(_build(modules=(blend,), config={"blend_timout": 0.5}))
+    return blend
 
 
-def _build(engine_type="blend", modules=(), config=None):
-    return SimpleNamespace(mp_config=SimpleNamespace(engine_type=engine_type, instance_id="s"),
-                           modules=modules, config=config or {},
-                           coordinator_config=SimpleNamespace(url="", event_reporting=False))
+def _build(engine_type="blend", modules=(), config=None, separate_object_groups=False):
+    return FleetBuild(server_context=SimpleNamespace(chunk_size=256),
+                      mp_config=SimpleNamespace(engine_type=engine_type, instance_id="s",
+                                                separate_object_groups=separate_object_groups),
+                      coordinator_config=SimpleNamespace(url="", event_reporting=False),
+                      config=config or {}, blends=list(modules))
 
 
 # --- the tier rule -----------------------------------------------------------------------------
@@ -152,11 +179,10 @@ def test_the_adapter_module_is_the_only_one_importing_lmcache_internals():
 def test_the_segmented_prefix_tail_is_carried_into_the_result():
     # `--enable-segmented-prefix`: chunks the prefix leg retained after a gap come back at
     # their own positions, as LMCache's lookup returns them, next to our segments.
-    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
     from lmcache.v1.multiprocess.session import SessionManager
     from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
-    from plugin.lmcache_adapter import LMCacheHost, _Op
+    from plugin.lmcache_adapter import LMCacheHost, _Op, _session_tokens
     from plugin.types import CBMatchResult, CBUnifiedLookupResult
 
     C = 4
@@ -165,9 +191,9 @@ def test_the_segmented_prefix_tail_is_carried_into_the_result():
     context = SimpleNamespace(storage_manager=None, chunk_size=C, session_manager=sessions)
     host = LMCacheHost(SimpleNamespace(context=context))
     tokens = tuple(range(100, 100 + 5 * C + 2))
-    key = IPCCacheServerKey(model_name="m", world_size=1, worker_id=None, token_ids=tokens,
-                            start=0, end=len(tokens), request_id="r1", num_kv_readers=1)
-    sessions.get_or_create("r1").set_tokens(list(tokens))
+    key = make_key(model_name="m", world_size=1, worker_id=None, token_ids=tokens,
+                   start=0, end=len(tokens), request_id="r1", num_kv_readers=1)
+    sessions.get_or_create("r1").set_tokens(_session_tokens(key))
     hashes = [TokenHasher.hash_to_bytes(h) for h in sessions.get("r1").get_hashes(0, 5 * C)]
     # Prefix: chunk 0, then a gap at chunk 1; chunks 2 and 4 retained behind it.
     host._ops["r1"] = _Op(key, 1, segmented=True, prefix_done=True, leading=1, retained=[0, 2, 4])
@@ -180,3 +206,35 @@ def test_the_segmented_prefix_tail_is_carried_into_the_result():
             for s in result.segmented_prefix_segments] == [
         (2 * C, 3 * C, 2 * C, 3 * C, hashes[2]), (4 * C, 5 * C, 4 * C, 5 * C, hashes[4])]
     assert host.stats()["in_flight"] == 0 and host.stats()["releasing"] == 0
+
+
+# --- a chunk size LMCache binds later (0.5.7 negotiates it) ----------------------------------
+
+def test_a_bound_chunk_size_rebuilds_the_plugin_empty_at_that_size():
+    """LMCache 0.5.7 binds its chunk size when the first engine registers; the adapter's
+    listener moves the plugin (its local matcher, its host) to that size, empty."""
+    from plugin.config import PluginConfig
+
+    bus = SimpleNamespace(enabled=True, subscribers=[])
+    bus.register_subscriber = bus.subscribers.append
+    context = SimpleNamespace(storage_manager=None, chunk_size=4, event_bus=bus,
+                              session_manager=SimpleNamespace(destroy_listeners=[]))
+    blend = SimpleNamespace(context=context, _coordinator=None)
+    module = FleetBlendModule(blend, PluginConfig(chunk_size=4), lmcache_reports=False,
+                              builtin_lookup=False)
+    try:
+        first = module.plugin
+        module.tiers.track([b"h0"], np.arange(4, dtype=np.uint32), 0, 4)
+        module.rebind_chunk_size(4)  # the size it was built with: nothing changes
+        assert module.plugin is first and module.tiers.tracked == 1
+        module.rebind_chunk_size(8)
+        assert module.plugin is not first and first._closed
+        assert module.plugin.chunk_size == module.host.chunk_size == 8
+        assert module.tiers.tracked == 0
+        # The tier watcher reaches the new plugin (evictions land where chunks now live).
+        module.tiers.track([b"h1"], np.arange(8, dtype=np.uint32), 0, 8)
+        module.tiers._on_l1_write(l1("w", key(b"h1")))
+        module.tiers._on_l1_evicted(l1("e", key(b"h1")))
+        assert module.tiers.tracked == 0
+    finally:
+        module.close()

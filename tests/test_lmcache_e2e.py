@@ -1,4 +1,6 @@
-"""End to end on real LMCache 0.5.6 MP servers loading the plugin (`--server-module`).
+"""End to end on real LMCache MP servers loading the plugin (`--server-module`): LMCache
+0.5.6 here, and the same scenarios on 0.5.7rc2 when tests/test_lmcache057.py runs this file
+in a process importing that version (the servers run the LMCache this process imports).
 
 Processes, all on free loopback ports: the bundled coordinator; servers A and B started as
 `lmcache server` (HTTP front end: registration, LMCache's own tier-aware cache events) with a
@@ -18,6 +20,7 @@ import os
 import random
 
 import httpx
+import lmcache
 import numpy as np
 import pytest
 import torch
@@ -126,6 +129,8 @@ def found(result) -> list[tuple[int, int]]:
 
 def test_each_server_runs_the_plugin_with_exactly_one_event_reporter(fleet):
     a, c = fleet.clients["A"].status(), fleet.clients["C"].status()
+    # The servers run the LMCache this process speaks to them with.
+    assert a["lmcache_version"] == c["lmcache_version"] == lmcache.__version__
     # `lmcache server` reports cache events itself: the plugin adds no second stream.
     assert a["reporting"] == "lmcache" and a["lmcache_coordinator_client"] == "open"
     # The ZMQ-only server has no reporter of its own: the plugin's reports, and LMCache's
@@ -135,6 +140,12 @@ def test_each_server_runs_the_plugin_with_exactly_one_event_reporter(fleet):
     # ZMQ-only entry point has no HTTP front end and does not register.
     assert settled(lambda: {"server-A", "server-B"} <= set(fleet.instances()))
     assert "server-C" not in fleet.instances()
+    if lmcache.__version__ != "0.5.6":
+        # LMCache 0.5.7 binds its negotiated chunk size at the coordinator (PUT
+        # /config/chunk-size, and in each registration): another size is refused now.
+        reply = httpx.put(f"{fleet.url}/config/chunk-size", json={"chunk_size": 2 * C},
+                          timeout=HTTP_TIMEOUT)
+        assert reply.status_code == 409 and f"bound to chunk size {C}" in reply.text
 
 
 def test_b_finds_a_document_stored_behind_another_prefix_on_a(fleet):

@@ -260,6 +260,8 @@ def test_bounded_queue_drops_oldest_and_counts_them():
         reporter.close()
         delivered = [e["token_offset"] for b in server.bodies(EVENTS)[-1]["batches"] for e in b["entries"]]
         assert delivered == [3, 4, 5, 6, 7]  # the newest five, in order
+        # The batch built after the drops says so, cumulatively (LMCache 0.5.7's field).
+        assert [b["dropped_events"] for b in server.bodies(EVENTS)[-1]["batches"]] == [3]
 
 
 def test_failed_flush_is_retried_without_reordering():

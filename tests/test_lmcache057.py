@@ -1,0 +1,38 @@
+"""The LMCache tests again on LMCache 0.5.7rc2: the adapter's unit tests and the whole
+e2e (tests/test_lmcache_e2e.py: fleet leg, union, local-only with the coordinator down, L1
+eviction with an L2 copy, restart fencing, abandoned-lookup release, events), run in a
+child pytest whose path puts `make test`'s 0.5.7 install (plugin.lmcache_process's
+`LMCACHE_057_DIR`) first. A child process, because the engine client speaks the LMCache
+its own process imports, and one process cannot import two LMCache versions.
+
+Parametrized by version so a later release is one more entry (and its own install).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugin.lmcache_process import LMCACHE_057, lmcache_env
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("tests/test_lmcache_adapter.py", "tests/test_lmcache_e2e.py")
+
+
+@pytest.mark.parametrize("version", [LMCACHE_057])
+def test_the_lmcache_tests_pass_on(version):
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+         "ignore::DeprecationWarning", *FILES],
+        cwd=ROOT, env=lmcache_env(version), capture_output=True, text=True, timeout=900)
+    tail = "\n".join(child.stdout.splitlines()[-40:])
+    print(f"LMCache {version}: {tail}")  # the counts land in the suite's output with -s/-rP
+    assert child.returncode == 0, f"the LMCache tests fail on {version}:\n{tail}\n{child.stderr[-3000:]}"
+    summary = child.stdout.strip().splitlines()[-1]
+    counts = {kind: int(n) for n, kind in
+              re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|deselected)", summary)}
+    assert set(counts) == {"passed"}, summary  # nothing skipped on the way
