@@ -14,7 +14,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-hostile soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ bench-unified: $(STAMP)
 
 bench-popular: $(STAMP)
 	$(PY) -m benchmarks.bench_popular_documents $(ARGS)
+
+# Routing by blend score vs round-robin vs prefix-only on MuSiQue (../shared/data/musique).
+bench-routing: $(STAMP)
+	$(PY) -m benchmarks.bench_routing $(ARGS)
 
 bench-lmcache: $(STAMP)
 	$(PY) -m benchmarks.bench_lmcache_lookup $(ARGS)

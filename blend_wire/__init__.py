@@ -43,6 +43,7 @@ import numpy as np
 from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, UNKNOWN_TOKEN_OFFSET
 
 BLEND_LOOKUP_PATH = "/directory/blend-lookup"
+BLEND_SCORE_PATH = "/directory/blend-score"
 EVENTS_PATH = "/events"
 STATS_PATH = "/directory/stats"
 HEALTH_PATH = "/healthz"
@@ -167,14 +168,14 @@ def world_size_of(kv_rank: int) -> int:
 # --- POST /directory/blend-lookup ---------------------------------------------------
 
 
-class BlendLookupRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class BlendQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A request's tokens and namespace: the body of a blend lookup (and of a blend score,
+    which adds to it)."""
+
     tokens_b64: str = ""
     model_name: Name = ""
     world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
     cache_salt: str = ""
-    # Ours, opt-in: answer `BlendCandidatesReply` instead. LMCache's coordinator ignores an
-    # unknown field and answers its default form, which is how a client tells them apart.
-    candidates: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_b64 and not self.model_name:
@@ -186,6 +187,12 @@ class BlendLookupRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def namespace(self) -> BlendNamespace:
         return BlendNamespace(self.model_name, self.cache_salt, self.world_size)
+
+
+class BlendLookupRequest(BlendQuery, kw_only=True, omit_defaults=True):
+    # Ours, opt-in: answer `BlendCandidatesReply` instead. LMCache's coordinator ignores an
+    # unknown field and answers its default form, which is how a client tells them apart.
+    candidates: bool = False
 
 
 class WireBlendMatch(msgspec.Struct, kw_only=True):
@@ -226,6 +233,37 @@ class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     chunk_size: int | None = None
     candidates: list[WireFoundContent] | None = None
     matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
+
+
+# --- POST /directory/blend-score (ours) ----------------------------------------------
+
+#: `instance_ids` of one blend-score request at most.
+MAX_SCORE_INSTANCES = 4096
+
+
+class BlendScoreRequest(BlendQuery, kw_only=True, omit_defaults=True):
+    """`POST /directory/blend-score`: a blend-lookup body, plus which instances to score
+    (None: every registered one; an id not registered is not listed)."""
+
+    instance_ids: Annotated[list[Name], msgspec.Meta(max_length=MAX_SCORE_INSTANCES)] | None \
+        = None
+
+
+class InstanceScore(msgspec.Struct, kw_only=True):
+    """What one instance would reuse of the request, by where the KV is held (tokens), and
+    the score a router ranks by (docs/WIRE.md, "Blend score")."""
+
+    instance_id: str
+    prefix_tokens: int
+    l1_tokens: int
+    shared_tokens: int
+    peer_tokens: int
+    score: float
+
+
+class BlendScoreReply(msgspec.Struct, kw_only=True):
+    chunk_size: int
+    instances: list[InstanceScore] = msgspec.field(default_factory=list)
 
 
 # --- POST /events --------------------------------------------------------------------

@@ -7,7 +7,7 @@ no token). With tokens, every request but `GET /healthz` needs
 | role      | may call                                                               |
 | --------- | ---------------------------------------------------------------------- |
 | `emitter` | `POST /events`, `/instances` and everything under it (serving processes) |
-| `reader`  | `POST /directory/blend-lookup` (serving processes)                      |
+| `reader`  | `POST /directory/blend-lookup` (serving processes), `POST /directory/blend-score` (routers) |
 | `admin`   | everything: the directory queries (`/directory/lookup`, `/keys`, `/stats`), which return tenants' token ids, and `/metrics` |
 
 No token, or one that is not configured: `401` (with `WWW-Authenticate: Bearer`); a known
@@ -31,7 +31,8 @@ from typing import Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 
-from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, INSTANCES_PATH, encode
+from blend_wire import (BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, EVENTS_PATH, HEALTH_PATH,
+                        INSTANCES_PATH, encode)
 
 EMITTER, READER, ADMIN = "emitter", "reader", "admin"
 ROLES = (EMITTER, READER, ADMIN)
@@ -81,7 +82,7 @@ def required_role(method: str, path: str) -> str | None:
         return None
     if path == EVENTS_PATH or path == INSTANCES_PATH or path.startswith(INSTANCES_PATH + "/"):
         return EMITTER
-    if path == BLEND_LOOKUP_PATH:
+    if path == BLEND_LOOKUP_PATH or path == BLEND_SCORE_PATH:
         return READER
     return ADMIN  # directory queries, metrics, and whatever is added later
 

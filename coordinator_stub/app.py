@@ -13,7 +13,7 @@ Contract:
     does not fit is answered 503 with `Retry-After` before it is read. When the last
     of a burst (64 MiB or more) has gone, the freed heap is given back to the OS
     (`give_back_memory`) on asyncio's default pool;
-  * blend lookups on `match_workers` threads (one by default: the index serialises
+  * blend lookups and blend scores on `match_workers` threads (one by default: the index serialises
     matches under its own lock, so a second matcher only adds lock and GIL hand-offs),
     so a long query stalls neither ingest nor `/healthz`. A lookup body of at most
     256 KiB (~48k tokens) has its JSON shape validated on the loop first; the matcher
@@ -57,6 +57,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from coordinator_stub.access import access_middleware
 from blend_wire import (
     BLEND_LOOKUP_PATH,
+    BLEND_SCORE_PATH,
     CHUNK_SIZE_PATH,
     DIRECTORY_KEYS_PATH,
     DIRECTORY_LOOKUP_PATH,
@@ -66,6 +67,7 @@ from blend_wire import (
     METRICS_PATH,
     STATS_PATH,
     BlendLookupReply,
+    BlendScoreRequest,
     HealthReply,
     HeartbeatReply,
     WireError,
@@ -222,6 +224,24 @@ async def _blend_lookup(request: web.Request) -> bytes:
         found = (len(reply.matches) if type(reply) is BlendLookupReply
                  else sum(len(content.positions) for content in reply.candidates))
         metrics.observe_lookup("blend-lookup", time.perf_counter() - started, found)
+    return encode(reply)
+
+
+@_answers_errors
+async def _blend_score(request: web.Request) -> bytes:
+    """As `_blend_lookup`, on the match pool: scoring is a candidates lookup and then the
+    selection per instance (CPU-bound)."""
+    coordinator = request.app[COORDINATOR]
+    started = time.perf_counter()
+    body = await _read_body(request)
+    if len(body) > _INLINE_PARSE_BYTES:
+        reply = await _run(request, _MATCH_POOL, coordinator.score, body)
+    else:
+        reply = await _run(request, _MATCH_POOL, coordinator.scores,
+                           coordinator.parse_lookup(body, BlendScoreRequest))
+    metrics = request.app.get(METRICS)
+    if metrics is not None:
+        metrics.observe_lookup("blend-score", time.perf_counter() - started)
     return encode(reply)
 
 
@@ -407,6 +427,7 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
         app.cleanup_ctx.append(_replica_lifecycle)
     app.router.add_post(EVENTS_PATH, _events)
     app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)
+    app.router.add_post(BLEND_SCORE_PATH, _blend_score)
     app.router.add_post(DIRECTORY_LOOKUP_PATH, _directory_lookup)
     app.router.add_get(DIRECTORY_KEYS_PATH, _directory_keys)
     app.router.add_get(STATS_PATH, _stats)

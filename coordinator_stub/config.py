@@ -37,6 +37,10 @@ DEFAULT_MAX_CONNECTIONS = 4096
 # LMCache's defaults: servers heartbeat every 5 s.
 DEFAULT_INSTANCE_TIMEOUT = 30.0
 DEFAULT_HEALTH_CHECK_INTERVAL = 10.0
+#: Blend-score weights of a token whose KV an instance reads from a shared tier, and of one
+#: only a peer holds, relative to one in its own L1 (1) and one recomputed (0).
+DEFAULT_SCORE_SHARED_WEIGHT = 0.5
+DEFAULT_SCORE_PEER_WEIGHT = 0.25
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class CoordinatorConfig:
     tls_key_file: str | None = None
     instance_timeout: float = DEFAULT_INSTANCE_TIMEOUT
     health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL  # 0: never reap
+    score_shared_weight: float = DEFAULT_SCORE_SHARED_WEIGHT
+    score_peer_weight: float = DEFAULT_SCORE_PEER_WEIGHT
     enable_metrics: bool = True
     log_level: str = "INFO"
     # Replicas over an event log (`coordinator_stub.replica`); None: one process, in memory.
@@ -95,6 +101,12 @@ class CoordinatorConfig:
         if not 0 < self.instance_timeout < float("inf"):
             raise ValueError(f"instance_timeout must be a finite number of seconds > 0, got "
                              f"{self.instance_timeout!r}")
+        for name in ("score_shared_weight", "score_peer_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1] (a token in the "
+                                 f"instance's own L1 weighs 1), got {value!r}")
         if not 0 <= self.health_check_interval < float("inf"):
             raise ValueError("health_check_interval must be a finite number of seconds >= 0 "
                              f"(0: never reap), got {self.health_check_interval!r}")
@@ -240,6 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
                         default=DEFAULT_HEALTH_CHECK_INTERVAL,
                         help="seconds between checks for silent instances; 0 turns the "
                              "check off (default: %(default)s)")
+    parser.add_argument("--score-shared-weight", type=float,
+                        default=DEFAULT_SCORE_SHARED_WEIGHT,
+                        help="POST /directory/blend-score: weight of a reused token read from "
+                             "a shared tier, where one in the instance's own L1 weighs 1 "
+                             "and one recomputed 0 (default: %(default)s)")
+    parser.add_argument("--score-peer-weight", type=float, default=DEFAULT_SCORE_PEER_WEIGHT,
+                        help="POST /directory/blend-score: weight of a reused token only "
+                             "another instance holds (default: %(default)s)")
     parser.add_argument("--disable-metrics", action="store_true",
                         help="do not serve Prometheus metrics: GET /metrics answers 404")
     parser.add_argument("--log-level", default="INFO",
@@ -317,6 +337,8 @@ def parse_args(argv: Sequence[str] | None = None,
             tls_key_file=args.tls_key,
             instance_timeout=args.instance_timeout,
             health_check_interval=args.health_check_interval,
+            score_shared_weight=args.score_shared_weight,
+            score_peer_weight=args.score_peer_weight,
             enable_metrics=not args.disable_metrics, log_level=args.log_level,
             cluster=_cluster_config(args))
     except ValueError as exc:

@@ -7,7 +7,7 @@ Contract (WIRE.md, "Instances"; LMCache 0.5.6's `InstanceRegistry`):
 - `heartbeat(id)` -> False for an unknown id (the caller answers 404, the server
   re-registers); `deregister(id)` -> whether it was registered (either way the caller
   answers 204).
-- `listing()` in registration order; `silent(timeout)`: ids whose last heartbeat (or
+- `listing()` and `ids()` in registration order; `silent(timeout)`: ids whose last heartbeat (or
   registration) is more than `timeout` seconds old.
 - Time: one process on its own reads its clocks (registration time by the wall clock,
   silence by the monotonic clock, so a wall clock step cannot reap a live fleet).
@@ -87,6 +87,11 @@ class InstanceRegistry:
     def listing(self) -> InstancesReply:
         with self._lock:
             return InstancesReply(instances=[i.info for i in self._instances.values()])
+
+    def ids(self) -> list[str]:
+        """Registered instance ids, in registration order."""
+        with self._lock:
+            return list(self._instances)
 
     def silent(self, timeout: float, *, now: float | None = None) -> list[str]:
         now = self._clock() if now is None else now

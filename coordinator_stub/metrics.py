@@ -63,14 +63,15 @@ class CoordinatorMetrics:
                                  registry=self.registry)
         # Children bound once: the request path skips the label lookup.
         self._seconds_of = {endpoint: self._lookup_seconds.labels(endpoint)
-                            for endpoint in ("blend-lookup", "directory-lookup")}
+                            for endpoint in ("blend-lookup", "blend-score",
+                                             "directory-lookup")}
         self._reaped = Counter(_PREFIX + "instances_reaped",
                                "Instances deregistered for missing heartbeats",
                                registry=self.registry)
         self.registry.register(_DirectoryCollector(directory, registered))
 
     def observe_lookup(self, endpoint: str, seconds: float, matches: int = 0) -> None:
-        """`endpoint`: "blend-lookup" or "directory-lookup"."""
+        """`endpoint`: "blend-lookup", "blend-score" or "directory-lookup"."""
         self._seconds_of[endpoint].observe(seconds)
         if matches:
             self._matches.inc(matches)

@@ -11,6 +11,10 @@ Contract:
   (-> 413) before decoding them, and match in the caller's namespace. With blend lookup
   off, or a query shorter than one chunk, the answer has no matches. It returns the
   reply value (the HTTP layer counts its matches, then encodes it).
+- `score(body)`: WIRE.md's `/directory/blend-score`, the same validation and namespace as
+  `lookup`, then per registered instance what its unified lookup would reuse
+  (`coordinator_stub.score`); `scores(parse_lookup(body, BlendScoreRequest))`, split
+  alike.
 - `directory_lookup(body)`: WIRE.md's `/directory/lookup`, keys form or tokens form
   (hashed as LMCache's prefix chain, fanned out per rank, copies in other object groups
   following); names a key could not carry and oversized sequences raise `BadRequest`
@@ -53,6 +57,9 @@ from blend_wire import (
     BlendCandidatesReply,
     BlendLookupReply,
     BlendLookupRequest,
+    BlendQuery,
+    BlendScoreReply,
+    BlendScoreRequest,
     CacheEventBatch,
     ChunkSizeBindReply,
     ChunkSizeBindRequest,
@@ -86,6 +93,7 @@ from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.ingest import ByteBudget, FairIngest
 from coordinator_stub.instances import InstanceRegistry
+from coordinator_stub.score import PlacedContent, score_instances
 
 
 log = logging.getLogger(__name__)
@@ -149,9 +157,11 @@ class Coordinator:
     def lookup(self, body: bytes) -> BlendLookupReply:
         return self.matches(self.parse_lookup(body))
 
-    def parse_lookup(self, body: bytes) -> BlendLookupRequest:
-        """Validate a blend-lookup body's shape, and its size from the text alone."""
-        request = decode(body, BlendLookupRequest)
+    def parse_lookup(self, body: bytes, shape: type[BlendQuery] = BlendLookupRequest
+                     ) -> BlendQuery:
+        """Validate a blend-lookup (or blend-score) body's shape, and its size from the
+        text alone."""
+        request = decode(body, shape)
         # Base64 carries 3 bytes per 4 characters (padding aside): refuse an oversized
         # query from its text length, before spending time and memory decoding it.
         cap = self.config.max_query_tokens
@@ -159,12 +169,17 @@ class Coordinator:
             raise TooLarge(f"query exceeds {cap} tokens (--max-query-tokens)")
         return request
 
-    def matches(self, request: BlendLookupRequest) -> BlendLookupReply:
-        """Decode the query's tokens (WireError if they are not valid) and match them."""
+    def _tokens(self, request: BlendQuery) -> np.ndarray:
+        """The query's tokens (WireError if they are not valid), within the size cap."""
         tokens = decode_tokens(request.tokens_b64)
         if tokens.size > self.config.max_query_tokens:
             raise TooLarge(f"query of {tokens.size} tokens exceeds "
                            f"{self.config.max_query_tokens} (--max-query-tokens)")
+        return tokens
+
+    def matches(self, request: BlendLookupRequest) -> BlendLookupReply:
+        """Decode the query's tokens (WireError if they are not valid) and match them."""
+        tokens = self._tokens(request)
         if request.candidates:
             return self._candidates(tokens, request.namespace)
         if not self.directory.blend_enabled or tokens.size < self.directory.chunk_size:
@@ -181,6 +196,38 @@ class Coordinator:
                              for chunk_hash, old_st in content.chunks])
                  for content in directory.candidates(tokens, namespace)]
         return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=found)
+
+    def score(self, body: bytes) -> BlendScoreReply:
+        return self.scores(self.parse_lookup(body, BlendScoreRequest))
+
+    def scores(self, request: BlendScoreRequest) -> BlendScoreReply:
+        """WIRE.md's `/directory/blend-score`: every registered instance asked for (all by
+        default) scored by what its unified lookup would reuse (`coordinator_stub.score`)."""
+        tokens = self._tokens(request)
+        namespace = request.namespace
+        directory = self.directory
+        size = directory.chunk_size
+        instance_ids = self.instances.ids()
+        if request.instance_ids is not None:
+            asked = set(request.instance_ids)
+            instance_ids = [i for i in instance_ids if i in asked]
+        contents = []
+        if directory.blend_enabled and tokens.size >= size:
+            for content in directory.candidates(tokens, namespace):
+                chunks = []
+                for chunk_hash, old_st in content.chunks:
+                    l1, shared = directory.places_of(chunk_hash, namespace)
+                    chunks.append((chunk_hash, old_st, frozenset(l1), shared))
+                contents.append(PlacedContent(content.positions, tuple(chunks)))
+        prefix_places = []
+        for chunk_hash in prefix_chunk_hashes(tokens, size):
+            l1, shared = directory.places_of(chunk_hash, namespace)
+            if not l1 and not shared:
+                break  # no instance's prefix leg goes past a chunk nobody serves
+            prefix_places.append((frozenset(l1), shared))
+        return BlendScoreReply(chunk_size=size, instances=score_instances(
+            instance_ids, contents, prefix_places, size, self.config.score_shared_weight,
+            self.config.score_peer_weight))
 
     # --- directory queries ------------------------------------------------------------------
 
@@ -342,6 +389,7 @@ def _rehearse(config: CoordinatorConfig) -> None:
     query = decode(encode({"tokens_b64": encode_tokens(np.concatenate([second, first])),
                            "model_name": "m"}), BlendLookupRequest)
     scratch.match(decode_tokens(query.tokens_b64), query.namespace)
+    scratch.candidates(decode_tokens(query.tokens_b64), query.namespace)
     scratch.placements_of([(bytes.fromhex("01"), ("m", "", pack_kv_rank(1), 0))])
     ingest(batch(5, "delete", [entry("01", None, salt="s")]),    # one claim goes
            batch(1, "store", [entry("03", second)], incarnation=1))  # fence the rest

@@ -1,5 +1,9 @@
 """Selecting what a unified lookup prefetches, from both legs' candidates. Pure functions.
 
+The rule itself lives in `local_matcher.selection` (plain data, shared with the
+coordinator's per-instance score); this module is the plugin's wrapper: its types in,
+`Candidate` segments (with the leg that offered each) out.
+
 Both legs hand over the candidates form, `FoundContent`: per content found, every query
 position where it occurs and the chunks that hold it, each with its `Place`. The rule is
 selection after merging, assignment after selection (docs/DESIGN.md, "Unified lookup"):
@@ -25,7 +29,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from plugin.types import CBMatchResult, ChunkOffer, FoundContent, Source
+from local_matcher.selection import offers_by_position, select_offers
+from plugin.types import CBMatchResult, FoundContent, Source
 
 
 class Candidate(NamedTuple):
@@ -38,22 +43,19 @@ class Candidate(NamedTuple):
 def select(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
            prefix_coverage_tokens: int, chunk_size: int, *,
            available: frozenset[bytes] | set[bytes] | None = None) -> list[Candidate]:
-    """The segments to reuse: steps 1-3 of the module doc, the best of union and legs.
+    """The segments to reuse: steps 1-3 of the module doc, the best of union and legs
+    (`local_matcher.selection.select_offers`, the local leg first).
 
     `available`, when given, limits the offers to those chunk hashes (the ones a prefetch of
     every offered chunk found)."""
     local_hashes = _hashes(local)
     fleet_hashes = _hashes(fleet)
-    best = _assign(_positions(local, fleet, prefix_coverage_tokens, available), chunk_size)
-    if local and fleet:
-        for leg in (fleet, local):
-            alone = _assign(_positions(leg, (), prefix_coverage_tokens, available), chunk_size)
-            if len(alone) > len(best):
-                best = alone
+    kept = select_offers((local, fleet), prefix_coverage_tokens, chunk_size,
+                         available=available)
     return [Candidate(CBMatchResult(offer.old_st, offer.old_st + chunk_size, position,
                                     position + chunk_size, offer.chunk_hash),
                       _source(offer.chunk_hash, local_hashes, fleet_hashes))
-            for position, offer in best]
+            for position, offer in kept]
 
 
 def every_offer(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
@@ -63,7 +65,7 @@ def every_offer(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
     (`PluginConfig.resolve_after_prefetch`)."""
     segments: dict[bytes, CBMatchResult] = {}
     for position, offer_lists in sorted(
-            _positions(local, fleet, prefix_coverage_tokens, None).items()):
+            offers_by_position((local, fleet), prefix_coverage_tokens).items()):
         for offers in offer_lists:
             for offer in offers:
                 if offer.chunk_hash not in segments:
@@ -71,47 +73,6 @@ def every_offer(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
                         offer.old_st, offer.old_st + chunk_size, position,
                         position + chunk_size, offer.chunk_hash)
     return list(segments.values())
-
-
-def _positions(first: Sequence[FoundContent], second: Sequence[FoundContent],
-               prefix_coverage_tokens: int, available) -> dict[int, list]:
-    """Steps 1 and 2: position -> the offer tuples of every content found there."""
-    offers_at: dict[int, list] = {}
-    for leg in (first, second):
-        for found in leg:
-            offers = found.offers
-            if available is not None:
-                offers = tuple(o for o in offers if o.chunk_hash in available)
-            if not offers:
-                continue
-            for position in found.positions:
-                if position >= prefix_coverage_tokens:
-                    at = offers_at.get(position)
-                    if at is None:
-                        offers_at[position] = [offers]
-                    else:
-                        at.append(offers)
-    return offers_at
-
-
-def _assign(offers_at: dict[int, list], chunk_size: int) -> list[tuple[int, ChunkOffer]]:
-    """Step 3: the leftmost-greedy pass, each chunk at most once, cheapest first."""
-    kept: list[tuple[int, ChunkOffer]] = []
-    used: set[bytes] = set()
-    end = None
-    for position in sorted(offers_at):
-        if end is not None and position < end:
-            continue
-        best = None
-        for offers in offers_at[position]:
-            for offer in offers:
-                if offer.chunk_hash not in used and (best is None or offer.place < best.place):
-                    best = offer
-        if best is not None:
-            kept.append((position, best))
-            used.add(best.chunk_hash)
-            end = position + chunk_size
-    return kept
 
 
 def _hashes(leg: Sequence[FoundContent]) -> set[bytes]:

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, encode, encode_tokens
+from blend_wire import BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, encode, encode_tokens
 from coordinator_stub.access import AccessConfigError, tokens_from
 from coordinator_stub.config import parse_args
 from coordinator_stub.process import launch_coordinator
@@ -37,11 +37,13 @@ EVENTS = encode({"batches": [batch(entry("aa01", A, offset=0))]})
 CALLS = {
     "events": ("POST", EVENTS_PATH, EVENTS),
     "lookup": ("POST", BLEND_LOOKUP_PATH, LOOKUP),
+    "score": ("POST", BLEND_SCORE_PATH, LOOKUP),
     "stats": ("GET", STATS_PATH, b""),
     "metrics": ("GET", "/metrics", b""),
     "instances": ("GET", "/instances", b""),
 }
-ALLOWED = {EMIT: {"events", "instances"}, READ: {"lookup"}, BOTH: {"events", "instances", "lookup"},
+ALLOWED = {EMIT: {"events", "instances"}, READ: {"lookup", "score"},
+           BOTH: {"events", "instances", "lookup", "score"},
            ADMIN: set(CALLS)}
 
 
