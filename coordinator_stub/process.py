@@ -51,16 +51,16 @@ class CoordinatorProcess:
 
 
 def start_coordinator(*flags: str, host: str = "127.0.0.1", port: int = 0,
-                      stderr: int | IO | None = None, startup_timeout: float = 180.0
-                      ) -> CoordinatorProcess:
+                      stderr: int | IO | None = None, startup_timeout: float = 180.0,
+                      module: str = "coordinator_stub") -> CoordinatorProcess:
     """Start `python -m coordinator_stub --host HOST --port PORT *flags`; wait until bound.
+    (`module`: another server with the same start-up contract, e.g. `blend_router`.)
 
     `stderr` is passed to `subprocess.Popen` (None: inherit this process's). The default
     `startup_timeout` covers compiling every kernel on a fresh clone of a slow machine
     (numba caches them on disk; later starts take about a second).
     """
-    command = [sys.executable, "-m", "coordinator_stub", "--host", host, "--port", str(port),
-               *flags]
+    command = [sys.executable, "-m", module, "--host", host, "--port", str(port), *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + startup_timeout

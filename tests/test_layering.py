@@ -1,5 +1,6 @@
 """Imports point one way (DESIGN.md, Layout): the coordinator never loads its client's
-package, the plugin never loads the server framework, and the wire contract loads neither.
+package, the plugin never loads the server framework, the router loads neither side's
+package, and the wire contract loads neither.
 
 Each check runs in a fresh interpreter, so what an earlier test imported cannot hide a
 dependency.
@@ -26,6 +27,7 @@ def _top_level(modules: set[str]) -> set[str]:
     ("coordinator_stub", {"plugin", "httpx", "httpcore"}),
     ("coordinator_stub.__main__", {"plugin", "httpx", "httpcore"}),
     ("plugin", {"coordinator_stub", "aiohttp"}),
+    ("blend_router", {"plugin", "coordinator_stub", "httpx", "httpcore"}),
     ("blend_wire", {"plugin", "coordinator_stub", "httpx", "httpcore", "aiohttp"}),
     ("local_matcher", {"plugin", "coordinator_stub", "blend_wire", "httpx", "aiohttp", "msgspec"}),
 ])

@@ -1,0 +1,17 @@
+"""A small OpenAI-style router that sends each request where its KV already is.
+
+`python -m blend_router --coordinator-url URL` (README, "Routing requests"): takes
+`/v1/completions` and `/v1/chat/completions`, asks the coordinator's
+`POST /directory/blend-score` within a budget which instance would reuse most of the
+request, forwards the request to that instance's URL from the registry (`GET /instances`:
+`ip`, `http_port`) and streams the answer back. When the coordinator is slow, down, or has
+nothing to say (nobody holds any of the request), it picks the least-loaded instance
+(fewest requests in flight through this router), round-robin among equals.
+
+A client of the coordinator: it imports the wire contract (`blend_wire`), never the
+coordinator's package nor the plugin (tests/test_layering.py).
+"""
+
+from blend_router.router import RouterConfig, Tokenizer, create_router
+
+__all__ = ["RouterConfig", "Tokenizer", "create_router"]
