@@ -212,3 +212,15 @@ async def test_scores_are_what_the_plugins_selection_gives_each_instance(coord, 
         assert got == await expected_scores(coord, tokens, instances, model)
         ranked = [(-s["score"], s["instance_id"]) for s in reply["instances"]]
         assert ranked == sorted(ranked)
+
+
+def test_weights_are_flags_in_zero_to_one():
+    from coordinator_stub.config import CoordinatorConfig, parse_args
+    config = parse_args(["--score-shared-weight", "0.8", "--score-peer-weight", "0.1"],
+                        environ={})
+    assert (config.score_shared_weight, config.score_peer_weight) == (0.8, 0.1)
+    assert (parse_args([], environ={}).score_shared_weight,
+            parse_args([], environ={}).score_peer_weight) == (0.5, 0.25)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="score_peer_weight"):
+            CoordinatorConfig(score_peer_weight=bad)
