@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(PY) examples/fleet_demo.py
 
 demo-lmcache: $(STAMP)
-	$(PY) examples/lmcache_demo.py
+	$(PY) examples/lmcache_demo.py $(ARGS)
 
 # The same demo on two coordinator replicas over a 3-node NATS JetStream cluster.
 demo-cluster: $(STAMP)

@@ -16,7 +16,8 @@ Printed: latency p50/p90/p99 and the ratio ours/LMCache (target <= 1.2), polls p
 server CPU per lookup (B's process, from /proc, over each side's lookups), reused tokens of
 each, and the machine. Other processes may share the cores: say so when quoting figures.
 
-Run: `make bench-lmcache` (ARGS="--prompts 200").
+Run: `make bench-lmcache` (ARGS="--prompts 200"; `--lmcache 0.5.7rc2` runs it on LMCache
+0.5.7rc2, after `make lmcache-057`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import psutil  # noqa: E402
 
 from benchmarks.common import machine_description, percentile_ms  # noqa: E402
 from coordinator_stub.process import start_coordinator  # noqa: E402
-from plugin.lmcache_process import ServerFleet  # noqa: E402
+from plugin.lmcache_process import (LMCACHE_057, ServerFleet,  # noqa: E402
+                                   running_lmcache_version, run_under)
 
 C = 256
 TARGET_RATIO = 1.2
@@ -48,13 +50,16 @@ def main() -> int:
     parser.add_argument("--local-docs", type=int, default=8,
                         help="documents B stores while the coordinator restarts")
     parser.add_argument("--warmup", type=int, default=10, help="untimed prompts per side")
+    parser.add_argument("--lmcache", choices=("0.5.6", LMCACHE_057), default=None,
+                        help="the LMCache version to run (default: the one installed)")
     args = parser.parse_args()
+    run_under(args.lmcache)
     rng = random.Random(7)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(1000, 60000) for _ in range(n)]
 
-    print(f"machine: {machine_description()}")
+    print(f"machine: {machine_description()}; LMCache {running_lmcache_version()}")
     workdir = tempfile.mkdtemp(prefix="bench-lmcache-")
     coordinator = start_coordinator("--enable-blend-lookup")
     fleet = ServerFleet(coordinator_url=coordinator.url, l2_dir=f"{workdir}/l2", log_dir=workdir,

@@ -1,4 +1,4 @@
-"""Fleet demo on real LMCache 0.5.6 MP servers: our lookup vs LMCache's built-in, one table.
+"""Fleet demo on real LMCache MP servers (0.5.6, or 0.5.7rc2 with --lmcache): our lookup vs LMCache's built-in, one table.
 
 Starts the bundled coordinator and two `lmcache server`s (blend engine, CPU, a shared
 filesystem L2) that load the plugin with `--server-module`; each engine is a client with a
@@ -12,11 +12,14 @@ Each prompt is looked up twice on B: by our `cb_unified_lookup` (local matcher +
 budget) and by LMCache's own (coordinator mode: it asks the coordinator only), reachable on
 the same server through the adapter's `fleet_blend.builtin_cb_unified_lookup` method.
 
-Run: `make demo-lmcache` (or `python examples/lmcache_demo.py`). Exits 0 when the demo ran.
+Run: `make demo-lmcache` (or `python examples/lmcache_demo.py`); on LMCache 0.5.7rc2:
+`make demo-lmcache ARGS="--lmcache 0.5.7rc2"` (after `make lmcache-057`). Exits 0 when the
+demo ran.
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import tempfile
@@ -26,7 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
 from coordinator_stub.process import start_coordinator  # noqa: E402
-from plugin.lmcache_process import ServerFleet  # noqa: E402
+from plugin.lmcache_process import (LMCACHE_057, ServerFleet,  # noqa: E402
+                                   running_lmcache_version, run_under)
+
+LMCACHE_VERSIONS = ("0.5.6", LMCACHE_057)
 
 C = 256
 rng = random.Random(2026)
@@ -42,9 +48,14 @@ def reused(result) -> int:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lmcache", choices=LMCACHE_VERSIONS, default=None,
+                        help="the LMCache version to run (default: the one installed)")
+    run_under(parser.parse_args().lmcache)
     workdir = tempfile.mkdtemp(prefix="lmcache-demo-")
     coordinator = start_coordinator("--enable-blend-lookup")
-    print(f"coordinator: {coordinator.url}; shared L2: {workdir}/l2")
+    print(f"LMCache {running_lmcache_version()}; coordinator: {coordinator.url}; "
+          f"shared L2: {workdir}/l2")
     fleet = ServerFleet(coordinator_url=coordinator.url, l2_dir=f"{workdir}/l2", log_dir=workdir,
                         module_config={"builtin_lookup": True})
     try:

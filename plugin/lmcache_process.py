@@ -24,6 +24,7 @@ process of its own (`lmcache_env(version)`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -79,14 +80,37 @@ def lmcache_dir_for(version: str) -> str | None:
 
 def lmcache_env(version: str, extra: dict | None = None) -> dict:
     """The environment of a Python process importing LMCache `version` and this checkout."""
-    return {**os.environ, "PYTHONPATH": _python_path(lmcache_dir_for(version), str(ROOT)),
-            **(extra or {})}
+    path = _python_path(lmcache_dir_for(version), str(ROOT), inherit_lmcache=False)
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
-def _python_path(lmcache_dir: str | None, root: str) -> str:
+def _python_path(lmcache_dir: str | None, root: str, *, inherit_lmcache: bool) -> str:
+    """`lmcache_dir` (if any), this checkout, then the inherited path, which keeps an
+    LMCache directory only with `inherit_lmcache` (a server running this process's LMCache)."""
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not inherit_lmcache:
+        inherited = [p for p in inherited if Path(p).resolve() != LMCACHE_057_DIR.resolve()]
     first = [lmcache_dir] if lmcache_dir else []
-    return os.pathsep.join(first + [root] + [p for p in inherited if p not in (root, lmcache_dir)])
+    return os.pathsep.join(first + [root] + [p for p in inherited if p != root])
+
+
+def running_lmcache_version() -> str:
+    """Which supported LMCache this process imports (found, not imported: cheap)."""
+    spec = importlib.util.find_spec("lmcache")
+    origin = Path(spec.origin).resolve() if spec and spec.origin else None
+    inside = origin is not None and LMCACHE_057_DIR.resolve() in origin.parents
+    return LMCACHE_057 if inside else "0.5.6"
+
+
+def run_under(version: str | None) -> None:
+    """Re-run this program (same argv) in a process importing LMCache `version`, unless it
+    already does: what a demo or benchmark does for `--lmcache VERSION` (the engine client
+    speaks its own process's LMCache)."""
+    if version is None or version == running_lmcache_version():
+        return
+    env = lmcache_env(version)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def quiet_lmcache_env(extra: dict | None = None) -> dict:
@@ -200,7 +224,7 @@ def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True
     log_path = Path(log_dir) / f"{name}-{rpc_port}.log"
     log = open(log_path, "w")
     root = cwd or str(ROOT)
-    path = _python_path(lmcache_dir, root)
+    path = _python_path(lmcache_dir, root, inherit_lmcache=lmcache_dir is None)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root,
                                env=quiet_lmcache_env({"PYTHONPATH": path, **(env or {})}),
                                )
