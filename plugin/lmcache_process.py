@@ -73,8 +73,10 @@ def lmcache_dir_for(version: str) -> str | None:
     if version != LMCACHE_057:
         raise ValueError(f"no LMCache {version} here: use 0.5.6 or {LMCACHE_057}")
     if not (LMCACHE_057_DIR / "lmcache" / "__init__.py").exists():
-        raise FileNotFoundError(f"LMCache {LMCACHE_057} is not installed in {LMCACHE_057_DIR}; "
-                                f"run `make lmcache-057` (make test does it)")
+        raise FileNotFoundError(
+            f"LMCache {LMCACHE_057} is not installed in {LMCACHE_057_DIR}; run `make "
+            f"lmcache-057` (make test does it), or with an existing venv `python -m pip "
+            f"install --no-deps --target {LMCACHE_057_DIR} lmcache=={LMCACHE_057}`")
     return str(LMCACHE_057_DIR)
 
 
