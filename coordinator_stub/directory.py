@@ -105,6 +105,10 @@ log = logging.getLogger(__name__)
 Place = tuple[str, int, str, str, bool, int]
 _INSTANCE, _INCARNATION, _TIER, _BACKEND, _SHARED, _SIZE = range(6)
 _NO_ACCESSES: tuple = ()
+# `places_of` answers for a chunk held nowhere the requester can see, or only in a shared
+# tier (shared by every answer: never mutated).
+_NOWHERE: tuple[list[str], bool] = ((), False)
+_SHARED_ONLY: tuple[list[str], bool] = ((), True)
 
 #: Placements a binding keeps in a flat tuple (scanned); past this, a `_ManyKeys`.
 _FEW = 8
@@ -334,34 +338,47 @@ class KeyDirectory:
             return []
         return index.candidates(tokens, namespace)
 
-    def places_of(self, chunk_hash: bytes, namespace: BlendNamespace
-                  ) -> tuple[list[str], bool]:
-        """Where `namespace`'s keys of a chunk are held: (instances whose L1 has one,
+    def places_of(self, chunk_hashes: list[bytes], namespace: BlendNamespace
+                  ) -> list[tuple[list[str], bool]]:
+        """Where `namespace`'s keys of each chunk are held: (instances whose L1 has one,
         sorted; whether a shared tier has one).
 
         A hint for the requester's choice among chunks of one content, read without the
         directory lock so that lookups never wait for ingest: it is the state as of some
         moment while batches apply (tuples are replaced whole; a many-keys record changed
         under the read answers "nowhere known", which only makes a chunk look remote)."""
-        binding = self._bindings.get(chunk_hash)
-        if binding is None:
-            return [], False
-        holds, key_ns, places = binding[2], self._key_ns, self._places
-        try:
-            pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple else
-                     [(k, p) for k, ps in list(holds.places.items()) for p in ps])
-            l1, shared = set(), False
-            for key_no, place_no in pairs:
-                if key_ns[key_no] != namespace:
+        bindings, key_ns, places = self._bindings, self._key_ns, self._places
+        found = []
+        for chunk_hash in chunk_hashes:
+            binding = bindings.get(chunk_hash)
+            holds = None if binding is None else binding[2]
+            try:
+                if type(holds) is tuple and len(holds) == 2:  # one placement: nearly all
+                    if key_ns[holds[0]] != namespace:
+                        found.append(_NOWHERE)
+                        continue
+                    place = places[holds[1]]
+                    found.append(_SHARED_ONLY if place[_SHARED] else
+                                 ([place[_INSTANCE]], False) if place[_TIER] == "l1"
+                                 else _NOWHERE)
                     continue
-                place = places[place_no]
-                if place[_SHARED]:
-                    shared = True
-                elif place[_TIER] == "l1":
-                    l1.add(place[_INSTANCE])
-        except (RuntimeError, IndexError, TypeError):
-            return [], False
-        return sorted(l1), shared
+                if holds is None:
+                    found.append(_NOWHERE)
+                    continue
+                pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple else
+                         [(k, p) for k, ps in list(holds.places.items()) for p in ps])
+                l1, shared = set(), False
+                for key_no, place_no in pairs:
+                    if key_ns[key_no] == namespace:
+                        place = places[place_no]
+                        if place[_SHARED]:
+                            shared = True
+                        elif place[_TIER] == "l1":
+                            l1.add(place[_INSTANCE])
+                found.append((sorted(l1), shared))
+            except (RuntimeError, IndexError, TypeError):
+                found.append(_NOWHERE)
+        return found
 
     # --- ingest -----------------------------------------------------------------------
 

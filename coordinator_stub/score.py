@@ -71,12 +71,14 @@ def _score(instance_id: str | None, contents: Sequence[PlacedContent],
             break
         prefix_chunks += 1
     prefix = prefix_chunks * chunk_size
-    leg = [(c.positions,
-            tuple((chunk_hash, old_st, _THIS_L1 if instance_id in l1 else
-                   _SHARED if shared else _ELSEWHERE)
-                  for chunk_hash, old_st, l1, shared in c.chunks))
-           for c in contents]
+    leg = []
+    for c in contents:  # one selection group per content and place, as the plugin's
+        by_place: dict[int, list] = {}
+        for chunk_hash, old_st, l1, shared in c.chunks:
+            place = _THIS_L1 if instance_id in l1 else _SHARED if shared else _ELSEWHERE
+            by_place.setdefault(place, []).append((chunk_hash, old_st))
+        leg.extend((c.positions, place, tuple(chunks)) for place, chunks in by_place.items())
     by_place = [0, 0, 0]
-    for _, (_, _, place) in select_offers((leg,), prefix, chunk_size):
+    for _, _, _, place, _ in select_offers((leg,), prefix, chunk_size):
         by_place[place] += chunk_size
     return prefix, by_place[_THIS_L1], by_place[_SHARED], by_place[_ELSEWHERE]

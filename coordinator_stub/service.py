@@ -190,12 +190,15 @@ class Coordinator:
 
     def _candidates(self, tokens, namespace) -> BlendCandidatesReply:
         directory = self.directory
-        found = [WireFoundContent(
-                     positions=list(content.positions),
-                     chunks=[_offer(chunk_hash, old_st, *directory.places_of(chunk_hash, namespace))
-                             for chunk_hash, old_st in content.chunks])
-                 for content in directory.candidates(tokens, namespace)]
-        return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=found)
+        found = directory.candidates(tokens, namespace)
+        places = iter(directory.places_of(
+            [chunk_hash for content in found for chunk_hash, _ in content.chunks], namespace))
+        return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=[
+            WireFoundContent(positions=list(content.positions), chunks=[
+                WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=list(l1),
+                               shared=shared)
+                for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places)])
+            for content in found])
 
     def score(self, body: bytes) -> BlendScoreReply:
         return self.scores(self.parse_lookup(body, BlendScoreRequest))
@@ -401,6 +404,3 @@ def _rehearse(config: CoordinatorConfig) -> None:
 __all__ = ["BadRequest", "ChunkSizeConflict", "Coordinator", "ServiceUnavailable", "TooLarge",
            "WireError"]
 
-
-def _offer(chunk_hash: bytes, old_st: int, l1: list[str], shared: bool) -> WireChunkOffer:
-    return WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=l1, shared=shared)

@@ -264,13 +264,15 @@ class ContentIndex:
             return list(map(BlendMatch, [slot_chunk[s] for s in slots.tolist()], offsets,
                             positions.tolist()))
 
-    def candidates(self, query, namespace: Hashable) -> list[ContentCandidates]:
+    def candidates(self, query, namespace: Hashable, *,
+                   spare_chunks: int = CANDIDATE_SPARE_CHUNKS) -> list[ContentCandidates]:
         """Every position of `query` where content `namespace` claims occurs, by content.
 
         The candidates form (DESIGN.md, "Unified lookup"): unlike `match`, no chunk is
         assigned to a position here, so a caller that drops some positions (the prefix, an
         overlap) can give their chunks to later ones. One `ContentCandidates` per content
-        found, in order of its first position; every position verified token by token.
+        found, in order of its first position; every position verified token by token; per
+        content at most `len(positions) + spare_chunks` chunks (and `MAX_CANDIDATE_CHUNKS`).
         Cost: O(query + positions + chunks named), however many chunks hold a content.
         """
         tokens = as_tokens(query)
@@ -300,21 +302,23 @@ class ContentIndex:
                      (self._head, self._slot_ns, self._next)]
             try:
                 heads = self._heads_of(first_cid, ns_id, *views[:2])
-                limits = np.minimum(sizes + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)
+                limits = np.minimum(sizes + spare_chunks, MAX_CANDIDATE_CHUNKS)
                 slots, counts = kernels.walk_lists(heads, limits, views[2])
                 offsets = np.frombuffer(self._slot_offset, dtype=np.int64)[slots].tolist()
             finally:
                 del views
             slot_chunk = self._slot_chunk
-            hashes = [slot_chunk[s] for s in slots.tolist()]
-        position_lists = np.split(positions[order], np.cumsum(sizes)[:-1])
-        found, start = [], 0
-        for where, count in zip(position_lists, counts.tolist()):
+            chunks = list(zip([slot_chunk[s] for s in slots.tolist()], offsets))
+        # Plain lists and slices: numpy's split costs more than the rest per content.
+        sorted_positions = positions[order].tolist()
+        found, begin, start = [], 0, 0
+        make = ContentCandidates._make
+        for end, count in zip(np.cumsum(sizes).tolist(), counts.tolist()):
             if count:  # 0: a stale mask bit let a content of other namespaces through
-                found.append(ContentCandidates(
-                    tuple(where.tolist()),
-                    tuple(zip(hashes[start:start + count], offsets[start:start + count]))))
+                found.append(make((tuple(sorted_positions[begin:end]),
+                                   tuple(chunks[start:start + count]))))
                 start += count
+            begin = end
         return found
 
     def _heads_of(self, cids: np.ndarray, ns_id: int, head: np.ndarray, slot_ns: np.ndarray

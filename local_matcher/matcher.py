@@ -86,9 +86,10 @@ class LocalMatcher:
 
     def candidates(self, token_ids, *, namespace: Hashable = _LOCAL) -> list[ContentCandidates]:
         """Every position of `token_ids` where content registered under `namespace` occurs,
-        with the chunks holding it (`ContentIndex.candidates`)."""
+        with the chunks holding it (`ContentIndex.candidates`): one chunk per position at
+        most, as every chunk of one process is held in the same place (no spare needed)."""
         self.flush()
-        return self._index.candidates(token_ids, namespace)
+        return self._index.candidates(token_ids, namespace, spare_chunks=0)
 
     def flush(self) -> None:
         """Apply every queued registration and eviction now."""

@@ -5,15 +5,16 @@ One rule, two users: the plugin selects what a serving process prefetches
 lookup would select (`POST /directory/blend-score`). Both call this module, so a router's
 score and a server's reuse cannot drift apart. It loads nothing but the standard library.
 
-Input: legs, each a sequence of *contents*, a content being a pair `(positions, offers)`:
-every query position where it occurs (ascending) and the chunks holding it, each offer a
-triple `(chunk_hash, old_st, place)` in the order the leg named them. `place` is an int,
-the lower the cheaper (the plugin's `Place`: 0 this server's L1, 1 a shared tier, 2 a peer's
-L1). Named tuples of that shape (`plugin.types.FoundContent` / `ChunkOffer`) pass as they are.
+Input: legs, each a sequence of *groups*, a group being `(positions, place, chunks)`: every
+query position where one content occurs (ascending), where its `chunks` are held, and those
+chunks as `(chunk_hash, old_st)` in the order the leg named them. `place` is an int, the
+lower the cheaper (the plugin's `Place`: 0 this server's L1, 1 a shared tier, 2 a peer's L1);
+a content whose chunks are held in several places is one group per place.
+`plugin.types.FoundContent` has that shape and passes as it is.
 
 The rule (docs/DESIGN.md, "Unified lookup"):
 
-1. merge: every position any leg found, with every offer any leg makes there;
+1. merge: every position any leg found, with every chunk any leg offers there;
 2. drop every position inside the prefix coverage (already reused, and it must not shadow a
    usable position that overlaps it);
 3. one ascending pass over the positions: keep a position when it starts at or after the end
@@ -21,73 +22,86 @@ The rule (docs/DESIGN.md, "Unified lookup"):
    cheapest unused one (lowest `place`; on a tie the first leg's, then the order the leg
    named them). Each chunk hash serves at most one position of a result.
 
-With more than one leg, each leg's selection alone is computed too and the one keeping the
-most positions wins (the union on a tie, then the later leg) (greedy with fewer chunks than occurrences can keep fewer than the best
-choice): the union is never worse than either leg.
+Greedy with fewer chunks than occurrences can keep fewer positions than the best choice. So
+when the union's pass skipped a position for want of an unused chunk, each leg's selection
+alone is computed too and the one keeping the most positions wins (the union on a tie): the
+union is never worse than either leg. A pass that never went short is plain leftmost-greedy
+over the union's positions, the most non-overlapping positions there are, so no leg can
+beat it and none is tried.
 """
 
 from __future__ import annotations
 
 from typing import Collection, Hashable, Sequence
 
-#: `(chunk_hash, old_st, place)`.
-Offer = tuple[Hashable, int, int]
-#: `(positions, offers)`.
-Content = tuple[Sequence[int], Sequence[Offer]]
+#: `(positions, place, ((chunk_hash, old_st), ...))`.
+Group = tuple[Sequence[int], int, Sequence[tuple[Hashable, int]]]
+#: What a selection keeps: `(position, chunk_hash, old_st, place, leg index)`.
+Kept = tuple[int, Hashable, int, int, int]
+
+_NO_PLACE = 1 << 30  # above every place
 
 
-def select_offers(legs: Sequence[Sequence[Content]], prefix_tokens: int, chunk_size: int, *,
-                  available: Collection[Hashable] | None = None) -> list[tuple[int, Offer]]:
-    """`(position, offer)` kept by steps 1-3, ascending, the best of the union and each leg.
+def select_offers(legs: Sequence[Sequence[Group]], prefix_tokens: int, chunk_size: int, *,
+                  available: Collection[Hashable] | None = None) -> list[Kept]:
+    """What steps 1-3 keep, ascending by position, the best of the union and each leg.
 
-    `available`, when given, limits the offers to those chunk hashes."""
-    legs = [leg for leg in legs if leg]
-    best = assign(offers_by_position(legs, prefix_tokens, available), chunk_size)
-    if len(legs) > 1:
-        for leg in reversed(legs):  # on a tie with the union's, the last leg's first
-            alone = assign(offers_by_position((leg,), prefix_tokens, available), chunk_size)
-            if len(alone) > len(best):
-                best = alone
-    return best
+    `available`, when given, limits the chunks to those hashes."""
+    kept, starved = _assign(groups_by_position(legs, prefix_tokens, available), chunk_size)
+    if starved and sum(1 for leg in legs if leg) > 1:
+        for index, leg in enumerate(legs):
+            if leg:
+                alone, _ = _assign(groups_by_position(
+                    [leg if i == index else () for i in range(len(legs))], prefix_tokens,
+                    available), chunk_size)
+                if len(alone) > len(kept):
+                    kept = alone
+    return kept
 
 
-def offers_by_position(legs: Sequence[Sequence[Content]], prefix_tokens: int,
+def groups_by_position(legs: Sequence[Sequence[Group]], prefix_tokens: int,
                        available: Collection[Hashable] | None = None
-                       ) -> dict[int, list[Sequence[Offer]]]:
-    """Steps 1 and 2: position -> the offer sequences of every content found there."""
-    offers_at: dict[int, list] = {}
-    for leg in legs:
-        for positions, offers in leg:
+                       ) -> dict[int, list[tuple[int, Sequence[tuple[Hashable, int]], int]]]:
+    """Steps 1 and 2: position -> `(place, chunks, leg index)` of every group found there,
+    the first leg's first."""
+    at: dict[int, list] = {}
+    for index, leg in enumerate(legs):
+        for positions, place, chunks in leg:
             if available is not None:
-                offers = tuple(o for o in offers if o[0] in available)
-            if not offers:
+                chunks = tuple(c for c in chunks if c[0] in available)
+            if not chunks:
                 continue
+            entry = (place, chunks, index)
             for position in positions:
                 if position >= prefix_tokens:
-                    at = offers_at.get(position)
-                    if at is None:
-                        offers_at[position] = [offers]
+                    here = at.get(position)
+                    if here is None:
+                        at[position] = [entry]
                     else:
-                        at.append(offers)
-    return offers_at
+                        here.append(entry)
+    return at
 
 
-def assign(offers_at: dict[int, list[Sequence[Offer]]], chunk_size: int
-           ) -> list[tuple[int, Offer]]:
-    """Step 3: the leftmost-greedy pass, each chunk at most once, cheapest first."""
-    kept: list[tuple[int, Offer]] = []
+def _assign(at: dict[int, list], chunk_size: int) -> tuple[list[Kept], bool]:
+    """Step 3, the leftmost-greedy pass; and whether it skipped a non-overlapping position
+    because every chunk offered there was used."""
+    kept: list[Kept] = []
     used: set = set()
-    end = None
-    for position in sorted(offers_at):
-        if end is not None and position < end:
+    end, starved = 0, False
+    for position in sorted(at):
+        if position < end:
             continue
-        best = None
-        for offers in offers_at[position]:
-            for offer in offers:
-                if offer[0] not in used and (best is None or offer[2] < best[2]):
-                    best = offer
-        if best is not None:
-            kept.append((position, best))
-            used.add(best[0])
-            end = position + chunk_size
-    return kept
+        best, best_place, best_leg = None, _NO_PLACE, 0
+        for place, chunks, leg in at[position]:
+            if place < best_place:
+                for chunk in chunks:
+                    if chunk[0] not in used:
+                        best, best_place, best_leg = chunk, place, leg
+                        break
+        if best is None:
+            starved = True
+            continue
+        kept.append((position, best[0], best[1], best_place, best_leg))
+        used.add(best[0])
+        end = position + chunk_size
+    return kept, starved

@@ -19,7 +19,7 @@ from plugin.plugin import BlendPlugin, LookupTrace, PluginStats
 from plugin.registrar import InstanceRegistrar, RegistrarStats
 from plugin.reporter import CacheEventReporter, ReporterStats
 from plugin.types import (BlendMatch, BlendNamespace, BreakerState, CBMatchResult,
-                          CBUnifiedLookupResult, ChunkOffer, FleetReply, FleetStatus,
+                          CBUnifiedLookupResult, FleetReply, FleetStatus,
                           FoundContent, LookupKey, MatchState, Place, Source)
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "CBMatchResult",
     "CBUnifiedLookupResult",
     "CacheEventReporter",
-    "ChunkOffer",
     "ClientStats",
     "ConfigError",
     "FleetReply",

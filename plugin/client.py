@@ -65,8 +65,7 @@ from blend_wire import (BLEND_LOOKUP_PATH, MAX_CANDIDATE_CHUNKS, MAX_TOKEN_OFFSE
                         decode, encode, encode_tokens)
 from plugin.config import DEFAULT_MAX_REPLY_BYTES
 from plugin.http import coordinator_http
-from plugin.types import (BreakerState, ChunkOffer, FleetReply, FoundContent, MatchState,
-                          Place)
+from plugin.types import BreakerState, FleetReply, FoundContent, MatchState, Place
 
 log = logging.getLogger(__name__)
 
@@ -487,22 +486,22 @@ class BlendCoordinatorClient:
         return self._found_in_matches(reply, len(query.tokens))
 
     def _found(self, reply: BlendCandidatesReply, num_tokens: int) -> tuple[FoundContent, ...]:
-        """The candidates form's valid entries; the rest dropped and counted."""
-        size, me = self.chunk_size, self.instance_id
-        last = num_tokens - size
+        """The candidates form's valid entries, one `FoundContent` per content and place;
+        the rest dropped and counted."""
+        me, last = self.instance_id, num_tokens - self.chunk_size
         found: list[FoundContent] = []
         seen: set[bytes] = set()
         dropped, first_reason = 0, ""
         for content in reply.candidates:
             positions = content.positions
-            if not all(0 <= p <= last for p in positions) or any(
-                    a >= b for a, b in zip(positions, positions[1:])):
+            if not (positions and 0 <= positions[0] and positions[-1] <= last
+                    and all(a < b for a, b in zip(positions, positions[1:]))):
                 dropped += 1
                 first_reason = first_reason or (
                     f"positions {positions[:8]} are not ascending inside the "
                     f"{num_tokens}-token query")
                 continue
-            offers = []
+            by_place: dict[Place, list] = {}
             for entry in content.chunks[:MAX_CANDIDATE_CHUNKS]:
                 chunk_hash = _hex(entry.chunk_hash)
                 reason = _why_unusable(entry.chunk_hash, chunk_hash, entry.old_st, seen)
@@ -513,9 +512,10 @@ class BlendCoordinatorClient:
                 seen.add(chunk_hash)
                 place = (Place.THIS_SERVER if me and me in entry.l1 else
                          Place.SHARED if entry.shared else Place.PEER)
-                offers.append(ChunkOffer(chunk_hash, entry.old_st, place))
-            if offers and positions:
-                found.append(FoundContent(tuple(positions), tuple(offers)))
+                by_place.setdefault(place, []).append((chunk_hash, entry.old_st))
+            positions = tuple(positions)
+            found.extend(FoundContent(positions, place, tuple(chunks))
+                         for place, chunks in by_place.items())
         self._count_dropped(dropped, first_reason)
         return tuple(found)
 
@@ -537,8 +537,8 @@ class BlendCoordinatorClient:
                 first_reason = first_reason or reason
                 continue
             seen.add(chunk_hash)
-            found.append(FoundContent((entry.cur_st,),
-                                      (ChunkOffer(chunk_hash, entry.old_st, Place.PEER),)))
+            found.append(FoundContent((entry.cur_st,), Place.PEER,
+                                      ((chunk_hash, entry.old_st),)))
         self._count_dropped(dropped, first_reason)
         found.sort(key=lambda content: content.positions[0])
         return tuple(found)

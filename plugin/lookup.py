@@ -1,11 +1,7 @@
 """Selecting what a unified lookup prefetches, from both legs' candidates. Pure functions.
 
-The rule itself lives in `local_matcher.selection` (plain data, shared with the
-coordinator's per-instance score); this module is the plugin's wrapper: its types in,
-`Candidate` segments (with the leg that offered each) out.
-
 Both legs hand over the candidates form, `FoundContent`: per content found, every query
-position where it occurs and the chunks that hold it, each with its `Place`. The rule is
+position where it occurs and the chunks that hold it, with where they are held (`Place`). The rule is
 selection after merging, assignment after selection (docs/DESIGN.md, "Unified lookup"):
 
 1. merge: every position either leg found, with every chunk either leg offers there (a chunk
@@ -21,16 +17,18 @@ No chunk is spent on a position the pass drops, so a content that occurs twice (
 retrieved passages) is reused at whichever occurrence the selection keeps. With equal-length
 chunks leftmost-greedy keeps the most positions when every position has a chunk to spare;
 when a content has fewer chunks than occurrences a greedy pass can keep fewer than the best
-choice, so the union's selection is compared with each leg's alone and the one covering most
-wins: the union is never worse than either leg. Results ascend by `cur_st`, never overlap.
+choice, so when the union's pass went short of chunks it is compared with each leg's alone
+and the one covering most wins: the union is never worse than either leg. Results ascend by `cur_st`, never overlap.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from local_matcher.selection import offers_by_position, select_offers
+from local_matcher.selection import groups_by_position, select_offers
 from plugin.types import CBMatchResult, FoundContent, Source
+
+_SOURCES = (Source.LOCAL, Source.FLEET)  # by leg index
 
 
 class Candidate(NamedTuple):
@@ -46,16 +44,15 @@ def select(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
     """The segments to reuse: steps 1-3 of the module doc, the best of union and legs
     (`local_matcher.selection.select_offers`, the local leg first).
 
-    `available`, when given, limits the offers to those chunk hashes (the ones a prefetch of
+    `available`, when given, limits the chunks to those hashes (the ones a prefetch of
     every offered chunk found)."""
-    local_hashes = _hashes(local)
-    fleet_hashes = _hashes(fleet)
     kept = select_offers((local, fleet), prefix_coverage_tokens, chunk_size,
                          available=available)
-    return [Candidate(CBMatchResult(offer.old_st, offer.old_st + chunk_size, position,
-                                    position + chunk_size, offer.chunk_hash),
-                      _source(offer.chunk_hash, local_hashes, fleet_hashes))
-            for position, offer in kept]
+    both = _named_by_both(local, fleet) if local and fleet else ()
+    return [Candidate(CBMatchResult(old_st, old_st + chunk_size, position,
+                                    position + chunk_size, chunk_hash),
+                      Source.BOTH if chunk_hash in both else _SOURCES[leg])
+            for position, chunk_hash, old_st, _, leg in kept]
 
 
 def every_offer(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
@@ -64,22 +61,17 @@ def every_offer(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
     what a prefetch loads when overlaps are resolved among the chunks it found
     (`PluginConfig.resolve_after_prefetch`)."""
     segments: dict[bytes, CBMatchResult] = {}
-    for position, offer_lists in sorted(
-            offers_by_position((local, fleet), prefix_coverage_tokens).items()):
-        for offers in offer_lists:
-            for offer in offers:
-                if offer.chunk_hash not in segments:
-                    segments[offer.chunk_hash] = CBMatchResult(
-                        offer.old_st, offer.old_st + chunk_size, position,
-                        position + chunk_size, offer.chunk_hash)
+    at = groups_by_position((local, fleet), prefix_coverage_tokens)
+    for position in sorted(at):
+        for _, chunks, _ in at[position]:
+            for chunk_hash, old_st in chunks:
+                if chunk_hash not in segments:
+                    segments[chunk_hash] = CBMatchResult(
+                        old_st, old_st + chunk_size, position, position + chunk_size,
+                        chunk_hash)
     return list(segments.values())
 
 
-def _hashes(leg: Sequence[FoundContent]) -> set[bytes]:
-    return {offer.chunk_hash for found in leg for offer in found.offers}
-
-
-def _source(chunk_hash: bytes, local: set[bytes], fleet: set[bytes]) -> Source:
-    if chunk_hash in local:
-        return Source.BOTH if chunk_hash in fleet else Source.LOCAL
-    return Source.FLEET
+def _named_by_both(local: Sequence[FoundContent], fleet: Sequence[FoundContent]) -> set[bytes]:
+    mine = {chunk[0] for found in local for chunk in found.chunks}
+    return {chunk[0] for found in fleet for chunk in found.chunks if chunk[0] in mine}

@@ -74,7 +74,7 @@ from plugin.config import ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_INSTANCE
 from plugin.host import ServingHost
 from plugin.lookup import Candidate, every_offer, select
 from plugin.reporter import CacheEventReporter, ReporterStats
-from plugin.types import (CBMatchResult, CBUnifiedLookupResult, ChunkOffer, FleetStatus,
+from plugin.types import (CBMatchResult, CBUnifiedLookupResult, FleetStatus,
                           FoundContent, LookupKey, MatchState, Place, Source, tokens_of)
 
 log = logging.getLogger(__name__)
@@ -344,10 +344,9 @@ class BlendPlugin:
             state.fleet_status = FleetStatus.PENDING
         else:
             state.fleet_status = FleetStatus.DECLINED
-        state.local = [
-            FoundContent(found.positions, tuple(ChunkOffer(chunk_hash, old_st, Place.THIS_SERVER)
-                                                for chunk_hash, old_st in found.chunks))
-            for found in self._matcher.candidates(state.tokens, namespace=namespace)]
+        here = Place.THIS_SERVER
+        state.local = [FoundContent(found.positions, here, found.chunks)
+                       for found in self._matcher.candidates(state.tokens, namespace=namespace)]
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
         request_id = state.request_id

@@ -9,8 +9,9 @@
   cache covers, and the reusable non-prefix segments, ascending by `cur_st`, non-overlapping,
   each starting at or after the prefix coverage.
 - `FoundContent` is the one result shape of both legs (the candidates form): per content
-  found, every position it occurs at and the chunks (`ChunkOffer`: hash, stored offset,
-  `Place`) that could serve it; the selection turns them into `CBMatchResult` segments.
+  found, every position it occurs at and the chunks (hash, stored offset) that could serve
+  it, with where they are held (`Place`); the selection turns them into `CBMatchResult`
+  segments.
   `BlendMatch`, `CBMatchResult` come from `local_matcher.types` and `BlendNamespace` from
   `blend_wire`; re-exported, never redefined.
 - Every state is an Enum defined here: `Place` (where a chunk is held, cheapest first),
@@ -33,7 +34,7 @@ from local_matcher.index import as_tokens
 from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
 
 __all__ = ["LookupKey", "CBUnifiedLookupResult", "BlendMatch", "CBMatchResult",
-           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET", "Place", "ChunkOffer", "FoundContent",
+           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET", "Place", "FoundContent",
            "Source", "FleetStatus", "MatchState", "FleetReply", "BreakerState", "tokens_of"]
 
 
@@ -89,22 +90,17 @@ class Place(enum.IntEnum):
     PEER = 2          # only another instance's L1, or not said (LMCache's default reply)
 
 
-class ChunkOffer(NamedTuple):
-    """A chunk that can serve a position whose content it holds."""
-
-    chunk_hash: bytes
-    old_st: int
-    place: Place
-
-
 class FoundContent(NamedTuple):
-    """One content a leg found in the query: every position it occurs at (ascending) and
-    the chunks holding it, in the order the leg named them. Both legs hand these over;
-    the selection (`plugin.lookup.select`) decides which positions to keep and which chunk
+    """One content a leg found in the query: every position it occurs at (ascending), and
+    chunks holding it that are held at `place`, as `(chunk_hash, old_st)` in the order the
+    leg named them. A content whose chunks are held in several places is one
+    `FoundContent` per place (sharing the positions). Both legs hand these over; the
+    selection (`plugin.lookup.select`) decides which positions to keep and which chunk
     serves each."""
 
     positions: tuple[int, ...]
-    offers: tuple[ChunkOffer, ...]
+    place: Place
+    chunks: tuple[tuple[bytes, int], ...]
 
 
 class Source(enum.StrEnum):

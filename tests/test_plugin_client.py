@@ -14,7 +14,7 @@ from blend_wire import decode_tokens
 from helpers import (FakeClock, HangingServer, LoopbackServer, Reply, TricklingServer,
                      closed_port_url, take_when_done, wait_until)
 from plugin import BlendCoordinatorClient, BlendNamespace, CBMatchResult, FleetReply, MatchState
-from plugin.types import ChunkOffer, FoundContent, Place
+from plugin.types import FoundContent, Place
 
 C = 16
 NS = BlendNamespace("model", "salt", 2)
@@ -37,7 +37,7 @@ def seg(chunk_hash: bytes, old_st: int, cur_st: int) -> CBMatchResult:
 def done(*segments: CBMatchResult) -> FleetReply:
     """The hand-over of a default-form reply: one position and one chunk per match."""
     return FleetReply(MatchState.DONE, tuple(
-        FoundContent((s.cur_st,), (ChunkOffer(s.hash, s.old_st, Place.PEER),)) for s in segments))
+        FoundContent((s.cur_st,), Place.PEER, ((s.hash, s.old_st),)) for s in segments))
 
 
 def matches_reply(*entries) -> Reply:

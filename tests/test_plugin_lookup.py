@@ -21,7 +21,7 @@ from helpers import (FakeClock, LoopbackServer, Reply, closed_port_url, ok_reply
 from plugin import (BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryHost, LookupKey,
                     MatchState, PluginConfig, Source)
 from plugin.lookup import Candidate, select
-from plugin.types import ChunkOffer, FoundContent, Place
+from plugin.types import FoundContent, Place
 
 LOCAL, FLEET, BOTH = Source.LOCAL, Source.FLEET, Source.BOTH
 
@@ -76,7 +76,7 @@ def seg(old_st, cur_st, chunk_hash):
 
 def found(positions, *chunks, place=Place.PEER):
     """A content found at `positions`, held by `chunks` ((hash, old_st) pairs)."""
-    return FoundContent(tuple(positions), tuple(ChunkOffer(h, o, place) for h, o in chunks))
+    return FoundContent(tuple(positions), place, tuple(chunks))
 
 
 def local(positions, *chunks):

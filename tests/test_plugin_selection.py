@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from local_matcher import ContentIndex
 from plugin.lookup import select
-from plugin.types import ChunkOffer, FoundContent, Place
+from plugin.types import FoundContent, Place
 
 C = 4
 NS = "ns"
@@ -52,7 +52,7 @@ def legs(chunks):
 
 
 def as_found(index, query, place):
-    return [FoundContent(f.positions, tuple(ChunkOffer(h, o, place) for h, o in f.chunks))
+    return [FoundContent(f.positions, place, f.chunks)
             for f in index.candidates(np.array(query, dtype=np.uint32), NS)]
 
 

@@ -70,7 +70,7 @@ def test_offsets_outside_the_token_range_are_dropped_in_both_forms():
     with LoopbackServer(lambda p, b: Reply(200, default)) as server:
         reply, stats = ask(server.url)
     assert reply.state is MatchState.DONE
-    assert [(f.positions, f.offers[0].chunk_hash) for f in reply.found] == [((32,), b"\xdd")]
+    assert [(f.positions, f.chunks[0][0]) for f in reply.found] == [((32,), b"\xdd")]
     assert stats.dropped_entries == 3
 
     candidates = {"chunk_size": C, "candidates": [
@@ -80,7 +80,7 @@ def test_offsets_outside_the_token_range_are_dropped_in_both_forms():
         {"positions": [48], "chunks": [{"chunk_hash": "dd", "old_st": 2**53 - 1}]}]}
     with LoopbackServer(lambda p, b: Reply(200, candidates)) as server:
         reply, stats = ask(server.url)
-    assert [(f.positions, f.offers[0].chunk_hash) for f in reply.found] == [((48,), b"\xdd")]
+    assert [(f.positions, f.chunks[0][0]) for f in reply.found] == [((48,), b"\xdd")]
     assert stats.dropped_entries == 3
 
 
