@@ -75,6 +75,7 @@ _MIN_USEFUL_S = 0.002
 # Encodings the bounded reader can decode (anything else fails the reply).
 _JSON = {"content-type": "application/json", "accept-encoding": "gzip, deflate"}
 _INFLATE_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+THIS_SERVER, SHARED, PEER = Place.THIS_SERVER, Place.SHARED, Place.PEER
 
 
 @dataclass
@@ -503,16 +504,22 @@ class BlendCoordinatorClient:
                 continue
             by_place: dict[Place, list] = {}
             for entry in content.chunks[:MAX_CANDIDATE_CHUNKS]:
+                # The checks of `_why_unusable`, inline: this loop runs per chunk named.
                 chunk_hash = _hex(entry.chunk_hash)
-                reason = _why_unusable(entry.chunk_hash, chunk_hash, entry.old_st, seen)
-                if reason:
+                if (not chunk_hash or chunk_hash in seen
+                        or not 0 <= entry.old_st <= MAX_TOKEN_OFFSET):
                     dropped += 1
-                    first_reason = first_reason or reason
+                    first_reason = first_reason or _why_unusable(
+                        entry.chunk_hash, chunk_hash, entry.old_st, seen)
                     continue
                 seen.add(chunk_hash)
-                place = (Place.THIS_SERVER if me and me in entry.l1 else
-                         Place.SHARED if entry.shared else Place.PEER)
-                by_place.setdefault(place, []).append((chunk_hash, entry.old_st))
+                place = (THIS_SERVER if me and me in entry.l1 else
+                         SHARED if entry.shared else PEER)
+                chunks = by_place.get(place)
+                if chunks is None:
+                    by_place[place] = [(chunk_hash, entry.old_st)]
+                else:
+                    chunks.append((chunk_hash, entry.old_st))
             positions = tuple(positions)
             found.extend(FoundContent(positions, place, tuple(chunks))
                          for place, chunks in by_place.items())
