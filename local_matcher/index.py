@@ -289,15 +289,8 @@ class ContentIndex:
                 tokens, self.probe_stride, _mask_bit(ns_id))
             if not first_pos.size:
                 return []
-            real = store.verify_repeats(tokens, repeat_pos, repeat_cid)
-            repeat_pos, repeat_cid = repeat_pos[real], repeat_cid[real]
-            # Content i of the result is the i-th first occurrence; each repeat joins its own.
-            by_cid = np.argsort(first_cid)
-            group = np.concatenate((np.arange(first_cid.size),
-                                    by_cid[np.searchsorted(first_cid[by_cid], repeat_cid)]))
-            positions = np.concatenate((first_pos, repeat_pos))
-            order = np.lexsort((positions, group))
-            sizes = np.bincount(group, minlength=first_cid.size)
+            positions, sizes = store.occurrences(tokens, first_pos, first_cid, repeat_pos,
+                                                 repeat_cid)
             views = [np.frombuffer(a, dtype=np.int32) for a in
                      (self._head, self._slot_ns, self._next)]
             try:
@@ -310,7 +303,7 @@ class ContentIndex:
             slot_chunk = self._slot_chunk
             chunks = list(zip([slot_chunk[s] for s in slots.tolist()], offsets))
         # Plain lists and slices: numpy's split costs more than the rest per content.
-        sorted_positions = positions[order].tolist()
+        sorted_positions = positions.tolist()
         found, begin, start = [], 0, 0
         make = ContentCandidates._make
         for end, count in zip(np.cumsum(sizes).tolist(), counts.tolist()):

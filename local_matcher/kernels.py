@@ -223,6 +223,38 @@ def verify_repeats(query, repeat_pos, repeat_cid, blocks):
 
 
 @njit(cache=True, nogil=True)
+def group_occurrences(first_pos, first_cid, repeat_pos, repeat_cid, repeat_ok, scratch):
+    """Every verified occurrence, grouped by content: (positions, sizes).
+
+    Group i is the content first found at ``first_pos[i]``; its positions, ascending, are
+    ``positions[sum(sizes[:i]):][:sizes[i]]`` (a content's first occurrence precedes its
+    repeats, which `probe` returns ascending). `scratch` is indexed by content id and
+    overwritten; `repeat_ok` marks the repeats that hold their content."""
+    groups = first_cid.shape[0]
+    for i in range(groups):
+        scratch[first_cid[i]] = i
+    sizes = np.ones(groups, dtype=np.int64)
+    for j in range(repeat_pos.shape[0]):
+        if repeat_ok[j]:
+            sizes[scratch[repeat_cid[j]]] += 1
+    fill = np.empty(groups, dtype=np.int64)
+    total = 0
+    for i in range(groups):
+        fill[i] = total
+        total += sizes[i]
+    positions = np.empty(total, dtype=np.int64)
+    for i in range(groups):
+        positions[fill[i]] = first_pos[i]
+        fill[i] += 1
+    for j in range(repeat_pos.shape[0]):
+        if repeat_ok[j]:
+            g = scratch[repeat_cid[j]]
+            positions[fill[g]] = repeat_pos[j]
+            fill[g] += 1
+    return positions, sizes
+
+
+@njit(cache=True, nogil=True)
 def walk_lists(heads, limits, next_slot):
     """The first ``limits[i]`` slots of each circular list starting at ``heads[i]``.
 

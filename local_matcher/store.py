@@ -45,7 +45,7 @@ class ContentStore:
         found = store.probe(query, 1, 1)
         heads = np.zeros(found[1].size, dtype=np.int64)
         store.take_occupants(query, *found, heads, np.zeros(1, dtype=np.int32))
-        store.verify_repeats(query, found[2], found[3])
+        store.occurrences(query, *found)
         kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), np.zeros(1, dtype=np.int32))
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
@@ -195,7 +195,11 @@ class ContentStore:
         return kernels.take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid,
                                       self._cursor, self._first, next_slot, self._blocks)
 
-    def verify_repeats(self, query: np.ndarray, repeat_pos: np.ndarray,
-                       repeat_cid: np.ndarray) -> np.ndarray:
-        """A boolean mask: which of `probe`'s repeat candidates hold their content."""
-        return kernels.verify_repeats(query, repeat_pos, repeat_cid, self._blocks).view(bool)
+    def occurrences(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
+                    repeat_pos: np.ndarray, repeat_cid: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every verified occurrence `probe` found, grouped by content in order of first
+        occurrence: (positions, group sizes); repeats are compared token by token here."""
+        ok = kernels.verify_repeats(query, repeat_pos, repeat_cid, self._blocks)
+        return kernels.group_occurrences(first_pos, first_cid, repeat_pos, repeat_cid, ok,
+                                         self._cursor)
