@@ -103,12 +103,15 @@ class Fleet:
             else:
                 break
         prefix = prefix_own + prefix_shared
-        leg = [(found.positions, tuple(
-                   (h, old_st, _OWN if h in own else _SHARED if h in self.shared else _PEER)
-                   for h, old_st in found.chunks))
-               for found in self.index.candidates(request.tokens, MODEL)]
+        leg = []
+        for found in self.index.candidates(request.tokens, MODEL):
+            groups: dict[int, list] = {}  # one selection group per place
+            for h, old_st in found.chunks:
+                place = _OWN if h in own else _SHARED if h in self.shared else _PEER
+                groups.setdefault(place, []).append((h, old_st))
+            leg += [(found.positions, place, tuple(chunks)) for place, chunks in groups.items()]
         by_place = [0, 0, 0]
-        for _, (_, _, place) in select_offers((leg,), prefix, size):
+        for _, _, _, place, _ in select_offers((leg,), prefix, size):
             by_place[place] += size
         recomputed = len(request.tokens) - prefix - sum(by_place)
         return (prefix_own + by_place[_OWN], prefix_own, prefix_shared + by_place[_SHARED],

@@ -216,15 +216,16 @@ class Coordinator:
             instance_ids = [i for i in instance_ids if i in asked]
         contents = []
         if directory.blend_enabled and tokens.size >= size:
-            for content in directory.candidates(tokens, namespace):
-                chunks = []
-                for chunk_hash, old_st in content.chunks:
-                    l1, shared = directory.places_of(chunk_hash, namespace)
-                    chunks.append((chunk_hash, old_st, frozenset(l1), shared))
-                contents.append(PlacedContent(content.positions, tuple(chunks)))
+            found = directory.candidates(tokens, namespace)
+            places = iter(directory.places_of(
+                [chunk_hash for content in found for chunk_hash, _ in content.chunks],
+                namespace))
+            for content in found:
+                contents.append(PlacedContent(content.positions, tuple(
+                    (chunk_hash, old_st, frozenset(l1), shared)
+                    for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places))))
         prefix_places = []
-        for chunk_hash in prefix_chunk_hashes(tokens, size):
-            l1, shared = directory.places_of(chunk_hash, namespace)
+        for l1, shared in directory.places_of(prefix_chunk_hashes(tokens, size), namespace):
             if not l1 and not shared:
                 break  # no instance's prefix leg goes past a chunk nobody serves
             prefix_places.append((frozenset(l1), shared))

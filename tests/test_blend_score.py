@@ -24,7 +24,7 @@ from blend_wire import (
 from coordinator_client import C, batch
 from coordinator_client import entry as wire_entry
 from plugin.lookup import select
-from plugin.types import ChunkOffer, FoundContent, Place
+from plugin.types import FoundContent, Place
 
 rng = np.random.default_rng(23)
 
@@ -161,12 +161,17 @@ async def expected_scores(coord, tokens, instances, model) -> dict[str, tuple]:
                        for p in result["placements"]):
                 break
             prefix += C
-        found = [FoundContent(tuple(c["positions"]), tuple(
-            ChunkOffer(bytes.fromhex(o["chunk_hash"]), o["old_st"],
-                       Place.THIS_SERVER if me in o.get("l1", []) else
-                       Place.SHARED if o.get("shared") else Place.PEER)
-            for o in c["chunks"])) for c in candidates]
-        place_of = {o.chunk_hash: o.place for f in found for o in f.offers}
+        found = []
+        for c in candidates:  # one group per content and place, as the plugin's client
+            by_place: dict[Place, list] = {}
+            for o in c["chunks"]:
+                place = (Place.THIS_SERVER if me in o.get("l1", []) else
+                         Place.SHARED if o.get("shared") else Place.PEER)
+                by_place.setdefault(place, []).append((bytes.fromhex(o["chunk_hash"]),
+                                                       o["old_st"]))
+            found += [FoundContent(tuple(c["positions"]), place, tuple(chunks))
+                      for place, chunks in by_place.items()]
+        place_of = {h: f.place for f in found for h, _ in f.chunks}
         tokens_at = {place: 0 for place in Place}
         for kept in select([], found, prefix, C):
             tokens_at[place_of[kept.segment.hash]] += C
