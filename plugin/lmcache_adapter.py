@@ -738,6 +738,7 @@ class FleetBlendModule:
         l1 = self._ctx.storage_manager.report_status()
         return {"fleet_blend": {
             "lmcache_version": LMCACHE_VERSION,
+            "chunk_size": self.host.chunk_size,
             "reporting": self.reporting,
             "plugin": dataclasses.asdict(self.plugin.stats()),
             "host": self.host.stats(),

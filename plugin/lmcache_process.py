@@ -277,6 +277,9 @@ class EngineClient:
     num_layers: int = 2
     instance_id: int = 1000
     rpc_timeout_s: float = 20.0
+    # LMCache 0.5.7: negotiate the chunk size against this model alignment (the server rounds
+    # its --chunk-size up to a multiple of it), as vLLM's connector does; None: ask for it.
+    chunk_alignment: int | None = None
     _next_block: int = 0
     _stored: dict = field(default_factory=dict)
 
@@ -292,7 +295,9 @@ class EngineClient:
         self._zmq = zmq.Context()
         self._zmq.setsockopt(zmq.LINGER, 0)
         self.rpc = RequestClientFactory.create(self.rpc_url, context=self._zmq)
-        self.chunk_size = int(self.rpc.get_chunk_size().result(timeout=self.rpc_timeout_s))
+        size = (self.rpc.get_chunk_size() if self.chunk_alignment is None
+                else self.rpc.negotiate_chunk_size(self.chunk_alignment))
+        self.chunk_size = int(size.result(timeout=self.rpc_timeout_s))
         self.blocks_in_chunk = self.chunk_size // self.block_size
         generator = torch.Generator().manual_seed(self.instance_id)
         self.kv = {f"layer.{i}": torch.randn((2, self.num_blocks, self.block_size, 2, 16),

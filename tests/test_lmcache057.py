@@ -2,7 +2,8 @@
 e2e (tests/test_lmcache_e2e.py: fleet leg, union, local-only with the coordinator down, L1
 eviction with an L2 copy, restart fencing, abandoned-lookup release, events), run in a
 child pytest whose path puts `make test`'s 0.5.7 install (plugin.lmcache_process's
-`LMCACHE_057_DIR`) first. A child process, because the engine client speaks the LMCache
+`LMCACHE_057_DIR`) first, plus what only 0.5.7 has: a chunk size negotiated at
+registration (tests/lmcache057_negotiation_e2e.py). A child process, because the engine client speaks the LMCache
 its own process imports, and one process cannot import two LMCache versions.
 
 Parametrized by version so a later release is one more entry (and its own install).
@@ -20,7 +21,8 @@ import pytest
 from plugin.lmcache_process import LMCACHE_057, lmcache_env
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("tests/test_lmcache_adapter.py", "tests/test_lmcache_e2e.py")
+FILES = ("tests/test_lmcache_adapter.py", "tests/test_lmcache_e2e.py",
+         "tests/lmcache057_negotiation_e2e.py")
 
 
 @pytest.mark.parametrize("version", [LMCACHE_057])
