@@ -10,32 +10,46 @@ then compares tokens.
 The match rule (DESIGN.md; WIRE.md, blend-lookup; LMCache's own): at most one match per
 query position, and each chunk at most once. At a position whose window equals a stored
 content, the match names the first occupant of the requester's namespace not named
-earlier in this query ("first": in the order that namespace claimed them); a later
-occurrence of the same content gets the next one, and once all are named, none.
+earlier in this query; a later occurrence of the same content gets the next one, and once
+all are named, none. "First" is LMCache's order: occupants in the order they were first
+indexed on that content, whichever namespace claimed them first (a namespace joining an
+existing occupant does not move it; an occupant removed and indexed again goes last).
+
+Content per claim: each (chunk, namespace) claim carries its own content and offset, so
+what one namespace reports for a chunk hash never changes what another matches. `add`
+touches only the adding namespace's claim; `remove_chunk` drops every claim (the caller,
+the coordinator's directory, decides which namespaces a report speaks for). When all
+claims of a chunk agree (the common case) the chunk is one occupant of one content.
 
 Why costs do not grow with multiplicity (one document behind a thousand prefixes is a
-thousand occupants of one content): each (chunk, namespace) claim is a *slot*, and the
-claims one namespace holds on one content form a circular doubly linked list of slots,
-in claim order, kept in flat integer arrays. Adding or removing a claim splices one slot
-in or out, O(1); a match takes one step along a list per occurrence. So a lookup costs
-O(query + matches) and deleting n occupants O(n), however many occupants a content has
-and however many of them belong to other namespaces.
+thousand occupants of one content, and one chunk may be claimed by thousands of
+namespaces): each (chunk, namespace) claim is a *slot*, and the claims one namespace
+holds on one content form a circular doubly linked list of slots, in occupant order,
+kept in flat integer arrays. Adding a claim splices one slot in: O(1) when its occupant
+is the newest on the content (the common case), else O(how many of the namespace's
+occupants are newer); removing one is O(1); changing one claim's content or offset is
+O(1), so changing a chunk for all its n claims is O(n). A match takes one step along a
+list per occurrence. So a lookup costs O(query + matches) and deleting n occupants O(n),
+however many occupants a content has and however many of them belong to other
+namespaces.
 
 Invariants (all under `self._lock`, which is never held while calling out):
-- `_chunks[h] == (cid, claim)` for chunk `h` of content `cid`: `claim` is the slot of
-  h's only claim; a tuple of slots while a few namespaces claim h; past `_FEW_CLAIMS`, a
-  dict {namespace id: slot}, so that a chunk thousands of tenants claim costs O(1) per
-  claim. Records are tuples and dicts of atoms, untracked by Python's cyclic GC, so an
-  index of a million chunks adds no GC pause.
-- slot `s`: `_slot_chunk[s]` its chunk, `_slot_ns[s]` its namespace id,
-  `_slot_offset[s]` the chunk's stored offset (the same in every slot of a chunk),
-  `_next[s]` and `_prev[s]` its neighbours in its circular list (the head's prev is
-  the tail). Free slots are chained through `_next` from `_free_slot`.
+- `_chunks[h]` for chunk `h`: the slot of its only claim (an int); a tuple of slots
+  while a few namespaces claim it; past `_FEW_CLAIMS`, a `_ManyClaims` ({namespace id:
+  slot} and, per content, its occupant's order and claim count), so that a chunk
+  thousands of tenants claim costs O(1) per claim. Ints and tuples of ints are untracked
+  by Python's cyclic GC, so an index of a million chunks adds no GC pause.
+- slot `s`: `_slot_chunk[s]` its chunk, `_slot_ns[s]` its namespace id, `_slot_cid[s]`
+  its content, `_slot_offset[s]` its stored offset, `_slot_order[s]` its occupant's
+  order number (the same in every slot of one occupant, a chunk on a content; increasing
+  with the time the occupant was first indexed), `_next[s]` and `_prev[s]` its
+  neighbours in its circular list (the head's prev is the tail), which is sorted by
+  order number. Free slots are chained through `_next` from `_free_slot`.
 - the list of (cid, ns) starts at `_head[cid]` if `_slot_ns[_head[cid]] == ns`, else at
   `_more_heads[ns << 32 | cid]`: most contents are claimed by one namespace, so their
   only list costs no dict entry.
-- `_num_chunks[cid]` occupants per content. A content is stored iff it has an
-  occupant; a chunk exists iff a namespace claims it.
+- `_num_chunks[cid]` occupants per content (chunks with at least one claim on it). A
+  content is stored iff it has an occupant; a chunk exists iff a namespace claims it.
 - `store.ns_mask[cid]` holds bit `id % 64` of every namespace with a list on `cid`; it
   may carry stale extra bits (a cheap pre-test), never miss one.
 - A namespace's id is recycled once nothing claims it, so the ids stay small.
@@ -60,7 +74,7 @@ log = logging.getLogger(__name__)
 
 _NONE = -1  # "no slot" in the slot and head arrays
 _NS_SHIFT = 32  # `_more_heads` key: namespace id above, content id below
-_FEW_CLAIMS = 8  # namespaces on one chunk kept in a tuple (scanned); past this, a dict
+_FEW_CLAIMS = 8  # claims on one chunk kept in a tuple (scanned); past this, a _ManyClaims
 
 
 def as_tokens(values) -> np.ndarray:
@@ -99,18 +113,22 @@ class ContentIndex:
         self.probe_stride = probe_stride
         self._lock = threading.Lock()
         self._store = ContentStore(chunk_size, fingerprint_key)
-        self._chunks: dict[Hashable, tuple] = {}
+        self._chunks: dict[Hashable, object] = {}
         # Claim slots.
         self._slot_chunk: list[Hashable] = []
         self._slot_ns = array("i")
+        self._slot_cid = array("i")
         self._slot_offset = array("q")
+        self._slot_order = array("q")
         self._next = array("i")
         self._prev = array("i")
         self._free_slot = _NONE
+        self._next_order = 0  # order number of the next new occupant
         # Per content id (grown with the store).
         self._head = array("i")
         self._num_chunks = array("i")
         self._more_heads: dict[int, int] = {}
+        self._num_occupants = 0
         # Namespaces.
         self._ns_ids: dict[Hashable, int] = {}
         self._ns_names: list[Hashable] = []
@@ -125,10 +143,11 @@ class ContentIndex:
         """Index one chunk for `namespace` at stored position `token_offset`.
 
         Content that is not exactly `chunk_size` tokens, or an unknown (negative)
-        offset, is logged and skipped. Adding again only updates the offset and adds
-        the claim (a claim keeps its place in its namespace's order); a known hash with
-        different tokens moves to the new content, dropping every claim it had on the
-        old one.
+        offset, is logged and skipped. Only `namespace`'s claim on the chunk changes:
+        adding again updates its offset, and other tokens move it to the new content
+        (where the chunk is an occupant in LMCache's order: the one it already has there
+        if another namespace's claim holds that content, else the newest). Other
+        namespaces' claims keep their content and offset.
         """
         rows = as_tokens(tokens)
         if rows.shape != (self.chunk_size,):
@@ -156,32 +175,23 @@ class ContentIndex:
         with self._lock:
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
             self._grow_contents()
-            chunks, num_chunks, vacated = self._chunks, self._num_chunks, []
-            ns_id = self._namespace_id(namespace)
-            bits, claimed = _mask_bit(ns_id), 0  # counted once per batch
+            chunks, slot_cid, slot_offset = self._chunks, self._slot_cid, self._slot_offset
+            ns_id = self._namespace_id(namespace)  # adding never retires it
+            vacated, claimed = [], 0
             for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
-                record = chunks.get(chunk_hash)
-                if record is not None and record[0] != cid:
-                    # The hash now names other content: retire it from the old one first.
-                    self._count_claims(ns_id, claimed)
-                    vacated.append(record[0])
-                    self._drop(chunk_hash, record)
-                    record, claimed = None, 0
-                    ns_id = self._namespace_id(namespace)  # the drop may have retired it
-                    bits |= _mask_bit(ns_id)
-                if record is None:
-                    chunks[chunk_hash] = (cid, self._claim(chunk_hash, cid, ns_id, offset))
-                    num_chunks[cid] += 1
+                claim = chunks.get(chunk_hash)
+                slot = _NONE if claim is None else self._slot_of(claim, ns_id)
+                if slot == _NONE:  # a new claim: O(1) however many the chunk has
+                    slot = self._claim(chunk_hash, cid, ns_id, offset, claim)
+                    chunks[chunk_hash] = self._with_slot(claim, slot)
                     claimed += 1
-                    continue
-                claim, added = self._with_claim(chunk_hash, cid, record[1], ns_id, offset)
-                claimed += added
-                if claim is not record[1]:
-                    chunks[chunk_hash] = (cid, claim)
+                elif slot_cid[slot] == cid:
+                    slot_offset[slot] = offset
+                else:  # this namespace now reports other tokens under the hash
+                    vacated.append(slot_cid[slot])
+                    self._move(claim, slot, cid, offset)
             self._count_claims(ns_id, claimed)
-            # Every content of the batch is claimed by the namespace now (a stale extra bit
-            # where a drop retired and renumbered it costs nothing but a comparison).
-            self._store.ns_mask[cids] |= np.uint64(bits)
+            self._store.ns_mask[cids] |= np.uint64(_mask_bit(ns_id))
             # Released only now: a later row of this batch may have found that content.
             self._settle(vacated)
 
@@ -190,45 +200,49 @@ class ContentIndex:
     def remove_claim(self, tokens, chunk_hash: Hashable, namespace: Hashable) -> None:
         """Drop `namespace`'s claim on a chunk; the chunk lives on for other namespaces.
 
-        `tokens` name the content the caller knows the chunk by (None: whatever it is);
-        if they differ from the indexed content, or anything is unknown, nothing changes.
+        `tokens` name the content the caller knows the claim by (None: whatever it is);
+        if they differ from the claim's content, or anything is unknown, nothing changes.
         """
         with self._lock:
-            record = self._known_record(tokens, chunk_hash)
+            claim = self._chunks.get(chunk_hash)
             ns_id = self._ns_ids.get(namespace)
-            if record is None or ns_id is None:
+            if claim is None or ns_id is None:
                 return
-            cid, claim = record
-            slot, rest = self._without_claim(claim, ns_id)
-            if slot == _NONE:
+            slot = self._slot_of(claim, ns_id)
+            if slot == _NONE or not self._holds(slot, tokens):
                 return
-            self._unclaim(slot, cid)
-            if rest is None:
-                del self._chunks[chunk_hash]
-                self._num_chunks[cid] -= 1
-            elif rest is not claim:
-                self._chunks[chunk_hash] = (cid, rest)
+            cid = self._slot_cid[slot]
+            self._remove_slot(chunk_hash, claim, slot)
             self._settle([cid])
 
     def remove_chunk(self, tokens, chunk_hash: Hashable) -> None:
         """Drop a chunk and every claim on it, in one lock acquisition.
 
-        `tokens` as for `remove_claim`."""
+        With `tokens`, only the claims whose content they are (LMCache's occupant of
+        that content); None: every claim."""
         with self._lock:
-            record = self._known_record(tokens, chunk_hash)
-            if record is not None:
-                self._drop(chunk_hash, record)
-                self._settle([record[0]])
+            claim = self._chunks.get(chunk_hash)
+            if claim is None:
+                return
+            if tokens is None:
+                self._settle(self._drop(chunk_hash, claim))
+                return
+            tokens = as_tokens(tokens)
+            vacated = []
+            for slot in self._slots_in(claim):
+                if self._holds(slot, tokens):
+                    vacated.append(self._slot_cid[slot])
+                    claim = self._remove_slot(chunk_hash, claim, slot)
+            self._settle(vacated)
 
     def remove_chunks(self, chunk_hashes: Iterable[Hashable]) -> None:
         """Drop chunks by hash with all their claims; unknown hashes are skipped."""
         with self._lock:
             vacated = []
             for chunk_hash in chunk_hashes:
-                record = self._chunks.get(chunk_hash)
-                if record is not None:
-                    self._drop(chunk_hash, record)
-                    vacated.append(record[0])
+                claim = self._chunks.get(chunk_hash)
+                if claim is not None:
+                    vacated.extend(self._drop(chunk_hash, claim))
             self._settle(vacated)
 
     # --- matching -------------------------------------------------------------------------
@@ -326,14 +340,25 @@ class ContentIndex:
                 heads[i] = more.get(ns_id << _NS_SHIFT | int(cids[i]), _NONE) if more else _NONE
         return heads
 
-    def tokens_of(self, chunk_hash: Hashable) -> np.ndarray | None:
-        """A copy of an indexed chunk's content, or None if the chunk is not indexed.
+    def tokens_of(self, chunk_hash: Hashable, namespace: Hashable | None = None
+                  ) -> np.ndarray | None:
+        """A copy of the content of `namespace`'s claim on a chunk (None: of any claim),
+        or None if there is no such claim.
 
         Lets a caller that needs a chunk's tokens only now and then (the coordinator's
         directory) fetch them here instead of keeping a second copy."""
         with self._lock:
-            record = self._chunks.get(chunk_hash)
-            return None if record is None else self._store.row(record[0]).copy()
+            claim = self._chunks.get(chunk_hash)
+            if claim is None:
+                return None
+            if namespace is None:
+                slot = self._slots_in(claim)[0]
+            else:
+                ns_id = self._ns_ids.get(namespace)
+                slot = _NONE if ns_id is None else self._slot_of(claim, ns_id)
+                if slot == _NONE:
+                    return None
+            return self._store.row(self._slot_cid[slot]).copy()
 
     def __getstate__(self) -> dict:
         """Pickled without its lock (a snapshot is taken while nothing writes)."""
@@ -347,17 +372,18 @@ class ContentIndex:
         ContentStore.warm_up()
 
     def stats(self) -> dict[str, int]:
+        """`num_chunks` counts occupants (a chunk on a content: LMCache's count; a chunk
+        whose namespaces disagree on its tokens is one per content)."""
         with self._lock:
-            num_chunks = len(self._chunks)
-            arrays = (self._slot_ns, self._slot_offset, self._next, self._prev,
-                      self._head, self._num_chunks)
-            python_bytes = (sys.getsizeof(self._chunks) + num_chunks * _RECORD_BYTES
+            arrays = (self._slot_ns, self._slot_cid, self._slot_offset, self._slot_order,
+                      self._next, self._prev, self._head, self._num_chunks)
+            python_bytes = (sys.getsizeof(self._chunks) + len(self._chunks) * _RECORD_BYTES
                             + sys.getsizeof(self._slot_chunk)
                             + sys.getsizeof(self._more_heads)
                             + sum(len(a) * a.itemsize for a in arrays))
             return {
                 "num_contents": self._store.num_contents,
-                "num_chunks": num_chunks,
+                "num_chunks": self._num_occupants,
                 "num_claims": self._num_claims,
                 "num_namespaces": len(self._ns_ids),
                 "table_size": self._store.table_size,
@@ -385,18 +411,101 @@ class ContentIndex:
             self._ns_ids[namespace] = ns_id
         return ns_id
 
-    def _known_record(self, tokens, chunk_hash: Hashable) -> tuple | None:
-        record = self._chunks.get(chunk_hash)
-        if record is None or tokens is None:
-            return record
-        return record if self._store.holds(record[0], as_tokens(tokens)) else None
+    def _holds(self, slot: int, tokens) -> bool:
+        """Whether a claim's content is `tokens` (None: anything)."""
+        return tokens is None or self._store.holds(self._slot_cid[slot], as_tokens(tokens))
+
+    # A chunk's claims: one slot (int), a tuple of slots, or a _ManyClaims.
+
+    def _slot_of(self, claim, ns_id: int) -> int:
+        """The slot of `ns_id`'s claim among a chunk's, or _NONE."""
+        if type(claim) is int:
+            return claim if self._slot_ns[claim] == ns_id else _NONE
+        if type(claim) is tuple:
+            slot_ns = self._slot_ns
+            for slot in claim:
+                if slot_ns[slot] == ns_id:
+                    return slot
+            return _NONE
+        return claim.slots.get(ns_id, _NONE)
+
+    @staticmethod
+    def _slots_in(claim) -> Sequence[int]:
+        if type(claim) is int:
+            return (claim,)
+        return claim if type(claim) is tuple else list(claim.slots.values())
+
+    def _with_slot(self, claim, slot: int):
+        """A chunk's claims with `slot` (just claimed, `_join`ed) added."""
+        if claim is None:
+            return slot
+        if type(claim) is int:
+            return claim, slot
+        if type(claim) is tuple:
+            if len(claim) < _FEW_CLAIMS:
+                return claim + (slot,)
+            many = _ManyClaims()  # many namespaces: O(1) per claim from now on
+            for held in claim + (slot,):
+                many.slots[self._slot_ns[held]] = held
+                occupant = many.occupants.get(self._slot_cid[held])
+                if occupant is None:
+                    many.occupants[self._slot_cid[held]] = [self._slot_order[held], 1]
+                else:
+                    occupant[1] += 1
+            return many
+        claim.slots[self._slot_ns[slot]] = slot
+        return claim
+
+    def _join(self, claim, cid: int, slot: int) -> int:
+        """`slot` (not on `cid` yet) joins the chunk's occupant of content `cid`: that
+        occupant's order number if another of the chunk's claims holds it, else a new
+        occupant's (counted)."""
+        if type(claim) is _ManyClaims:
+            occupant = claim.occupants.get(cid)
+            if occupant is not None:
+                occupant[1] += 1
+                return occupant[0]
+            order = self._new_occupant(cid)
+            claim.occupants[cid] = [order, 1]
+            return order
+        if claim is not None:
+            slot_cid = self._slot_cid
+            for other in ((claim,) if type(claim) is int else claim):
+                if other != slot and slot_cid[other] == cid:
+                    return self._slot_order[other]
+        return self._new_occupant(cid)
+
+    def _new_occupant(self, cid: int) -> int:
+        order = self._next_order
+        self._next_order += 1
+        self._num_chunks[cid] += 1
+        self._num_occupants += 1
+        return order
+
+    def _leave(self, claim, slot: int) -> None:
+        """`slot` leaves its content: the chunk's occupant of it ends with its last claim."""
+        cid = self._slot_cid[slot]
+        if type(claim) is _ManyClaims:
+            occupant = claim.occupants[cid]
+            occupant[1] -= 1
+            if occupant[1]:
+                return
+            del claim.occupants[cid]
+        else:
+            slot_cid = self._slot_cid
+            for other in ((claim,) if type(claim) is int else claim):
+                if other != slot and slot_cid[other] == cid:
+                    return
+        self._num_chunks[cid] -= 1
+        self._num_occupants -= 1
 
     def _head_of(self, cid: int, ns_id: int) -> int:
         """The first slot of `ns_id`'s list on content `cid`, or _NONE."""
         head = self._head[cid]
         if head != _NONE and self._slot_ns[head] == ns_id:
             return head
-        return self._more_heads.get(ns_id << _NS_SHIFT | cid, _NONE)
+        return self._more_heads.get(ns_id << _NS_SHIFT | cid, _NONE) if self._more_heads \
+            else _NONE
 
     def _set_head(self, cid: int, ns_id: int, old: int, new: int) -> None:
         """Move the head of `ns_id`'s list on `cid` from slot `old` to `new` (_NONE: the
@@ -408,65 +517,90 @@ class ContentIndex:
         else:
             self._more_heads[ns_id << _NS_SHIFT | cid] = new
 
-    def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int, offset: int) -> int:
-        """Append a claim of `ns_id` on `chunk_hash` (content `cid`) to its list; the slot.
-
-        Runs once per stored chunk, so it does the least it can: the caller counts the
-        claim (`_count_claims`) and sets the namespace's mask bit."""
-        slot_ns, next_slot, prev_slot = self._slot_ns, self._next, self._prev
-        head = self._head[cid]
-        if head == _NONE or slot_ns[head] != ns_id:
-            # Not the primary list; the namespace's list may still be among the others
-            # (the primary one may have gone while they stayed): as `_head_of`.
-            head = (self._more_heads.get(ns_id << _NS_SHIFT | cid, _NONE)
-                    if self._more_heads else _NONE)
+    def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int, offset: int, claim) -> int:
+        """A new slot: `ns_id`'s claim on `chunk_hash` (whose claims so far are `claim`,
+        or None) at content `cid`, linked into its list. The caller adds it to the
+        chunk's claims (`_with_slot`), counts it (`_count_claims`) and sets the
+        namespace's mask bit."""
         slot = self._free_slot
         if slot == _NONE:
-            slot = len(slot_ns)
+            slot = len(self._slot_ns)
             self._slot_chunk.append(chunk_hash)
-            slot_ns.append(ns_id)
+            self._slot_ns.append(ns_id)
+            self._slot_cid.append(cid)
             self._slot_offset.append(offset)
-            next_slot.append(slot)
-            prev_slot.append(slot)
+            self._slot_order.append(0)
+            self._next.append(slot)
+            self._prev.append(slot)
         else:
-            self._free_slot = next_slot[slot]
+            self._free_slot = self._next[slot]
             self._slot_chunk[slot] = chunk_hash
-            slot_ns[slot] = ns_id
+            self._slot_ns[slot] = ns_id
+            self._slot_cid[slot] = cid
             self._slot_offset[slot] = offset
-            next_slot[slot] = prev_slot[slot] = slot
+        self._slot_order[slot] = self._join(claim, cid, slot)
+        self._link(slot)
+        return slot
+
+    def _move(self, claim, slot: int, cid: int, offset: int) -> None:
+        """A claim takes other content: out of its list, into that content's."""
+        self._unlink(slot)
+        self._leave(claim, slot)
+        self._slot_order[slot] = self._join(claim, cid, slot)
+        self._slot_cid[slot] = cid
+        self._slot_offset[slot] = offset
+        self._link(slot)
+
+    def _link(self, slot: int) -> None:
+        """Splice a slot into its (content, namespace) list, which stays in order-number
+        order: O(1) at the tail (a new occupant), else one step per newer slot."""
+        next_slot, prev_slot, slot_order = self._next, self._prev, self._slot_order
+        cid, ns_id = self._slot_cid[slot], self._slot_ns[slot]
+        head = self._head_of(cid, ns_id)
         if head == _NONE:  # the namespace's first claim on this content: a new list
+            next_slot[slot] = prev_slot[slot] = slot
             if self._head[cid] == _NONE:
                 self._head[cid] = slot
             else:
                 self._more_heads[ns_id << _NS_SHIFT | cid] = slot
-        else:  # at the tail, which is the head's prev
-            tail = prev_slot[head]
-            next_slot[tail] = slot
-            prev_slot[slot] = tail
-            next_slot[slot] = head
-            prev_slot[head] = slot
-        return slot
+            return
+        order, after = slot_order[slot], prev_slot[head]  # the tail
+        while slot_order[after] > order:
+            if after == head:  # older than every slot of the list: it becomes the head
+                after = prev_slot[head]
+                self._set_head(cid, ns_id, head, slot)
+                break
+            after = prev_slot[after]
+        following = next_slot[after]
+        next_slot[after] = slot
+        prev_slot[slot] = after
+        next_slot[slot] = following
+        prev_slot[following] = slot
+
+    def _unlink(self, slot: int) -> None:
+        """Splice a slot out of its list (the list goes with its last slot; the content's
+        mask bit may stay: a stale bit costs a compare)."""
+        next_slot, prev_slot = self._next, self._prev
+        cid, ns_id = self._slot_cid[slot], self._slot_ns[slot]
+        following = next_slot[slot]
+        if following == slot:
+            self._set_head(cid, ns_id, slot, _NONE)
+            return
+        preceding = prev_slot[slot]
+        next_slot[preceding] = following
+        prev_slot[following] = preceding
+        if self._head_of(cid, ns_id) == slot:
+            self._set_head(cid, ns_id, slot, following)
 
     def _count_claims(self, ns_id: int, claimed: int) -> None:
         self._ns_claim_counts[ns_id] += claimed
         self._num_claims += claimed
 
-    def _unclaim(self, slot: int, cid: int) -> None:
-        """Splice a claim's slot out of its list and free it; retire the namespace's id
-        with its last claim."""
-        next_slot, prev_slot = self._next, self._prev
+    def _free(self, slot: int) -> None:
+        """Free an unlinked slot; retire the namespace's id with its last claim."""
         ns_id = self._slot_ns[slot]
-        following = next_slot[slot]
-        if following == slot:  # the list's only slot: the list goes (its mask bit may
-            self._set_head(cid, ns_id, slot, _NONE)  # stay: a stale bit costs a compare)
-        else:
-            preceding = prev_slot[slot]
-            next_slot[preceding] = following
-            prev_slot[following] = preceding
-            if self._head_of(cid, ns_id) == slot:
-                self._set_head(cid, ns_id, slot, following)
         self._slot_chunk[slot] = None
-        next_slot[slot] = self._free_slot
+        self._next[slot] = self._free_slot
         self._free_slot = slot
         self._num_claims -= 1
         self._ns_claim_counts[ns_id] -= 1
@@ -475,54 +609,37 @@ class ContentIndex:
             self._ns_names[ns_id] = None
             self._free_ns_ids.append(ns_id)
 
-    def _with_claim(self, chunk_hash: Hashable, cid: int, claim, ns_id: int, offset: int
-                    ) -> tuple[object, bool]:
-        """(a chunk's `claim` with `ns_id`'s added if it was missing, whether it was),
-        every slot at `offset`. The same object if nothing but offsets changed."""
-        slot_ns, slot_offset = self._slot_ns, self._slot_offset
-        if type(claim) is dict:
-            for slot in claim.values():
-                slot_offset[slot] = offset
-            if ns_id in claim:
-                return claim, False
-            claim[ns_id] = self._claim(chunk_hash, cid, ns_id, offset)
-            return claim, True
-        slots = (claim,) if type(claim) is int else claim
-        claimed = False
-        for slot in slots:
-            slot_offset[slot] = offset
-            claimed |= slot_ns[slot] == ns_id
-        if claimed:
-            return claim, False
-        added = self._claim(chunk_hash, cid, ns_id, offset)
-        if len(slots) < _FEW_CLAIMS:
-            return slots + (added,), True
-        many = {slot_ns[slot]: slot for slot in slots}
-        many[ns_id] = added
-        return many, True
+    def _remove_slot(self, chunk_hash: Hashable, claim, slot: int):
+        """Drop one claim of a chunk; what is left of its claims (None: the chunk went)."""
+        self._unlink(slot)
+        self._leave(claim, slot)
+        self._free(slot)
+        if type(claim) is _ManyClaims:
+            del claim.slots[self._slot_ns[slot]]
+            rest = claim if claim.slots else None
+        elif type(claim) is int:
+            rest = None
+        else:
+            kept = tuple(held for held in claim if held != slot)
+            rest = kept[0] if len(kept) == 1 else kept
+        if rest is None:
+            del self._chunks[chunk_hash]
+        elif rest is not claim:
+            self._chunks[chunk_hash] = rest
+        return rest
 
-    def _without_claim(self, claim, ns_id: int) -> tuple[int, object]:
-        """(the slot of `ns_id`'s claim or _NONE, what is left of `claim`: None if
-        nothing, the same object if it was changed in place)."""
-        if type(claim) is dict:
-            slot = claim.pop(ns_id, _NONE)
-            return slot, (claim or None)
-        slots = (claim,) if type(claim) is int else claim
-        slot_ns = self._slot_ns
-        for i, slot in enumerate(slots):
-            if slot_ns[slot] == ns_id:
-                rest = slots[:i] + slots[i + 1:]
-                return slot, (None if not rest else rest[0] if len(rest) == 1 else rest)
-        return _NONE, claim
-
-    def _drop(self, chunk_hash: Hashable, record: tuple) -> None:
-        cid, claim = record
-        slots = (claim,) if type(claim) is int else (
-            claim if type(claim) is tuple else list(claim.values()))
+    def _drop(self, chunk_hash: Hashable, claim) -> set[int]:
+        """Drop a chunk with every claim; the contents it occupied."""
+        slots = self._slots_in(claim)
+        cids = {self._slot_cid[slot] for slot in slots}
         for slot in slots:
-            self._unclaim(slot, cid)
+            self._unlink(slot)
+            self._free(slot)
+        for cid in cids:
+            self._num_chunks[cid] -= 1
+        self._num_occupants -= len(cids)
         del self._chunks[chunk_hash]
-        self._num_chunks[cid] -= 1
+        return cids
 
     def _settle(self, touched: Iterable[int]) -> None:
         """Free each touched content left without an occupant."""
@@ -533,5 +650,24 @@ class ContentIndex:
             self._store.remove(vacant_ids)
 
 
-# Python memory of one chunk beyond the arrays: its record and the ints in it.
-_RECORD_BYTES = sys.getsizeof((10**6, 10**6)) + 2 * sys.getsizeof(10**6)
+class _ManyClaims:
+    """The claims on a chunk past `_FEW_CLAIMS` namespaces: `slots` {namespace id: slot}
+    and `occupants` {content id: [order number, claims on it]}, so that adding or
+    removing one claim is O(1) however many there are. Rare, so its GC tracking does not
+    matter."""
+
+    __slots__ = ("slots", "occupants")
+
+    def __init__(self) -> None:
+        self.slots: dict[int, int] = {}
+        self.occupants: dict[int, list[int]] = {}
+
+    def __getstate__(self) -> tuple:
+        return self.slots, self.occupants
+
+    def __setstate__(self, state: tuple) -> None:
+        self.slots, self.occupants = state
+
+
+# Python memory of one chunk beyond the arrays: its record (a slot number, usually).
+_RECORD_BYTES = sys.getsizeof(10**6)

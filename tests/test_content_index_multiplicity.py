@@ -80,15 +80,35 @@ def test_namespaces_sharing_a_content_each_get_their_own_occupants(index):
                                      BlendMatch(b"b3", 40, 8)]
 
 
-def test_a_chunk_two_namespaces_claim_is_in_each_ones_order(index):
+def test_a_chunk_two_namespaces_claim_is_named_in_lmcaches_order(index):
+    # LMCache's order: per content, occupants in the order they were first indexed on it,
+    # whichever namespace indexed them; B joining an older occupant puts it first for B.
     index.add(X, b"shared", 0, A)
     index.add(X, b"mine", 8, B)
     index.add(X, b"shared", 0, B)  # B claims it after its own chunk
     assert index.match(X + X, A) == [BlendMatch(b"shared", 0, 0)]
-    assert index.match(X + X, B) == [BlendMatch(b"mine", 8, 0), BlendMatch(b"shared", 0, 4)]
-    index.remove_claim(X, b"shared", A)
-    assert index.match(X + X, B) == [BlendMatch(b"mine", 8, 0), BlendMatch(b"shared", 0, 4)]
+    assert index.match(X + X, B) == [BlendMatch(b"shared", 0, 0), BlendMatch(b"mine", 8, 4)]
+    index.remove_claim(X, b"shared", A)  # the occupant lives on in B: its place too
+    assert index.match(X + X, B) == [BlendMatch(b"shared", 0, 0), BlendMatch(b"mine", 8, 4)]
     assert index.match(X + X, A) == []
+    index.remove_claim(X, b"shared", B)  # gone, then indexed again: it goes last
+    index.add(X, b"shared", 0, B)
+    assert index.match(X + X, B) == [BlendMatch(b"mine", 8, 0), BlendMatch(b"shared", 0, 4)]
+
+
+def test_joining_an_older_occupant_is_placed_among_the_namespaces_own_in_order(index):
+    for name in (b"o1", b"o2", b"o3"):
+        index.add(X, name, 0, A)  # occupants in order o1, o2, o3
+    for name in (b"m1", b"m2"):
+        index.add(X, name, 0, B)  # then m1, m2
+    index.add(X, b"o2", 0, B)
+    index.add(X, b"o3", 0, B)
+    index.add(X, b"o1", 0, B)
+    assert [m.chunk_hash for m in index.match(X * 5, B)] == [b"o1", b"o2", b"o3", b"m1", b"m2"]
+    index.remove_claim(X, b"o1", A)
+    index.remove_claim(X, b"o2", B)
+    assert [m.chunk_hash for m in index.match(X * 5, B)] == [b"o1", b"o3", b"m1", b"m2"]
+    assert [m.chunk_hash for m in index.match(X * 5, A)] == [b"o2", b"o3"]
 
 
 def test_readding_keeps_a_chunks_place_and_removal_of_any_place_keeps_the_order(index):
@@ -210,8 +230,12 @@ def test_a_chunk_many_namespaces_claim_serves_each_until_its_claim_goes(index):
     tenants = [f"t{i}" for i in range(20)]
     for tenant in tenants:
         index.add(X, b"shared", 0, tenant)
-    index.add(X, b"shared", 8, tenants[0])  # an offset update reaches every claim
-    assert all(index.match(X, t) == [BlendMatch(b"shared", 8, 0)] for t in tenants)
+    index.add(X, b"shared", 8, tenants[0])  # an offset update is that namespace's only
+    assert index.match(X, tenants[0]) == [BlendMatch(b"shared", 8, 0)]
+    assert all(index.match(X, t) == [BlendMatch(b"shared", 0, 0)] for t in tenants[1:])
+    index.add(X, b"shared", 8, tenants[0])
+    for tenant in tenants[1:]:
+        index.add(X, b"shared", 8, tenant)
     for i, tenant in enumerate(tenants[:-1]):
         index.remove_claim(X, b"shared", tenant)
         assert index.match(X, tenant) == []

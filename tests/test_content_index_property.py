@@ -1,8 +1,10 @@
 """ContentIndex against a brute-force model: random stores, removals and queries.
 
-The model states the match rule (and the candidates form) the obvious way: at each probed position, of the chunks
-whose content equals the window, claimed by the requester's namespace and not named yet
-in this query, name the one the namespace claimed first. Two pools: a few hashes over
+The model states the match rule (and the candidates form) the obvious way: each (chunk, namespace) claim has its own
+content and offset; at each probed position, of the chunks the requester's namespace
+claims with the window's content and not named yet in this query, name the one first
+indexed on that content by any namespace (LMCache's order; an occupant that went and came
+back counts from its return). Two pools: a few hashes over
 random contents (collisions, moves, overlaps), and many hashes over three contents (many
 occupants per content, spread over namespaces)."""
 
@@ -41,46 +43,52 @@ class Model:
     """What the index must answer, by exhaustive comparison."""
 
     def __init__(self) -> None:
-        # chunk -> (content, offset, {namespace: when it claimed the chunk})
-        self.chunks: dict[bytes, tuple[tuple[int, ...], int, dict[str, int]]] = {}
+        # (chunk, namespace) -> (content, offset): each claim has its own.
+        self.claims: dict[tuple[bytes, str], tuple[tuple[int, ...], int]] = {}
+        # (chunk, content) -> when that occupant was first indexed (LMCache's order).
+        self.order: dict[tuple[bytes, tuple[int, ...]], int] = {}
         self.clock = 0
 
     def add(self, content, chunk_hash, offset, namespace) -> None:
         if offset < 0:
             return
-        known = self.chunks.get(chunk_hash)
-        claims = {}
-        if known is not None and known[0] == tuple(content):
-            claims = known[2]
-        if namespace not in claims:
+        content = tuple(content)
+        self.claims[(chunk_hash, namespace)] = (content, offset)
+        if (chunk_hash, content) not in self.order:
             self.clock += 1
-            claims[namespace] = self.clock
-        self.chunks[chunk_hash] = (tuple(content), offset, claims)
+            self.order[(chunk_hash, content)] = self.clock
+        self._forget_empty()
 
-    def names(self, chunk_hash, content) -> bool:
-        """Whether a removal naming `content` (None: any) applies to the chunk."""
-        known = self.chunks.get(chunk_hash)
-        return known is not None and (content is None or tuple(content) == known[0])
+    def stored(self, chunk_hash, namespace=None):
+        """The content of a claim on the chunk (of `namespace`'s; None: any)."""
+        for (h, ns), (content, _) in self.claims.items():
+            if h == chunk_hash and namespace in (None, ns):
+                return content
+        return (0,) * C
 
     def remove_claim(self, chunk_hash, namespace, content) -> None:
-        if self.names(chunk_hash, content):
-            claims = self.chunks[chunk_hash][2]
-            claims.pop(namespace, None)
-            if not claims:
-                del self.chunks[chunk_hash]
+        held = self.claims.get((chunk_hash, namespace))
+        if held is not None and (content is None or tuple(content) == held[0]):
+            del self.claims[(chunk_hash, namespace)]
+        self._forget_empty()
 
     def remove_chunk(self, chunk_hash, content) -> None:
-        if self.names(chunk_hash, content):
-            del self.chunks[chunk_hash]
+        for (h, ns), held in list(self.claims.items()):
+            if h == chunk_hash and (content is None or tuple(content) == held[0]):
+                del self.claims[(h, ns)]
+        self._forget_empty()
+
+    def _forget_empty(self) -> None:
+        live = {(h, content) for (h, _), (content, _) in self.claims.items()}
+        self.order = {k: v for k, v in self.order.items() if k in live}
 
     def match(self, query, namespace, stride):
         found, used = [], set()
         for start in range(0, len(query) - C + 1, stride):
             window = tuple(query[start:start + C])
-            candidates = [(claims[namespace], chunk_hash, offset)
-                          for chunk_hash, (content, offset, claims) in self.chunks.items()
-                          if content == window and namespace in claims
-                          and chunk_hash not in used]
+            candidates = [(self.order[(h, content)], h, offset)
+                          for (h, ns), (content, offset) in self.claims.items()
+                          if ns == namespace and content == window and h not in used]
             if candidates:
                 _, chunk_hash, offset = min(candidates)
                 used.add(chunk_hash)
@@ -91,22 +99,22 @@ class Model:
         """Per content the namespace claims, every probed position where it occurs and its
         chunks in the order `match` names them; contents by first position."""
         by_content: dict[tuple, list] = {}
-        for chunk_hash, (content, offset, claims) in self.chunks.items():
-            if namespace in claims:
-                by_content.setdefault(content, []).append((claims[namespace], chunk_hash, offset))
+        for (h, ns), (content, offset) in self.claims.items():
+            if ns == namespace:
+                by_content.setdefault(content, []).append((self.order[(h, content)], h, offset))
         found = []
         for content, chunks in by_content.items():
             positions = [start for start in range(0, len(query) - C + 1, stride)
                          if tuple(query[start:start + C]) == content]
             if positions:
                 limit = min(len(positions) + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)
-                found.append((tuple(positions), tuple((h, o) for _, h, o in sorted(chunks)[:limit])))
+                found.append((tuple(positions),
+                              tuple((h, o) for _, h, o in sorted(chunks)[:limit])))
         return sorted(found)
 
     def stats(self) -> tuple[int, int, int, int]:
-        return (len({content for content, _, _ in self.chunks.values()}), len(self.chunks),
-                sum(len(claims) for _, _, claims in self.chunks.values()),
-                len(set().union(*(claims for _, _, claims in self.chunks.values()))))
+        return (len({content for content, _ in self.claims.values()}), len(self.order),
+                len(self.claims), len({ns for _, ns in self.claims}))
 
 
 MANY_HASHES = [bytes([i]) for i in range(40)]
@@ -144,11 +152,11 @@ def run_against_model(operations, stride) -> None:
             index.add(op[1], op[2], op[3], op[4])
             model.add(*op[1:])
         elif kind == "remove_claim":
-            content = model.chunks.get(op[1], ((0,) * C,))[0] if op[3] == "stored" else op[3]
+            content = model.stored(op[1], op[2]) if op[3] == "stored" else op[3]
             index.remove_claim(content, op[1], op[2])
             model.remove_claim(op[1], op[2], content)
         elif kind == "remove_chunk":
-            content = model.chunks.get(op[1], ((0,) * C,))[0] if op[2] == "stored" else op[2]
+            content = model.stored(op[1]) if op[2] == "stored" else op[2]
             index.remove_chunk(content, op[1])
             model.remove_chunk(op[1], content)
         else:
