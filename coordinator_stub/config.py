@@ -50,6 +50,9 @@ class CoordinatorConfig:
     enable_blend_lookup: bool = False
     chunk_size: int = DEFAULT_CHUNK_SIZE
     blend_probe_stride: int = 1
+    # LMCache's cross-namespace rules for a chunk hash stored in several namespaces
+    # (WIRE.md, "Chunk hashes shared by namespaces"); off: each namespace its own content.
+    trust_shared_hashes: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_query_tokens: int = DEFAULT_MAX_QUERY_TOKENS
     max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES
@@ -201,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="probe the query every N positions; 1 finds every stored chunk "
                              "at any offset (full recall), larger values trade recall for "
                              "speed (default: %(default)s)")
+    parser.add_argument("--trust-shared-hashes", action="store_true",
+                        help="LMCache's rules for a chunk hash stored in several namespaces: "
+                             "one content and offset per hash, set by whichever namespace "
+                             "stored it last, and claimed by a token-less STORE of any "
+                             "namespace. Only for fleets whose namespaces trust each other "
+                             "(one tenant): a namespace's report then changes what the others "
+                             "match. Off by default: each namespace keeps its own content and "
+                             "offset for a hash (WIRE.md)")
     parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted; larger ones are answered 413 "
                              "(default: %(default)s = 64 MiB)")
@@ -329,6 +340,7 @@ def parse_args(argv: Sequence[str] | None = None,
         return CoordinatorConfig(
             host=args.host, port=args.port, enable_blend_lookup=args.enable_blend_lookup,
             chunk_size=args.chunk_size, blend_probe_stride=args.blend_probe_stride,
+            trust_shared_hashes=args.trust_shared_hashes,
             max_body_bytes=args.max_body_bytes, max_query_tokens=args.max_query_tokens,
             max_ingest_bytes=args.max_ingest_bytes,
             match_workers=args.match_workers, idle_timeout_s=args.idle_timeout,

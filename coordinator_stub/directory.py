@@ -151,95 +151,117 @@ class _ManyKeys:
         self._count = value
 
 
+class _OwnContent(JournaledDict):
+    """The content of a chunk whose namespaces reported different tokens or offsets (or
+    one reported none while another did): {namespace: (content, offset)}, `content` as
+    for a binding (bytes, or the digest of indexed tokens). A namespace not in it has no
+    content of its own for the chunk, and claims none. Journaled like the bindings; rare,
+    so its GC tracking does not matter."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return _OwnContent, (self.journal, dict(self))
+
+
 class _IndexWriter:
     """The directory's only path to the index. Updates are queued and sent by `flush()`,
-    adds grouped per namespace into one `add_many` (one lock acquisition, one kernel
-    call) instead of one call per chunk; `discard()` drops what is queued.
+    consecutive adds as one `add_many` (one lock acquisition, one kernel call, one
+    namespace per row) instead of one call per chunk; `discard()` drops what is queued.
 
-    Order is preserved where it matters: an add for a chunk hash is never reordered with
-    another operation on the same hash, because any add that would change a grouped one
-    (other content or offset) and every removal close the current group first. Adds of
-    distinct hashes commute, so grouping them by namespace changes nothing. While updates
-    are queued, `tokens_of` answers as the index will once they are sent.
+    Order is preserved: adds are sent in the order they were queued (the index numbers
+    occupants in the order they are first indexed, LMCache's match order), and every
+    removal closes the current run of adds first. While updates are queued, `tokens_of`
+    answers as the index will once they are sent.
 
-    `flush()` records, before each removal, the tokens the chunk had (`replaced`), so a
-    failure part-way can be repaired; `sent` says how many updates reached the index.
-    Called only under the directory lock, and flushed before the lock is released.
+    `flush()` records, before each removal, the tokens the claims had (`replaced`, by
+    `(chunk_hash, namespace)`, or by chunk hash for a whole chunk), so a failure part-way
+    can be repaired; `sent` says how many updates reached the index. Called only under
+    the directory lock, and flushed before the lock is released.
     """
 
     def __init__(self, index, chunk_size: int) -> None:
         self.index = index
         self.chunk_size = chunk_size
         self._ops: list[tuple] = []
-        self._latest: dict[bytes, bytes | None] = {}  # content once queued updates land
-        self._grouped: dict[bytes, tuple[bytes, int]] = {}
-        self._groups: dict[BlendNamespace, tuple[list, list, list]] = {}
+        # Per chunk hash, the content of each namespace's claim once queued updates land
+        # (None: no claim); `_ALL` present: the chunk was dropped, so unlisted ones too.
+        self._latest: dict[bytes, dict] = {}
+        self._adds: tuple[list, list, list, list] | None = None
         self.sent = 0
-        self.replaced: dict[bytes, np.ndarray | None] = {}
+        self.replaced: dict = {}
 
     def add(self, tokens: bytes, chunk_hash: bytes, offset: int,
             namespace: BlendNamespace) -> None:
-        grouped = self._grouped.get(chunk_hash)
-        if grouped is not None and (grouped[1] != offset or grouped[0] != tokens):
-            self._close_groups()
-        self._grouped[chunk_hash] = (tokens, offset)
-        self._latest[chunk_hash] = tokens
-        group = self._groups.get(namespace)
-        if group is None:
-            group = self._groups[namespace] = ([], [], [])
-        group[0].append(tokens)
-        group[1].append(chunk_hash)
-        group[2].append(offset)
+        self._latest.setdefault(chunk_hash, {})[namespace] = tokens
+        adds = self._adds
+        if adds is None:
+            adds = self._adds = ([], [], [], [])
+        adds[0].append(tokens)
+        adds[1].append(chunk_hash)
+        adds[2].append(offset)
+        adds[3].append(namespace)
 
     def remove_claim(self, chunk_hash: bytes, namespace: BlendNamespace) -> None:
-        self._close_groups()
+        self._close_adds()
         self._ops.append((_REMOVE_CLAIM, chunk_hash, namespace))
+        self._latest.setdefault(chunk_hash, {})[namespace] = None
 
     def remove_chunk(self, chunk_hash: bytes) -> None:
-        self._close_groups()
+        self._close_adds()
         self._ops.append((_REMOVE_CHUNK, chunk_hash, None))
-        self._latest[chunk_hash] = None
+        self._latest[chunk_hash] = {_ALL: None}
 
-    def tokens_of(self, chunk_hash: bytes) -> bytes | None:
-        """The indexed content of a chunk as it will be once the queue is sent."""
-        if chunk_hash in self._latest:
-            return self._latest[chunk_hash]
-        tokens = self.index.tokens_of(chunk_hash)
+    def tokens_of(self, chunk_hash: bytes, namespace: BlendNamespace | None = None
+                  ) -> bytes | None:
+        """The content of `namespace`'s claim (None: of any claim, for a chunk whose
+        claims all agree) as it will be once the queue is sent."""
+        latest = self._latest.get(chunk_hash)
+        if latest is not None:
+            if namespace is None:
+                for tokens in latest.values():
+                    if tokens is not None:
+                        return tokens
+            elif namespace in latest:
+                return latest[namespace]
+            if _ALL in latest:
+                return None
+        tokens = self.index.tokens_of(chunk_hash, namespace)
         return None if tokens is None else np.asarray(tokens, dtype=np.uint32).tobytes()
 
-    def _close_groups(self) -> None:
-        if not self._groups:
-            return
-        groups, self._groups, self._grouped = self._groups, {}, {}
-        for namespace, (contents, hashes, offsets) in groups.items():
-            self._ops.append((_ADD_MANY, namespace, (contents, hashes, offsets)))
+    def _close_adds(self) -> None:
+        if self._adds is not None:
+            self._ops.append((_ADD_MANY, None, self._adds))
+            self._adds = None
 
     def flush(self) -> None:
         """Send every queued update to the index, in order."""
-        self._close_groups()
+        self._close_adds()
         ops, self._ops, self._latest = self._ops, [], {}
         self.sent, self.replaced = 0, {}
         index = self.index
         for kind, first, second in ops:
             if kind is _ADD_MANY:
-                contents, hashes, offsets = second
+                contents, hashes, offsets, namespaces = second
                 rows = np.frombuffer(b"".join(contents), dtype=np.uint32).reshape(
                     len(contents), self.chunk_size)
-                index.add_many(rows, hashes, offsets, first)
+                index.add_many(rows, hashes, offsets, namespaces)
+            elif kind is _REMOVE_CLAIM:
+                if (first, second) not in self.replaced:  # to restore should this fail
+                    self.replaced[(first, second)] = index.tokens_of(first, second)
+                index.remove_claim(None, first, second)
             else:
-                if first not in self.replaced:  # what to restore should this batch fail
+                if first not in self.replaced:
                     self.replaced[first] = index.tokens_of(first)
-                if kind is _REMOVE_CLAIM:
-                    index.remove_claim(None, first, second)
-                else:
-                    index.remove_chunk(None, first)
+                index.remove_chunk(None, first)
             self.sent += 1
 
     def discard(self) -> None:
         """Drop every queued update (the batch that queued them was rolled back)."""
-        self._ops, self._latest, self._grouped, self._groups = [], {}, {}, {}
+        self._ops, self._latest, self._adds = [], {}, None
 
 
+_ALL = object()  # `_IndexWriter._latest`: every claim of the chunk
 _ADD_MANY, _REMOVE_CLAIM, _REMOVE_CHUNK = "add_many", "remove_claim", "remove_chunk"
 
 
@@ -247,9 +269,12 @@ class KeyDirectory:
     """Placements, token bindings and the blend index derived from them. Thread-safe."""
 
     def __init__(self, chunk_size: int = 256, probe_stride: int = 1,
-                 enable_blend_lookup: bool = False) -> None:
+                 enable_blend_lookup: bool = False, trust_shared_hashes: bool = False) -> None:
         self.chunk_size = chunk_size
         self.probe_stride = probe_stride
+        # LMCache's cross-namespace rules (module doc): one content per chunk hash, set by
+        # whichever namespace stored it last, and claimed by a token-less STORE of any.
+        self._trust_shared_hashes = trust_shared_hashes
         self._lock = threading.Lock()
         self._journal = Journal()
         self._gate = IngestGate()
@@ -454,21 +479,39 @@ class KeyDirectory:
         index, replaced = self._writer.index, self._writer.replaced
         try:
             for chunk_hash in chunk_hashes:
-                tokens = (replaced[chunk_hash] if chunk_hash in replaced
-                          else index.tokens_of(chunk_hash))
-                index.remove_chunk(None, chunk_hash)
                 binding = self._bindings.get(chunk_hash)
-                if binding is None or not self._indexed(binding[0], binding[1]):
-                    continue
-                if tokens is None:
-                    log.error("chunk %s cannot be re-indexed: its tokens are gone",
-                              chunk_hash.hex())
-                    continue
-                for namespace in self._namespaces_of(binding[2]):
-                    index.add(tokens, chunk_hash, binding[1], namespace)
+                claims = [] if binding is None else self._indexed_claims(binding)
+                restore = []
+                for namespace, content, offset in claims:
+                    if type(content) is bytes:
+                        tokens = np.frombuffer(content, dtype=np.uint32)
+                    elif (chunk_hash, namespace) in replaced:
+                        tokens = replaced[chunk_hash, namespace]
+                    elif chunk_hash in replaced:
+                        tokens = replaced[chunk_hash]
+                    else:
+                        tokens = index.tokens_of(chunk_hash, namespace)
+                    restore.append((namespace, tokens, offset))
+                index.remove_chunk(None, chunk_hash)
+                for namespace, tokens, offset in restore:
+                    if tokens is None:
+                        log.error("chunk %s cannot be re-indexed: its tokens are gone",
+                                  chunk_hash.hex())
+                        continue
+                    index.add(tokens, chunk_hash, offset, namespace)
         except Exception:
             log.exception("re-indexing after a failed batch failed too; lookups may miss "
                           "chunks until they are stored again")
+
+    def _indexed_claims(self, binding: tuple) -> list[tuple[BlendNamespace, Content, int]]:
+        """(namespace, content, offset) of every claim the binding says is indexed."""
+        content, offset, holds = binding[:3]
+        if type(content) is _OwnContent:
+            return [(namespace, held[0], held[1]) for namespace, held in content.items()
+                    if held[1] >= 0]
+        if not self._indexed(content, offset):
+            return []
+        return [(namespace, content, offset) for namespace in self._namespaces_of(holds)]
 
     def _apply(self, batch: CacheEventBatch) -> None:
         kind = batch.event_type
@@ -627,18 +670,95 @@ class KeyDirectory:
         stamped = None
         if self._writer is not None:  # blend lookup off: no content is recorded (or hashed)
             stamped = self._stamped_tokens(entry)
-            claimant = self._key_ns[key_no] if new_claim else None
-            if stamped is not None:
-                content, offset = self._stamp(chunk_hash, content, offset, holds, stamped,
-                                              entry.token_offset, claimant)
-            elif claimant is not None and self._indexed(content, offset):
-                # STORE without tokens, content known: claim it for the key's namespace.
-                self._claim_for(chunk_hash, content, offset, claimant)
-        if stamped is not None:
+            namespace = self._key_ns[key_no]
+            if type(content) is _OwnContent:
+                self._store_own(chunk_hash, content, namespace, stamped, entry.token_offset)
+            elif (self._trust_shared_hashes or content is None and stamped is None
+                  or self._alone(holds, namespace)):
+                # One namespace on the chunk (or LMCache's shared rules): the chunk's
+                # content and offset are that namespace's.
+                claimant = namespace if new_claim else None
+                if stamped is not None:
+                    content, offset = self._stamp(chunk_hash, content, offset, holds,
+                                                  stamped, entry.token_offset, claimant)
+                elif claimant is not None and self._indexed(content, offset):
+                    # STORE without tokens, content known: claim it for the key's namespace.
+                    self._claim_for(chunk_hash, content, offset, claimant)
+            elif (stamped is None and not new_claim) or (
+                    stamped is not None and content is not None and offset == entry.token_offset
+                    and self._same_content(chunk_hash, content, stamped, None)):
+                # Nothing new, or what every namespace here already holds.
+                if new_claim and self._indexed(content, offset):
+                    self._claim_for(chunk_hash, content, offset, namespace)
+            else:
+                # Namespaces part ways: from now on each keeps its own content.
+                if reported is None and content is not None:
+                    reported = (content if type(content) is bytes
+                                else self._writer.tokens_of(chunk_hash))
+                content = self._own_content(holds, content, offset,
+                                            namespace if new_claim else None)
+                offset = UNKNOWN_TOKEN_OFFSET
+                self._store_own(chunk_hash, content, namespace, stamped, entry.token_offset)
+        if type(content) is _OwnContent:
+            if stamped is not None:  # displayed: the latest STORE's tokens, as LMCache
+                reported = stamped
+            elif len(entry.token_ids):
+                reported = _packed(entry.token_ids, reported)
+        elif stamped is not None:
             reported = None  # the content shows them
         elif len(entry.token_ids):
             reported = _packed(entry.token_ids, reported)
         self._bindings[chunk_hash] = (content, offset, holds, accesses, reported)
+
+    def _alone(self, holds, namespace: BlendNamespace) -> bool:
+        """Whether `namespace` is the only one with keys on the chunk."""
+        if type(holds) is tuple:
+            key_ns = self._key_ns
+            return all(key_ns[key_no] == namespace for key_no in holds[0::2])
+        return len(holds.keys_in) == 1
+
+    def _same_content(self, chunk_hash: bytes, content: Content, tokens: bytes,
+                      namespace: BlendNamespace | None) -> bool:
+        """Whether `tokens` are `content` (bytes, or a digest of indexed tokens: another
+        process's digest differs for the same tokens, so a differing one is checked
+        against the index)."""
+        if type(content) is bytes:
+            return tokens == content
+        return (_digest(tokens) == content
+                or tokens == self._writer.tokens_of(chunk_hash, namespace))
+
+    def _own_content(self, holds, content: Content, offset: int,
+                     newcomer: BlendNamespace | None) -> "_OwnContent":
+        """The shared content of a chunk as each namespace's own (but `newcomer`'s, new
+        to the chunk: it had none): O(namespaces), once per chunk that parts ways."""
+        own = _OwnContent(self._journal)
+        if content is not None:
+            for namespace in self._namespaces_of(holds):
+                if namespace != newcomer:
+                    own[namespace] = (content, offset)
+        return own
+
+    def _store_own(self, chunk_hash: bytes, own: "_OwnContent", namespace: BlendNamespace,
+                   tokens: bytes | None, new_offset: int) -> None:
+        """A STORE on a chunk whose namespaces keep their own content: with tokens they
+        become the namespace's content and offset (the index moves only its claim);
+        without, nothing changes (a namespace with no content of its own claims none)."""
+        if tokens is None:
+            return
+        held = own.get(namespace)
+        indexed = held is not None and held[1] >= 0
+        if indexed and held[1] == new_offset and self._same_content(
+                chunk_hash, held[0], tokens, namespace):
+            own[namespace] = (_digest(tokens), new_offset)
+            return
+        if indexed:
+            # Its claim leaves the old content first (what a failed batch restores).
+            self._writer.remove_claim(chunk_hash, namespace)
+        if new_offset < 0:
+            own[namespace] = (tokens, new_offset)
+            return
+        self._writer.add(tokens, chunk_hash, new_offset, namespace)
+        own[namespace] = (_digest(tokens), new_offset)
 
     def _stamped_tokens(self, entry: CacheEventEntry) -> bytes | None:
         """The entry's tokens as native uint32 bytes, or None when it carries no usable
@@ -842,9 +962,20 @@ class KeyDirectory:
                  ) -> None:
         """Placements gone: each namespace left without a key drops its claim (the last
         claim drops the occupant), and each key gone its access count; a binding without
-        placements is forgotten."""
+        placements is forgotten. A chunk whose namespaces kept their own content and
+        that one namespace is left on holds that one's again."""
         content, offset, _, accesses, reported = binding
-        if self._writer is not None and self._indexed(content, offset):
+        if type(content) is _OwnContent:
+            for namespace in lost:
+                held = content.pop(namespace, None)
+                if held is not None and held[1] >= 0:
+                    self._writer.remove_claim(chunk_hash, namespace)
+            if holds:
+                left = self._namespaces_of(holds) if type(holds) is tuple or len(
+                    holds.keys_in) == 1 else ()
+                if len(left) == 1:
+                    content, offset = content.get(left[0], (None, UNKNOWN_TOKEN_OFFSET))
+        elif self._writer is not None and self._indexed(content, offset):
             for namespace in lost:
                 self._writer.remove_claim(chunk_hash, namespace)
         if holds:
@@ -1106,7 +1237,8 @@ class KeyDirectory:
         with self._lock:
             snapshot = [(chunk_hash,
                          len(reported) // 4 if reported is not None
-                         else 0 if content is None else self.chunk_size,
+                         else 0 if content is None or type(content) is _OwnContent
+                         else self.chunk_size,
                          holds if type(holds) is tuple else self._placements_in(holds),
                          accesses if type(accesses) is tuple else dict(accesses))
                         for chunk_hash, (content, _, holds, accesses, reported)
@@ -1135,7 +1267,7 @@ class KeyDirectory:
         content, reported = binding[0], binding[4]
         if reported is not None:
             return np.frombuffer(reported, dtype=np.uint32).tolist()
-        if content is None:
+        if content is None or type(content) is _OwnContent:
             return []
         if type(content) is bytes:
             return np.frombuffer(content, dtype=np.uint32).tolist()

@@ -208,6 +208,7 @@ class LogReplica:
         return {"stream": self.cluster.stream, "stream_created": self.log.created,
                 "chunk_size": config.chunk_size, "blend": config.enable_blend_lookup,
                 "probe_stride": config.blend_probe_stride,
+                "trust_shared_hashes": config.trust_shared_hashes,
                 "layout": _layout(config)}
 
     async def _restore(self) -> None:
@@ -242,7 +243,8 @@ class LogReplica:
             config = self.coordinator.config
             state = {"directory": KeyDirectory(chunk_size=config.chunk_size,
                                                probe_stride=config.blend_probe_stride,
-                                               enable_blend_lookup=config.enable_blend_lookup),
+                                               enable_blend_lookup=config.enable_blend_lookup,
+                                               trust_shared_hashes=config.trust_shared_hashes),
                      "instances": InstanceRegistry(), "log_time": 0.0}
         # On the apply thread: no record is being applied while the state is replaced.
         await loop.run_in_executor(self._apply, self._take, state, seq)

@@ -125,7 +125,8 @@ class Coordinator:
         self.config = config
         self.directory = KeyDirectory(chunk_size=config.chunk_size,
                                       probe_stride=config.blend_probe_stride,
-                                      enable_blend_lookup=config.enable_blend_lookup)
+                                      enable_blend_lookup=config.enable_blend_lookup,
+                                      trust_shared_hashes=config.trust_shared_hashes)
         self.ingest_queue = FairIngest(self._apply_batch)
         self.ingest_budget = ByteBudget(config.max_ingest_bytes)
         self.instances = InstanceRegistry()

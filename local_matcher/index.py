@@ -157,41 +157,54 @@ class ContentIndex:
         self.add_many(rows.reshape(1, -1), [chunk_hash], [token_offset], namespace)
 
     def add_many(self, rows, chunk_hashes: Sequence[Hashable], token_offsets: Sequence[int],
-                 namespace: Hashable) -> None:
-        """`add` for a (n, chunk_size) array of rows in one lock acquisition."""
+                 namespace: Hashable | list) -> None:
+        """`add` for a (n, chunk_size) array of rows in one lock acquisition, in row order.
+        `namespace`: one for every row, or a list of one per row."""
         rows = as_tokens(rows)
         if rows.ndim != 2 or rows.shape[1] != self.chunk_size:
             raise ValueError(f"rows must have shape (n, {self.chunk_size}), got {rows.shape}")
-        if not (len(rows) == len(chunk_hashes) == len(token_offsets)):
-            raise ValueError("rows, chunk_hashes and token_offsets differ in length")
+        per_row = type(namespace) is list
+        if not (len(rows) == len(chunk_hashes) == len(token_offsets)
+                and (not per_row or len(namespace) == len(rows))):
+            raise ValueError("rows, chunk_hashes, token_offsets (and namespaces) differ in "
+                             "length")
         offsets = np.asarray(token_offsets, dtype=np.int64)
         if offsets.size and offsets.min() < 0:
             keep = np.flatnonzero(offsets >= 0)
             log.debug("not indexed: %d chunks with unknown offset", offsets.size - keep.size)
             rows, offsets = rows[keep], offsets[keep]
             chunk_hashes = [chunk_hashes[i] for i in keep.tolist()]
+            if per_row:
+                namespace = [namespace[i] for i in keep.tolist()]
         if not len(chunk_hashes):
             return
+        namespaces = namespace if per_row else (namespace,) * len(chunk_hashes)
         with self._lock:
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
             self._grow_contents()
             chunks, slot_cid, slot_offset = self._chunks, self._slot_cid, self._slot_offset
-            ns_id = self._namespace_id(namespace)  # adding never retires it
-            vacated, claimed = [], 0
-            for chunk_hash, cid, offset in zip(chunk_hashes, cids.tolist(), offsets.tolist()):
+            ns_bits = np.empty(len(cids), dtype=np.uint64)
+            vacated, current, ns_id = [], object(), _NONE
+            for i, (chunk_hash, cid, offset, name) in enumerate(zip(
+                    chunk_hashes, cids.tolist(), offsets.tolist(), namespaces)):
+                if name is not current:  # adding never retires an id: safe to keep
+                    current, ns_id = name, self._namespace_id(name)
+                ns_bits[i] = _mask_bit(ns_id)
                 claim = chunks.get(chunk_hash)
                 slot = _NONE if claim is None else self._slot_of(claim, ns_id)
                 if slot == _NONE:  # a new claim: O(1) however many the chunk has
                     slot = self._claim(chunk_hash, cid, ns_id, offset, claim)
                     chunks[chunk_hash] = self._with_slot(claim, slot)
-                    claimed += 1
+                    self._count_claims(ns_id, 1)
                 elif slot_cid[slot] == cid:
                     slot_offset[slot] = offset
                 else:  # this namespace now reports other tokens under the hash
                     vacated.append(slot_cid[slot])
                     self._move(claim, slot, cid, offset)
-            self._count_claims(ns_id, claimed)
-            self._store.ns_mask[cids] |= np.uint64(_mask_bit(ns_id))
+            if per_row:
+                np.bitwise_or.at(self._store.ns_mask, cids, ns_bits)
+            else:
+                self._store.ns_mask[cids] |= ns_bits[0]
             # Released only now: a later row of this batch may have found that content.
             self._settle(vacated)
 

@@ -125,13 +125,38 @@ async def test_restoring_a_hash_with_new_content_retires_the_old_content(coord):
     assert (blend["num_contents"], blend["num_chunks"]) == (1, 1)
 
 
-async def test_new_content_keeps_every_namespace_claim(coord):
+@pytest.fixture
+async def trusting(start):
+    """A coordinator with `--trust-shared-hashes`: LMCache's cross-namespace rules."""
+    return await start(trust_shared_hashes=True)
+
+
+async def test_new_content_from_one_namespace_leaves_the_others_as_they_were(coord):
     await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0"),
-                                  entry("aa01", offset=0, salt="t1")))
-    await coord.post_events(batch(entry("aa01", B, offset=0, salt="t0"), seq=2))
+                                  entry("aa01", A, offset=0, salt="t1")))
+    await coord.post_events(batch(entry("aa01", B, offset=4, salt="t0"), seq=2))
+    assert await coord.lookup(A, salt="t0") == []
+    assert await coord.lookup(B, salt="t0") == [("aa01", 4, 0)]
+    assert await coord.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    assert await coord.lookup(B, salt="t1") == []
+    blend = (await coord.stats())["blend"]
+    assert (blend["num_contents"], blend["num_chunks"], blend["num_claims"]) == (2, 2, 2)
+    # Within one namespace the latest STORE with tokens wins (t1 agrees with t0 again).
+    await coord.post_events(batch(entry("aa01", B, offset=4, salt="t1"), seq=3))
+    assert await coord.lookup(B, salt="t1") == [("aa01", 4, 0)]
+    blend = (await coord.stats())["blend"]
+    assert (blend["num_contents"], blend["num_chunks"], blend["num_claims"]) == (1, 1, 2)
+
+
+async def test_remove_chunk_retires_every_namespace_at_once(trusting):
+    # LMCache's rule (trusted hashes): new content under a hash retires every claim on the
+    # old one, and every namespace on the chunk claims the new one.
+    await trusting.post_events(batch(entry("aa01", A, offset=0, salt="t0"),
+                                     entry("aa01", offset=0, salt="t1")))
+    await trusting.post_events(batch(entry("aa01", B, offset=0, salt="t0"), seq=2))
     for salt in ("t0", "t1"):
-        assert await coord.lookup(A, salt=salt) == []
-        assert await coord.lookup(B, salt=salt) == [("aa01", 0, 0)]
+        assert await trusting.lookup(A, salt=salt) == []
+        assert await trusting.lookup(B, salt=salt) == [("aa01", 0, 0)]
 
 
 async def test_tokenless_store_indexes_nothing(coord):
@@ -142,19 +167,42 @@ async def test_tokenless_store_indexes_nothing(coord):
     assert await coord.lookup(A) == []
 
 
-async def test_later_stamped_store_fills_content_for_namespaces_already_on_the_binding(coord):
+async def test_a_stamped_store_fills_content_for_its_own_namespace_only(coord):
     await coord.post_events(batch(entry("aa01", offset=0, salt="t1")))
     await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0"), seq=2))
-    assert await coord.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    assert await coord.lookup(A, salt="t0") == [("aa01", 0, 0)]
+    assert await coord.lookup(A, salt="t1") == []  # t1 reported no tokens of its own
+    await coord.post_events(batch(entry("aa01", A, offset=8, salt="t1"), seq=3))
+    assert await coord.lookup(A, salt="t1") == [("aa01", 8, 0)]
     assert await coord.lookup(A, salt="t0") == [("aa01", 0, 0)]
 
 
-async def test_tokenless_store_of_known_content_claims_it_for_the_new_namespace(coord):
+async def test_later_stamped_store_fills_content_for_namespaces_already_on_the_binding(
+        trusting):
+    await trusting.post_events(batch(entry("aa01", offset=0, salt="t1")))
+    await trusting.post_events(batch(entry("aa01", A, offset=0, salt="t0"), seq=2))
+    assert await trusting.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    assert await trusting.lookup(A, salt="t0") == [("aa01", 0, 0)]
+
+
+async def test_tokenless_store_of_another_namespaces_content_claims_nothing(coord):
     await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0")))
-    assert await coord.lookup(A, salt="t1") == []
     await coord.post_events(batch(entry("aa01", offset=0, salt="t1"), seq=2))
-    assert await coord.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    assert await coord.lookup(A, salt="t1") == []
     blend = (await coord.stats())["blend"]
+    assert (blend["num_contents"], blend["num_claims"]) == (1, 1)
+    # ... while one of its own reports' content it claims (another key, token-less).
+    await coord.post_events(batch(entry("aa01", A, offset=4, salt="t1"),
+                                  entry("aa01", offset=0, salt="t1", group=1), seq=3))
+    assert await coord.lookup(A, salt="t1") == [("aa01", 4, 0)]
+
+
+async def test_a_namespace_joining_a_bound_chunk_without_tokens_still_claims_it(trusting):
+    await trusting.post_events(batch(entry("aa01", A, offset=0, salt="t0")))
+    assert await trusting.lookup(A, salt="t1") == []
+    await trusting.post_events(batch(entry("aa01", offset=0, salt="t1"), seq=2))
+    assert await trusting.lookup(A, salt="t1") == [("aa01", 0, 0)]
+    blend = (await trusting.stats())["blend"]
     assert (blend["num_contents"], blend["num_claims"]) == (1, 2)
 
 
@@ -184,7 +232,8 @@ async def test_only_a_later_store_with_tokens_and_an_offset_makes_it_matchable(
     assert await coord.lookup(FILL + A) == ([("aa01", 12, 3)] if with_tokens else [])
 
 
-async def test_the_offset_is_the_one_of_the_latest_store_with_tokens(coord):
+async def test_the_offset_is_the_one_of_the_latest_store_with_tokens(trusting):
+    coord = trusting
     await coord.post_events(batch(entry("aa01", A, offset=12)))
     await coord.post_events(batch(entry("aa01", (), offset=40, salt="t1"), seq=2))
     assert await coord.lookup(A) == [("aa01", 12, 0)]  # token-less: offset unchanged
@@ -197,6 +246,20 @@ async def test_the_offset_is_the_one_of_the_latest_store_with_tokens(coord):
     assert (await coord.stats())["blend"]["num_chunks"] == 0
     await coord.post_events(batch(entry("aa01", A, offset=4), seq=5))
     assert await coord.lookup(A, salt="t1") == [("aa01", 4, 0)]
+
+
+async def test_the_offset_is_each_namespaces_latest_store_with_tokens(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=12)))
+    await coord.post_events(batch(entry("aa01", A, offset=40, salt="t1"), seq=2))
+    await coord.post_events(batch(entry("aa01", (), offset=8), seq=3))  # token-less
+    assert await coord.lookup(A) == [("aa01", 12, 0)]
+    assert await coord.lookup(A, salt="t1") == [("aa01", 40, 0)]
+    await coord.post_events(batch(entry("aa01", A, offset=-1), seq=4))
+    assert await coord.lookup(A) == []  # unknown position: not matchable, for "" only
+    assert await coord.lookup(A, salt="t1") == [("aa01", 40, 0)]
+    await coord.post_events(batch(entry("aa01", A, offset=20, salt="t1"), seq=5, tier="l2"))
+    assert await coord.lookup(A, salt="t1") == [("aa01", 20, 0)]
+    assert await coord.lookup(A) == []
 
 
 async def test_tokenless_at_0_then_tokens_at_minus_1_is_not_indexed(coord):
@@ -224,7 +287,8 @@ async def test_a_token_id_outside_uint32_records_the_placement_as_unknown_conten
     assert await coord.lookup(A) == [("aa01", 8, 0)]
 
 
-async def test_a_token_id_outside_uint32_leaves_a_known_binding_as_it_was(coord):
+async def test_a_token_id_outside_uint32_leaves_a_known_binding_as_it_was(start):
+    coord = await start(trust_shared_hashes=True)
     await coord.post_events(batch(entry("aa01", A, offset=8)))
     await coord.post_events(batch(entry("aa01", [1, 2, 3, 2**32], offset=0, salt="t1"),
                                   seq=2))
@@ -232,6 +296,14 @@ async def test_a_token_id_outside_uint32_leaves_a_known_binding_as_it_was(coord)
     assert await coord.lookup(A) == [("aa01", 8, 0)]
     assert await coord.lookup(A, salt="t1") == [("aa01", 8, 0)]
     assert (await coord.stats())["counters"]["token_lists_out_of_range"] == 1
+
+
+async def test_a_token_id_outside_uint32_claims_no_other_namespaces_content(coord):
+    await coord.post_events(batch(entry("aa01", A, offset=8)))
+    await coord.post_events(batch(entry("aa01", [1, 2, 3, 2**32], offset=0, salt="t1"),
+                                  seq=2))
+    assert await coord.lookup(A) == [("aa01", 8, 0)]
+    assert await coord.lookup(A, salt="t1") == []
 
 
 # --- the ingest gate ------------------------------------------------------------------

@@ -33,21 +33,27 @@ GROUPS = [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
 class Reference:
-    """The lifecycle table, written the obvious way."""
+    """The lifecycle table, written the obvious way. `trust`: LMCache's shared rules (one
+    content and offset per hash, whoever stored it); else each namespace's own."""
 
-    def __init__(self, blend_on: bool) -> None:
+    def __init__(self, blend_on: bool, trust: bool) -> None:
         self.blend_on = blend_on
+        self.trust = trust
         self.places: dict[tuple, set] = {}  # (hash, model, salt, ws, rank) -> {(inst, tier)}
-        self.content: dict[str, tuple] = {}
-        self.offset: dict[str, int] = {}
+        # Per owner: the hash with `trust`, else (hash, namespace).
+        self.content: dict = {}
+        self.offset: dict = {}
+
+    def _owner(self, h, space):
+        return h if self.trust else (h, BlendNamespace(space[0], space[1], space[2]))
 
     def store(self, inst, tier, h, space, tokens, offset):
         self.places.setdefault((h, *space), set()).add((inst, tier))
         # Only a STORE with usable tokens sets content and offset (-1 included); one
         # without (none, the wrong length, an id outside uint32) leaves both as they were.
         if self.blend_on and len(tokens) == C and all(0 <= t < 2**32 for t in tokens):
-            self.content[h] = tokens
-            self.offset[h] = offset
+            self.content[self._owner(h, space)] = tokens
+            self.offset[self._owner(h, space)] = offset
 
     def delete(self, inst, tier, h, space):
         held = self.places.get((h, *space), set())
@@ -62,20 +68,29 @@ class Reference:
 
     def _forget_empty(self):
         self.places = {k: v for k, v in self.places.items() if v}
-        live = {k[0] for k in self.places}
-        self.content = {h: c for h, c in self.content.items() if h in live}
-        self.offset = {h: o for h, o in self.offset.items() if h in live}
+        live = {self._owner(k[0], k[1:]) for k in self.places}
+        self.content = {o: c for o, c in self.content.items() if o in live}
+        self.offset = {o: v for o, v in self.offset.items() if o in live}
+
+    def claims_held(self) -> set:
+        """(hash, namespace, content, offset) of every claim that is indexed."""
+        found = set()
+        for k in self.places:
+            owner = self._owner(k[0], k[1:])
+            if self.content.get(owner) is not None and self.offset.get(owner, -1) >= 0:
+                found.add((k[0], BlendNamespace(k[1], k[2], k[3]), self.content[owner],
+                           self.offset[owner]))
+        return found
 
     def visible(self, namespace: BlendNamespace, tokens: tuple) -> set:
-        return {(bytes.fromhex(k[0]), self.offset[k[0]]) for k in self.places
-                if BlendNamespace(k[1], k[2], k[3]) == namespace
-                and self.content.get(k[0]) == tokens and self.offset.get(k[0], -1) >= 0}
+        return {(bytes.fromhex(h), offset) for h, ns, content, offset in self.claims_held()
+                if ns == namespace and content == tokens}
 
-    def indexed(self) -> set:
-        return {h for h in self.content if self.offset.get(h, -1) >= 0}
+    def occupants(self) -> set:
+        return {(h, content) for h, _, content, _ in self.claims_held()}
 
     def claims(self) -> int:
-        return len({(k[0], k[1], k[2], k[3]) for k in self.places if k[0] in self.indexed()})
+        return len({(h, ns) for h, ns, _, _ in self.claims_held()})
 
 
 def _batch(inst, incarnation, seq, kind, tier, entries) -> CacheEventBatch:
@@ -90,12 +105,14 @@ def _entry(h, space, tokens=(), offset=-1) -> CacheEventEntry:
     return CacheEventEntry(key=key, token_ids=list(tokens), token_offset=offset)
 
 
+@pytest.mark.parametrize("trust", [False, True], ids=["own-content", "trust-shared-hashes"])
 @pytest.mark.parametrize("enable_at", [0, 60], ids=["on-from-start", "enabled-mid-life"])
 @pytest.mark.parametrize("seed", range(8))
-def test_index_is_the_derived_view_of_the_directory(seed, enable_at):
+def test_index_is_the_derived_view_of_the_directory(seed, enable_at, trust):
     rng = random.Random(seed)
-    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=enable_at == 0)
-    reference = Reference(blend_on=enable_at == 0)
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=enable_at == 0,
+                             trust_shared_hashes=trust)
+    reference = Reference(blend_on=enable_at == 0, trust=trust)
     cursors = {inst: [0, 0] for inst in INSTANCES}  # incarnation, seq
     for step in range(400):
         if step == enable_at and step:
@@ -141,14 +158,15 @@ def _assert_agree(directory: KeyDirectory, reference: Reference, step: int) -> N
     stats = directory.stats()
     assert stats["num_keys"] == len(reference.places), step
     assert stats["num_placements"] == sum(map(len, reference.places.values())), step
-    assert stats["blend"]["num_chunks"] == len(reference.indexed()), step
+    assert stats["blend"]["num_chunks"] == len(reference.occupants()), step
     assert stats["blend"]["num_claims"] == reference.claims(), step
     assert stats["blend"]["num_contents"] == len(
-        {reference.content[h] for h in reference.indexed()}), step
+        {content for _, content in reference.occupants()}), step
 
 
 def test_indexed_tokens_are_kept_once_and_fetched_back_when_claiming():
-    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    # A token-less STORE claims another namespace's content only with shared hashes trusted.
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True, trust_shared_hashes=True)
     t0, t1 = SPACES[0], SPACES[1]
     directory.ingest([_batch("i0", 0, 1, "store", TIERS[0], [_entry("a1", t0, CONTENTS[0], 0)])])
     # The directory keeps a digest, not a second copy of the tokens the index holds.
@@ -174,7 +192,7 @@ def test_a_chunk_hash_with_many_keys_matches_until_its_namespaces_last_key_goes(
     query = np.array(CONTENTS[0], dtype=np.uint32)
     t0, t1 = BlendNamespace("m", "t0", 1), BlendNamespace("m", "t1", 1)
     _store_groups(directory, range(100), seq=1, salt="t0")
-    _store_groups(directory, range(50), seq=2, salt="t1", tokens=())
+    _store_groups(directory, range(50), seq=2, salt="t1")
     stats = directory.stats()
     assert (stats["num_keys"], stats["num_placements"]) == (150, 150)
     assert (stats["blend"]["num_chunks"], stats["blend"]["num_claims"]) == (1, 2)

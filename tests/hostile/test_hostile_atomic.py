@@ -58,31 +58,42 @@ def _state(directory: KeyDirectory, contents: dict[str, list[int]]) -> dict:
 
 def _plain(binding: tuple) -> tuple:
     content, offset, holds = binding[:3]
+    if isinstance(content, dict):  # each namespace's own content: its items, not itself
+        content = dict(content)
     if type(holds) is not tuple:  # a many-keys record: its contents, not its identity
         holds = (dict(holds.places), dict(holds.keys_in), dict(holds.placements_of),
                  holds.count)
     return (content, offset, holds) + tuple(binding[3:])
 
 
-@pytest.fixture
-def seeded():
-    """A directory holding chunks in two tenants, one of them with many keys."""
-    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+@pytest.fixture(params=[True, False], ids=["trust-shared-hashes", "own-content"])
+def seeded(request):
+    """A directory holding chunks in two tenants, one of them with many keys. With shared
+    hashes trusted, tenant t1 claims chunks by token-less STOREs; else by its own reports,
+    one of them at another offset than tenant ""'s (so each keeps its own)."""
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True,
+                             trust_shared_hashes=request.param)
     contents = {name: _tokens() for name in ("a", "b", "c", "d", "e")}
     many = [_entry("ee", contents["e"], offset=16, group=g) for g in range(12)]
+    t1_bb = (_entry("bb", salt="t1") if request.param
+             else _entry("bb", contents["b"], offset=20, salt="t1"))
     directory.ingest([_batch(_entry("aa", contents["a"], offset=0),
-                             _entry("bb", contents["b"], offset=4),
-                             _entry("bb", salt="t1"),
+                             _entry("bb", contents["b"], offset=4), t1_bb,
                              _entry("cc", contents["c"], offset=8), *many, seq=1)])
     return directory, contents
 
 
-def _failing_batch(contents, seq: int = 2, incarnation: int = 0) -> CacheEventBatch:
+def _failing_batch(directory, contents, seq: int = 2, incarnation: int = 0
+                   ) -> CacheEventBatch:
+    trust = directory._trust_shared_hashes
+    t1 = ([_entry("aa", salt="t1")] if trust  # a claim for another tenant
+          else [_entry("aa", contents["a"], offset=40, salt="t1"),
+                _entry("bb", contents["c"], offset=24, salt="t1")])  # t1's own changes
     return _batch(
         _entry("dd", contents["d"], offset=12),       # new chunk
         _entry("aa", contents["a"], offset=40),       # offset moved
         _entry("cc", contents["d"], offset=8),        # new content under a known hash
-        _entry("aa", salt="t1"),                      # a claim for another tenant
+        *t1,
         _entry("ee", contents["e"], offset=16, group=99),  # one more key on a many-keys chunk
         seq=seq, incarnation=incarnation)
 
@@ -96,20 +107,21 @@ def test_failure_while_applying_changes_nothing_and_a_retry_applies(seeded, monk
     before = _state(directory, contents)
     calls = {"n": 0}
     real_store = KeyDirectory._store
+    last = len(_failing_batch(directory, contents).entries)
 
     def store_then_fail(self, *args):
         calls["n"] += 1
-        if calls["n"] == 5:  # the last entry, after four were applied
+        if calls["n"] == last:  # the last entry, after the others were applied
             raise _Boom("injected")
         return real_store(self, *args)
 
     monkeypatch.setattr(KeyDirectory, "_store", store_then_fail)
     with pytest.raises(_Boom):
-        directory.ingest([_failing_batch(contents)])
+        directory.ingest([_failing_batch(directory, contents)])
     assert _state(directory, contents) == before
 
     monkeypatch.setattr(KeyDirectory, "_store", real_store)
-    reply = directory.ingest([_failing_batch(contents)])  # the same batch, same seq
+    reply = directory.ingest([_failing_batch(directory, contents)])  # the same batch, same seq
     assert reply.applied == 1
     after = _state(directory, contents)
     # dd was indexed first with that content, so it is the one named at the position.
@@ -132,10 +144,10 @@ def test_failure_inside_the_index_changes_nothing_and_a_retry_applies(seeded, mo
     # claims when the batch's adds fail.
     monkeypatch.setattr(ContentIndex, "add_many", fail_once)
     with pytest.raises(_Boom):
-        directory.ingest([_failing_batch(contents, seq=1, incarnation=1)])
+        directory.ingest([_failing_batch(directory, contents, seq=1, incarnation=1)])
     assert _state(directory, contents) == before
 
-    reply = directory.ingest([_failing_batch(contents, seq=1, incarnation=1)])
+    reply = directory.ingest([_failing_batch(directory, contents, seq=1, incarnation=1)])
     assert reply.applied == 1
     after = _state(directory, contents)
     assert after["cursor"] == (1, 1)
