@@ -107,9 +107,11 @@ async def serve(config: CoordinatorConfig) -> int:
                  "on" if config.tls_cert_file else "off")
         log.info("at most %d connections; idle timeout %g s, body timeout %g s",
                  guard.max_connections, config.idle_timeout_s, config.body_timeout_s)
-        log.info("blend lookup %s, chunk size %d, probe stride %d; reaper %s; metrics %s",
+        log.info("blend lookup %s, chunk size %d, probe stride %d, %s; reaper %s; metrics %s",
                  "on" if config.enable_blend_lookup else "off", config.chunk_size,
                  config.blend_probe_stride,
+                 "shared chunk hashes trusted (LMCache's rules)" if config.trust_shared_hashes
+                 else "content per namespace",
                  f"every {config.health_check_interval:g} s, timeout "
                  f"{config.instance_timeout:g} s" if config.health_check_interval else "off",
                  "on" if config.enable_metrics else "off")

@@ -10,8 +10,9 @@ State (all guarded by `self._lock`, the directory lock):
   `(model_name, cache_salt, world_size)` (WIRE.md). A key with no placement is forgotten,
   with its count of `access` entries.
 - bindings: one per `chunk_hash` that has at least one key: the chunk's content (exactly
-  `chunk_size` tokens, or unknown) and its stored offset (or -1, unknown). A binding with
-  no key left is forgotten, content and all.
+  `chunk_size` tokens, or unknown) and its stored offset (or -1, unknown), or, once its
+  namespaces part ways, each namespace's own (below). A binding with no key left is
+  forgotten, content and all.
 - per instance, the chunk hashes it holds a placement of, so a restart (or a departure:
   `drop_instance`, L1 only) is fenced without scanning the directory.
 - running totals (placements and reported bytes per tier, L1 placements per instance),
@@ -34,12 +35,25 @@ compares everything the directory reports before and after a failed batch.
 
 The blend index (`local_matcher.ContentIndex`) is a derived view of the bindings, and
 only this module writes it (through `_IndexWriter`). Each step of DESIGN.md's lifecycle
-table is one method below (`_fill_content`, `_move_offset`, `_claim_for`, `_release`, ...).
-Invariant, after every batch applied: a chunk is in the index iff its binding has content
-and an offset >= 0, and then the namespaces claiming it are exactly those of its keys.
-The offset is the one carried by the latest STORE with usable `token_ids`; a STORE
-without them (none, the wrong length, or an id outside uint32) records its placement
-and leaves content and offset as they were.
+table is one method below (`_fill_content`, `_move_offset`, `_claim_for`, `_store_own`,
+`_release`, ...).
+
+Content per namespace (WIRE.md, "Chunk hashes shared by namespaces"; why we depart from
+LMCache there): chunk hashes do not include the namespace and anyone can compute them, so a
+report for a hash never changes what other namespaces match. Each namespace's content and
+offset for a hash are those of its own latest STORE with usable `token_ids` (none, the
+wrong length, or an id outside uint32 make a STORE token-less: it records its placement and
+changes neither), and a token-less STORE claims only content its own namespace reported.
+While a chunk has one namespace, or all of its namespaces hold the same content at the same
+offset (the common case), the binding keeps one `(content, offset)` for all of them, as
+before; the first report that parts them turns it into an `_OwnContent`, {namespace:
+(content, offset)} (once, O(namespaces)), and it turns back when one namespace is left.
+With `trust_shared_hashes` (`--trust-shared-hashes`) the binding always keeps one content and
+offset, LMCache's rules: the latest STORE with tokens from any namespace sets them (new
+content retires every claim first) and a token-less STORE of any namespace claims them.
+Invariant, after every batch applied: a (chunk, namespace) claim is in the index iff that
+namespace's content is known with an offset >= 0 and the namespace has a key on the chunk,
+and then it is indexed with that content and offset.
 
 Lock order: directory -> index, never the other way (the index never calls out). Lookups
 go to the index directly, without the directory lock, so they never wait for ingest.
@@ -71,7 +85,9 @@ every request for a quarter second at 200k chunks), and they are several times s
 than per-chunk objects, dicts and sets.
 
 `content` is None (unknown), the tokens as `bytes` (native uint32) while the chunk is
-not indexed (no offset), or, for an indexed chunk, only an `int` digest of them: the
+not indexed (no offset), an `_OwnContent` whose values hold the same forms per namespace
+(its `reported` then always holds the displayed tokens), or, for an indexed chunk, only an
+`int` digest of them: the
 tokens are kept once, in the index, and fetched back (`ContentIndex.tokens_of`) for the
 rare steps that need them (claiming an indexed chunk for another namespace, moving its
 offset, un-indexing it). The digest is `hash`, randomised per process: a directory loaded
