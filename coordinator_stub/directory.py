@@ -763,17 +763,18 @@ class KeyDirectory:
             return
         held = own.get(namespace)
         indexed = held is not None and held[1] >= 0
-        if indexed and held[1] == new_offset and self._same_content(
-                chunk_hash, held[0], tokens, namespace):
-            own[namespace] = (_digest(tokens), new_offset)
-            return
-        if indexed:
-            # Its claim leaves the old content first (what a failed batch restores).
-            self._writer.remove_claim(chunk_hash, namespace)
-        if new_offset < 0:
+        if new_offset < 0:  # no position: its claim leaves the index
+            if indexed:
+                self._writer.remove_claim(chunk_hash, namespace)
             own[namespace] = (tokens, new_offset)
             return
-        self._writer.add(tokens, chunk_hash, new_offset, namespace)
+        if not (indexed and self._same_content(chunk_hash, held[0], tokens, namespace)):
+            if indexed:
+                # Its claim leaves the old content first (what a failed batch restores).
+                self._writer.remove_claim(chunk_hash, namespace)
+            self._writer.add(tokens, chunk_hash, new_offset, namespace)
+        elif held[1] != new_offset:  # the same content elsewhere: the claim moves in place
+            self._writer.add(tokens, chunk_hash, new_offset, namespace)
         own[namespace] = (_digest(tokens), new_offset)
 
     def _stamped_tokens(self, entry: CacheEventEntry) -> bytes | None:

@@ -167,6 +167,16 @@ async def test_tokenless_store_indexes_nothing(coord):
     assert await coord.lookup(A) == []
 
 
+async def test_a_namespace_moving_its_own_chunk_keeps_its_place_in_the_order(coord):
+    await coord.post_events(batch(entry("aa01", B, offset=0, salt="t0")))
+    await coord.post_events(batch(entry("aa01", A, offset=8, salt="t1"),  # its own content
+                                  entry("bb02", A, offset=4, salt="t1"), seq=2))
+    assert await coord.lookup(A + A, salt="t1") == [("aa01", 8, 0), ("bb02", 4, C)]
+    await coord.post_events(batch(entry("aa01", A, offset=20, salt="t1"), seq=3))
+    assert await coord.lookup(A + A, salt="t1") == [("aa01", 20, 0), ("bb02", 4, C)]
+    assert await coord.lookup(B, salt="t0") == [("aa01", 0, 0)]
+
+
 async def test_a_stamped_store_fills_content_for_its_own_namespace_only(coord):
     await coord.post_events(batch(entry("aa01", offset=0, salt="t1")))
     await coord.post_events(batch(entry("aa01", A, offset=0, salt="t0"), seq=2))
