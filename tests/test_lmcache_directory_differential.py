@@ -80,6 +80,7 @@ def test_trusted_hashes_answer_as_lmcaches_directory(seed):
         inst = rng.choice(INSTANCES)
         if rng.random() < 0.03:  # the instance leaves: its L1 placements go, on both
             ours.drop_instance(inst)
+            ours.readmit(inst)  # and registers again (ours then takes its L1 batches again)
             theirs.fence_instance(inst)
             seqs[inst] = 0
             _assert_same(ours, theirs, step)
