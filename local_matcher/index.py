@@ -266,10 +266,8 @@ class ContentIndex:
         Ascending by `cur_st`; at most one match per position and per chunk; every
         match compared token by token.
         """
-        tokens = as_tokens(query)
-        if tokens.ndim != 1:
-            raise ValueError(f"query must be one-dimensional, got shape {tokens.shape}")
-        if tokens.size < self.chunk_size:
+        tokens = self._query_tokens(query)
+        if tokens is None:
             return []
         with self._lock:
             ns_id = self._ns_ids.get(namespace)
@@ -302,10 +300,8 @@ class ContentIndex:
         content at most `len(positions) + spare_chunks` chunks (and `MAX_CANDIDATE_CHUNKS`).
         Cost: O(query + positions + chunks named), however many chunks hold a content.
         """
-        tokens = as_tokens(query)
-        if tokens.ndim != 1:
-            raise ValueError(f"query must be one-dimensional, got shape {tokens.shape}")
-        if tokens.size < self.chunk_size:
+        tokens = self._query_tokens(query)
+        if tokens is None:
             return []
         with self._lock:
             ns_id = self._ns_ids.get(namespace)
@@ -340,6 +336,13 @@ class ContentIndex:
                 start += count
             begin = end
         return found
+
+    def _query_tokens(self, query) -> np.ndarray | None:
+        """A query's tokens as uint32, or None when shorter than one chunk (nothing found)."""
+        tokens = as_tokens(query)
+        if tokens.ndim != 1:
+            raise ValueError(f"query must be one-dimensional, got shape {tokens.shape}")
+        return tokens if tokens.size >= self.chunk_size else None
 
     def _heads_of(self, cids: np.ndarray, ns_id: int, head: np.ndarray, slot_ns: np.ndarray
                   ) -> np.ndarray:

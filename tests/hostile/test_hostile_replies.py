@@ -62,6 +62,16 @@ def ask(url: str):
         made.close()
 
 
+def ask_traced(url: str):
+    """The hand-over, and the peak memory this process allocated while it was made."""
+    tracemalloc.start()
+    try:
+        reply, _ = ask(url)
+        return reply, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_offsets_outside_the_token_range_are_dropped_in_both_forms():
     default = (b'{"matches": [{"chunk_hash": "aa", "old_st": 4611686018427387904, "cur_st": 0},'
                b'{"chunk_hash": "bb", "old_st": 1000000000000000000000000000000, "cur_st": 16},'
@@ -106,12 +116,7 @@ def test_a_huge_padded_reply_is_cut_off_at_the_cap():
     head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % (size + 15))
     with StreamingServer(head, pieces) as server:
-        tracemalloc.start()
-        try:
-            reply, _ = ask(server.url)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        reply, peak = ask_traced(server.url)
     assert reply.state is MatchState.FAILED
     assert peak < 16 * CAP + 8 * 1024 * 1024  # the cap and read buffers, not 200 MB
     assert server.sent < size // 2  # the client hung up long before the end
@@ -123,12 +128,7 @@ def test_a_gzip_bomb_is_inflated_no_further_than_the_cap():
     head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
             b"content-length: %d\r\n\r\n" % len(bomb))
     with StreamingServer(head, lambda: iter([bomb])) as server:
-        tracemalloc.start()
-        try:
-            reply, _ = ask(server.url)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        reply, peak = ask_traced(server.url)
     assert reply.state is MatchState.FAILED
     assert peak < 16 * CAP + 8 * 1024 * 1024
 
