@@ -259,9 +259,21 @@ class _IndexWriter:
         for kind, first, second in ops:
             if kind is _ADD_MANY:
                 contents, hashes, offsets, namespaces = second
-                rows = np.frombuffer(b"".join(contents), dtype=np.uint32).reshape(
-                    len(contents), self.chunk_size)
-                index.add_many(rows, hashes, offsets, namespaces)
+                # One row per distinct tokens object: a chunk claimed for every namespace on
+                # it queues the same bytes n times, hashed and looked up once here.
+                row_numbers: dict[int, int] = {}
+                distinct: list[bytes] = []
+                row_of = []
+                for tokens in contents:
+                    row = row_numbers.get(id(tokens))
+                    if row is None:
+                        row = row_numbers[id(tokens)] = len(distinct)
+                        distinct.append(tokens)
+                    row_of.append(row)
+                rows = np.frombuffer(b"".join(distinct), dtype=np.uint32).reshape(
+                    len(distinct), self.chunk_size)
+                index.add_many(rows, hashes, offsets, namespaces,
+                               row_of if len(distinct) < len(contents) else None)
             elif kind is _REMOVE_CLAIM:
                 if (first, second) not in self.replaced:  # to restore should this fail
                     self.replaced[(first, second)] = index.tokens_of(first, second)

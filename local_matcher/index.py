@@ -157,22 +157,33 @@ class ContentIndex:
         self.add_many(rows.reshape(1, -1), [chunk_hash], [token_offset], namespace)
 
     def add_many(self, rows, chunk_hashes: Sequence[Hashable], token_offsets: Sequence[int],
-                 namespace: Hashable | list) -> None:
+                 namespace: Hashable | list, row_of: Sequence[int] | None = None) -> None:
         """`add` for a (n, chunk_size) array of rows in one lock acquisition, in row order.
-        `namespace`: one for every row, or a list of one per row."""
+        `namespace`: one for every row, or a list of one per row. `row_of`: each chunk's
+        row in `rows`, when chunks share rows (a chunk claimed again for many namespaces
+        at once: its tokens are hashed and looked up once); None: one row per chunk."""
         rows = as_tokens(rows)
         if rows.ndim != 2 or rows.shape[1] != self.chunk_size:
             raise ValueError(f"rows must have shape (n, {self.chunk_size}), got {rows.shape}")
         per_row = type(namespace) is list
-        if not (len(rows) == len(chunk_hashes) == len(token_offsets)
-                and (not per_row or len(namespace) == len(rows))):
-            raise ValueError("rows, chunk_hashes, token_offsets (and namespaces) differ in "
-                             "length")
+        count = len(rows) if row_of is None else len(row_of)
+        if not (count == len(chunk_hashes) == len(token_offsets)
+                and (not per_row or len(namespace) == count)):
+            raise ValueError("rows (or row_of), chunk_hashes, token_offsets (and namespaces) "
+                             "differ in length")
+        if row_of is not None:
+            row_of = np.asarray(row_of, dtype=np.int64)
+            if row_of.size and (row_of.min() < 0 or row_of.max() >= len(rows)):
+                raise ValueError(f"row_of must name rows 0..{len(rows) - 1}")
         offsets = np.asarray(token_offsets, dtype=np.int64)
         if offsets.size and offsets.min() < 0:
             keep = np.flatnonzero(offsets >= 0)
             log.debug("not indexed: %d chunks with unknown offset", offsets.size - keep.size)
-            rows, offsets = rows[keep], offsets[keep]
+            offsets = offsets[keep]
+            if row_of is None:
+                rows = rows[keep]
+            else:
+                row_of = row_of[keep]
             chunk_hashes = [chunk_hashes[i] for i in keep.tolist()]
             if per_row:
                 namespace = [namespace[i] for i in keep.tolist()]
@@ -181,6 +192,8 @@ class ContentIndex:
         namespaces = namespace if per_row else (namespace,) * len(chunk_hashes)
         with self._lock:
             cids, _ = self._store.insert(np.ascontiguousarray(rows))
+            if row_of is not None:
+                cids = cids[row_of]
             self._grow_contents()
             chunks, slot_cid, slot_offset = self._chunks, self._slot_cid, self._slot_offset
             ns_bits = np.empty(len(cids), dtype=np.uint64)

@@ -311,3 +311,14 @@ def test_concurrent_add_remove_and_match_stay_consistent(index):
     assert errors == []
     assert index.stats()["num_contents"] == 0
     assert index.stats()["num_claims"] == 0
+
+
+def test_add_many_with_shared_rows_claims_each_chunk_with_its_row(index):
+    rows = np.array([X, Y], dtype=np.uint32)
+    index.add_many(rows, [b"x1", b"y", b"x2", b"skipped"], [0, 4, 8, -1], [A, A, B, B],
+                   row_of=[0, 1, 0, 1])
+    assert index.match(X + Y, A) == [BlendMatch(b"x1", 0, 0), BlendMatch(b"y", 4, 4)]
+    assert index.match(X + Y, B) == [BlendMatch(b"x2", 8, 0)]  # -1: not indexed
+    assert index.stats()["num_contents"] == 2
+    with pytest.raises(ValueError, match="row_of"):
+        index.add_many(rows, [b"z"], [0], A, row_of=[2])
