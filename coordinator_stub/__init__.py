@@ -6,7 +6,7 @@
 `directory` (placements, token bindings, and the blend index derived from them),
 `instances` (the instance registry), `metrics` (Prometheus series),
 `service` (request bodies in, reply bodies out), `app` (HTTP, worker threads, reaper),
-`process` (run it as a child process).
+`process` (run it as a child process), `aio` (asyncio helpers).
 """
 
 from coordinator_stub.app import COORDINATOR, create_app

@@ -6,9 +6,12 @@ it uses compiled, see `coordinator_stub.service`) and the socket is bound, exact
 line ``listening on http://HOST:PORT`` (``https://`` with `--tls-cert`) is written to
 stdout and flushed, with the real port when `--port 0` asked for a free one. Logs go to
 stderr. On SIGINT or SIGTERM the server
-stops accepting, finishes in-flight requests, stops its worker threads and exits 0. A
-replica (`--event-log`) that stopped itself because it can no longer apply the log
-without missing records exits 1, the reason in its log.
+stops accepting, finishes in-flight requests, stops its worker threads and exits 0; a
+signal during start-up (kernels compiling, a replica waiting for its event log or
+replaying it) stops it too, exit 0, nothing left open. Exit 1 with one CRITICAL line
+naming the reason: the port cannot be bound (in use), the event log stayed unreachable
+for `--event-log-connect-timeout` s, or a replica (`--event-log`) stopped itself because
+it can no longer apply the log without missing records.
 
 Connection hygiene (a client may hold sockets and send nothing): the listening socket
 is served through the app's `ConnectionGuard` (at most `--max-connections` open; the
@@ -20,6 +23,7 @@ and the app cuts off a body that takes longer than `--body-timeout`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import signal
@@ -29,6 +33,7 @@ from typing import Sequence
 
 from aiohttp import web
 
+from coordinator_stub.aio import cancel_until_done
 from coordinator_stub.app import CONNECTIONS, REPLICA, create_app
 from coordinator_stub.config import CoordinatorConfig, parse_args
 
@@ -76,8 +81,30 @@ def _tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
     return context
 
 
+class _Stopped(Exception):
+    """SIGINT/SIGTERM arrived while the coordinator was still starting."""
+
+
+async def _unless_stopped(step, stop: asyncio.Event):
+    """Await `step` (a coroutine) unless `stop` is set first: then cancel it (it cleans up
+    after itself) and raise `_Stopped`."""
+    task = asyncio.ensure_future(step)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if not task.done():
+        await cancel_until_done(task)
+        raise _Stopped()
+    return task.result()
+
+
 async def serve(config: CoordinatorConfig) -> int:
-    """Serve until SIGINT/SIGTERM; the exit code (1: a replica that had to stop)."""
+    """Serve until SIGINT/SIGTERM; the exit code (1: it could not start — port in use, event
+    log unreachable — or a replica that had to stop). A signal at any stage stops it: while
+    kernels compile (once they are done), while a replica waits for its event log or
+    replays it, and while serving."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -89,16 +116,35 @@ async def serve(config: CoordinatorConfig) -> int:
     # No access log: a line per request would cost more than serving a lookup.
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
                            keepalive_timeout=config.idle_timeout_s)
-    await runner.setup()
-    _tune_runtime()
     server = None
+    started = False
     try:
+        if stop.is_set():  # a signal while the kernels compiled
+            raise _Stopped()
+        # A replica connects to its event log, restores and replays here: a signal
+        # cancels that, and what it opened is closed (`_replica_lifecycle`).
+        try:
+            await _unless_stopped(runner.setup(), stop)
+        except RuntimeError as exc:  # the event log unreachable, or records it needs gone
+            log.critical("cannot start: %s", exc)
+            log.debug("start-up failed", exc_info=True)
+            return 1
+        started = True
+        _tune_runtime()
         # Our own listening server rather than a TCPSite: every connection goes through
         # the guard, which counts them and makes room at the cap.
         guard = app[CONNECTIONS]
-        server = await loop.create_server(guard.protocol_factory(runner.server), config.host,
-                                          config.port, backlog=_BACKLOG,
-                                          ssl=_tls_context(config))
+        try:
+            server = await loop.create_server(guard.protocol_factory(runner.server),
+                                              config.host, config.port, backlog=_BACKLOG,
+                                              ssl=_tls_context(config))
+        except OSError as exc:
+            log.critical("cannot listen on %s: %s%s", _url(config.host, config.port),
+                         exc.strerror or exc,
+                         " (another process holds the port: stop it, or choose another "
+                         "with --port; --port 0 picks a free one)"
+                         if exc.errno == errno.EADDRINUSE else "")
+            return 1
         host, port = server.sockets[0].getsockname()[:2]
         scheme = "https" if config.tls_cert_file else "http"
         print(f"listening on {_url(host, port, scheme)}", flush=True)
@@ -117,10 +163,16 @@ async def serve(config: CoordinatorConfig) -> int:
                  "on" if config.enable_metrics else "off")
         await stop.wait()
         log.info("shutting down")
+    except _Stopped:
+        log.info("stopped by a signal while starting")
+        return 0
     finally:
         if server is not None:
             server.close()  # stop accepting; runner.cleanup() finishes open connections
-        await runner.cleanup()
+        if started:
+            await runner.cleanup()
+        else:  # setup did not finish: close the contexts it entered (worker pools, ...)
+            await app.cleanup()
     replica = app[REPLICA]
     if replica is not None and replica.failure:
         log.critical("exiting: %s", replica.failure)

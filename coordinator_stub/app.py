@@ -398,7 +398,11 @@ async def _reap_forever(app: web.Application, interval: float, timeout: float) -
 async def _replica_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """With `--event-log`: restore and catch up before serving; snapshot on the way out."""
     replica = app[REPLICA]
-    await replica.start()
+    try:
+        await replica.start()
+    except BaseException:  # cancelled by a signal during start-up, or it failed
+        await asyncio.shield(replica.stop(snapshot=False))
+        raise
     yield
     await replica.stop()
 

@@ -133,6 +133,8 @@ class ClusterConfig:
     snapshot_interval_s: float = 60.0
     replica_name: str = ""  # "": host name and port
     apply_timeout_s: float = 10.0
+    # How long start-up waits for the NATS servers before it gives up (exit code 1).
+    connect_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.servers or not all(url.startswith(("nats://", "tls://"))
@@ -152,6 +154,9 @@ class ClusterConfig:
         if not isinstance(self.snapshot_keep, int) or self.snapshot_keep < 1:
             raise ValueError(f"snapshots kept must be an integer >= 1, got "
                              f"{self.snapshot_keep!r}")
+        if not 0 < self.connect_timeout_s < float("inf"):
+            raise ValueError(f"event log connect timeout must be a finite number of seconds "
+                             f"> 0, got {self.connect_timeout_s!r}")
         if not 0 < self.snapshot_interval_s < float("inf"):
             raise ValueError(f"snapshot interval must be a finite number of seconds > 0, "
                              f"got {self.snapshot_interval_s!r}")
@@ -283,39 +288,50 @@ def build_parser() -> argparse.ArgumentParser:
         "answer alike. Without --event-log, one process holds everything in memory.")
     cluster.add_argument("--event-log", metavar="nats://HOST:PORT[,...]", default="",
                          help="NATS servers of the JetStream event log, comma-separated")
-    cluster.add_argument("--event-log-stream", default="blend-events",
-                         help="stream name, created if missing (default: %(default)s)")
-    cluster.add_argument("--event-log-replicas", type=_positive_int, default=1,
-                         help="copies of the stream when this replica creates it; 3 on a "
-                              "3-node NATS cluster survives a node (default: %(default)s)")
-    cluster.add_argument("--event-log-max-bytes", type=int, default=1 << 30,
-                         help="retention: the stream keeps at most this many bytes, oldest "
-                              "records dropped first; 0 = no limit (default: %(default)s)")
-    cluster.add_argument("--event-log-max-msgs", type=int, default=0,
-                         help="retention by record count; 0 = no limit (default: %(default)s)")
-    cluster.add_argument("--event-log-max-age", type=float, default=0.0,
-                         help="retention by age in seconds; 0 = no limit (default: "
-                              "%(default)s)")
-    cluster.add_argument("--snapshot-dir", default="",
-                         help="directory for this replica's snapshots (may be shared by the "
-                              "replicas); the newest is loaded on start. Without it (or "
-                              "--snapshot-store) a restart replays the whole stream")
-    cluster.add_argument("--snapshot-store", choices=["nats"], default=None,
-                         help="also keep snapshots in a JetStream object store on the event "
-                              "log's NATS servers (bucket '<stream>-snapshots', as many "
-                              "copies as the stream), shared by every replica: a fresh "
-                              "replica, or one on another machine, starts from a peer's "
-                              "snapshot. With --snapshot-dir too, snapshots go to both and "
-                              "the newest of either is loaded")
-    cluster.add_argument("--snapshot-keep", type=_positive_int, default=3,
-                         help="newest snapshots kept in the directory and in the bucket "
-                              "(default: %(default)s)")
-    cluster.add_argument("--snapshot-interval", type=_positive_seconds, default=60.0,
-                         help="seconds between snapshots; also one on shutdown. Keep it well "
-                              "under the stream's retention (default: %(default)s)")
-    cluster.add_argument("--replica-name", default="",
-                         help="names this replica in logs and snapshot files (default: host "
-                              "name and port)")
+    # Each flag below means something only with --event-log: parse_args refuses them alone.
+    event_log_only: list[argparse.Action] = []
+
+    def only(*names: str, **options) -> None:
+        event_log_only.append(cluster.add_argument(*names, **options))
+
+    only("--event-log-stream", default="blend-events",
+         help="stream name, created if missing (default: %(default)s)")
+    only("--event-log-replicas", type=_positive_int, default=1,
+         help="copies of the stream when this replica creates it; 3 on a "
+              "3-node NATS cluster survives a node (default: %(default)s)")
+    only("--event-log-connect-timeout", type=_positive_seconds, default=30.0,
+         help="seconds start-up waits for the NATS servers (logged every 5 s) "
+              "before it gives up with exit code 1; SIGINT/SIGTERM stop the "
+              "wait at once (default: %(default)s)")
+    only("--event-log-max-bytes", type=int, default=1 << 30,
+         help="retention: the stream keeps at most this many bytes, oldest "
+              "records dropped first; 0 = no limit (default: %(default)s)")
+    only("--event-log-max-msgs", type=int, default=0,
+         help="retention by record count; 0 = no limit (default: %(default)s)")
+    only("--event-log-max-age", type=float, default=0.0,
+         help="retention by age in seconds; 0 = no limit (default: "
+              "%(default)s)")
+    only("--snapshot-dir", default="",
+         help="directory for this replica's snapshots (may be shared by the "
+              "replicas); the newest is loaded on start. Without it (or "
+              "--snapshot-store) a restart replays the whole stream")
+    only("--snapshot-store", choices=["nats"], default=None,
+         help="also keep snapshots in a JetStream object store on the event "
+              "log's NATS servers (bucket '<stream>-snapshots', as many "
+              "copies as the stream), shared by every replica: a fresh "
+              "replica, or one on another machine, starts from a peer's "
+              "snapshot. With --snapshot-dir too, snapshots go to both and "
+              "the newest of either is loaded")
+    only("--snapshot-keep", type=_positive_int, default=3,
+         help="newest snapshots kept in the directory and in the bucket "
+              "(default: %(default)s)")
+    only("--snapshot-interval", type=_positive_seconds, default=60.0,
+         help="seconds between snapshots; also one on shutdown. Keep it well "
+              "under the stream's retention (default: %(default)s)")
+    only("--replica-name", default="",
+         help="names this replica in logs and snapshot files (default: host "
+              "name and port)")
+    parser.set_defaults(_event_log_only=tuple(event_log_only))
     return parser
 
 
@@ -329,12 +345,27 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
         max_age_s=args.event_log_max_age, snapshot_dir=args.snapshot_dir,
         snapshot_bucket=f"{args.event_log_stream}-snapshots" if args.snapshot_store else "",
         snapshot_keep=args.snapshot_keep, snapshot_interval_s=args.snapshot_interval,
-        replica_name=args.replica_name)
+        replica_name=args.replica_name, connect_timeout_s=args.event_log_connect_timeout)
+
+
+def _needs_event_log(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag of the event-log group means something only with --event-log: given
+    without it, refuse (it would be accepted and do nothing)."""
+    if args.event_log:
+        return
+    given = [action.option_strings[0] for action in args._event_log_only
+             if getattr(args, action.dest) != action.default]
+    if given:
+        parser.error(f"{', '.join(given)}: given without --event-log, where they would do "
+                     f"nothing (one coordinator keeps everything in memory and takes no "
+                     f"snapshots); add --event-log nats://HOST:PORT or drop them")
 
 
 def parse_args(argv: Sequence[str] | None = None,
                environ: Mapping[str, str] | None = None) -> CoordinatorConfig:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _needs_event_log(parser, args)
     try:
         access_tokens = tokens_from(args.auth_token_file, environ)
         return CoordinatorConfig(

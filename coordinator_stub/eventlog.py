@@ -5,7 +5,10 @@ Contract:
   the cluster on its own after that) and creates the stream if it does not exist (one
   subject, `<stream>.records`, file storage, `settings.replicas` copies, retention
   bounded by bytes, messages and age: the oldest records go first). An existing stream
-  is used as it is. `await close()` drains the connection.
+  is used as it is. The wait for NATS is bounded by `settings.connect_timeout_s`
+  (`--event-log-connect-timeout`, 30 s): logged when it starts and every 5 s after (not
+  per attempt), then `LogUnavailable` naming the servers; cancelling `open()` (a signal
+  during start-up) closes what it opened. `await close()` drains the connection.
 - `await append(kind, payload, record_id)` returns the stream sequence once JetStream
   acknowledged the record (stored on a quorum of the stream's replicas). `record_id`
   doubles as JetStream's `Nats-Msg-Id`: a retried append inside the duplicate window is
@@ -37,10 +40,12 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import nats
+from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import NotFoundError
+
+from coordinator_stub.aio import cancel_until_done
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ _HEADER_ROOM = 1024
 #: much outstanding), at most `_FETCH_MAX`.
 _FETCH_BYTES = 8 << 20
 _FETCH_MAX = 256
+#: While the log is being opened, a line saying so at most this often (seconds).
+_WAIT_LOG_S = 5.0
 
 
 class LogUnavailable(RuntimeError):
@@ -102,39 +109,89 @@ class EventLog:
         self._nc = None
         self._js = None
         self._closing = False
+        self._waiting_since: float | None = None  # loop time the open began, while opening
+        self._wait_logged = 0.0
+        self._last_error: BaseException | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Connect and make sure the stream exists, within `settings.connect_timeout_s`.
+
+        The wait is logged once when it starts and then every `_WAIT_LOG_S` seconds (not
+        per attempt), names the servers and says how long is left; at the deadline it
+        raises `LogUnavailable`. Cancelling it (the coordinator got SIGINT/SIGTERM while
+        starting) closes the half-open connection and returns promptly."""
         s = self.settings
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + s.connect_timeout_s
-        while True:
-            self._closing = False
-            try:
-                self._nc = await nats.connect(
-                    servers=list(s.servers), connect_timeout=2, reconnect_time_wait=0.5,
-                    max_reconnect_attempts=-1, name=f"coordinator_stub:{s.stream}",
-                    error_cb=_log_error, disconnected_cb=self._disconnected,
-                    reconnected_cb=_log_reconnected)
-                self._js = self._nc.jetstream(timeout=s.append_timeout_s)
-                info = await self._ensure_stream()
-                break
-            except (NatsError, OSError, asyncio.TimeoutError) as exc:
-                if self._nc is not None:
-                    await self._close_quietly()
-                if loop.time() > deadline:
-                    raise LogUnavailable(
-                        f"cannot open the event log stream {s.stream!r} at "
-                        f"{','.join(s.servers)} within {s.connect_timeout_s:g} s: "
-                        f"{exc!r}") from exc
-                log.info("event log not ready yet (%r); retrying", exc)
-                await asyncio.sleep(0.5)
+        started = loop.time()
+        deadline = started + s.connect_timeout_s
+        self._last_error = None
+        self._waiting_since = started
+        self._wait_logged = 0.0
+        try:
+            while True:
+                self._closing = False
+                remaining = deadline - loop.time()
+                try:
+                    if remaining <= 0:
+                        raise asyncio.TimeoutError()
+                    nc = self._nc = NATS()
+                    # nats-py retries the first connection forever when reconnects are
+                    # unlimited (as they must be once connected): the deadline bounds it.
+                    await _bounded(nc.connect(
+                        servers=list(s.servers), connect_timeout=2, reconnect_time_wait=0.5,
+                        max_reconnect_attempts=-1, name=f"coordinator_stub:{s.stream}",
+                        error_cb=self._error, disconnected_cb=self._disconnected,
+                        reconnected_cb=_log_reconnected), remaining)
+                    self._js = nc.jetstream(timeout=s.append_timeout_s)
+                    info = await _bounded(self._ensure_stream(),
+                                          max(deadline - loop.time(), 0.1))
+                    break
+                except (NatsError, OSError, asyncio.TimeoutError) as exc:
+                    if not isinstance(exc, asyncio.TimeoutError) or self._last_error is None:
+                        self._last_error = exc  # a timeout says less than what the tries met
+                    if self._nc is not None:
+                        await self._close_quietly()
+                    if loop.time() >= deadline:
+                        raise LogUnavailable(
+                            f"cannot reach the event log (stream {s.stream!r} at "
+                            f"{','.join(s.servers)}) within {s.connect_timeout_s:g} s "
+                            f"(--event-log-connect-timeout); last error: {self._last_error!r}. "
+                            f"Start the NATS servers first, or check --event-log"
+                        ) from None
+                    self._log_waiting(self._last_error)
+                    await asyncio.sleep(min(0.5, max(deadline - loop.time(), 0)))
+        except BaseException:  # cancelled (a signal during start-up), or gave up
+            if self._nc is not None:
+                await self._close_quietly()
+            raise
+        finally:
+            self._waiting_since = None
         self.created = str(info.created)
         log.info("event log: stream %s (%d copies, records %d..%d) on %s",
                  s.stream, info.config.num_replicas or 1, info.state.first_seq,
                  info.state.last_seq, self._nc.connected_url.netloc
                  if self._nc.connected_url else "?")
+
+    def _log_waiting(self, error: BaseException | None) -> None:
+        """While opening: one line when the wait starts, then one every `_WAIT_LOG_S`."""
+        if self._waiting_since is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if self._wait_logged and now - self._wait_logged < _WAIT_LOG_S:
+            return
+        self._wait_logged = now
+        left = self.settings.connect_timeout_s - (now - self._waiting_since)
+        log.warning("waiting for the event log at %s (%r); giving up in %.0f s",
+                    ",".join(self.settings.servers), error, max(left, 0))
+
+    async def _error(self, exc: Exception) -> None:
+        if self._waiting_since is not None:  # opening: one line per _WAIT_LOG_S, not per try
+            self._last_error = exc
+            self._log_waiting(exc)
+        else:
+            await _log_error(exc)
 
     async def _ensure_stream(self):
         s = self.settings
@@ -252,6 +309,23 @@ class EventLog:
                         await sub.unsubscribe()
                     except Exception:  # the connection may be reconnecting
                         pass
+
+
+async def _bounded(step, timeout: float):
+    """`step`'s result within `timeout` s, else `asyncio.TimeoutError`; if this is cancelled,
+    so is `step`. Not `asyncio.wait_for`: nats-py's connect loop retries on any Exception,
+    and a cancellation that meets a failed connection attempt inside its own `wait_for`
+    (Python 3.11) is lost, so one cancel may not end it: `cancel_until_done` insists."""
+    task = asyncio.ensure_future(step)
+    try:
+        await asyncio.wait({task}, timeout=timeout)
+    except BaseException:
+        await cancel_until_done(task)
+        raise
+    if not task.done():
+        await cancel_until_done(task)
+        raise asyncio.TimeoutError()
+    return task.result()
 
 
 async def _log_error(exc: Exception) -> None:

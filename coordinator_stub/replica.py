@@ -117,7 +117,7 @@ class LogReplica:
         self.log = EventLog(LogSettings(
             servers=cluster.servers, stream=cluster.stream, replicas=cluster.replicas,
             max_bytes=cluster.max_bytes, max_msgs=cluster.max_msgs,
-            max_age_s=cluster.max_age_s))
+            max_age_s=cluster.max_age_s, connect_timeout_s=cluster.connect_timeout_s))
         self.snapshots: Snapshots | None = None  # opened in start() (the bucket needs NATS)
         self._on_reaped = on_reaped or (lambda count: None)
         self.applied = 0  # stream sequence of the last record applied here (loop's view)
@@ -177,7 +177,9 @@ class LogReplica:
         if self.snapshots is not None:
             self._tasks.append(asyncio.create_task(self._snapshot_every(), name="snapshots"))
 
-    async def stop(self) -> None:
+    async def stop(self, snapshot: bool = True) -> None:
+        """Stop what `start` began. `snapshot=False`: a start that did not finish (a signal
+        during start-up, or it failed): its state is partial, nothing is written."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -186,13 +188,14 @@ class LogReplica:
             except (asyncio.CancelledError, Exception):
                 pass
         loop = asyncio.get_running_loop()
-        if self.snapshots is not None:
+        if self.snapshots is not None and snapshot:
             try:
                 path = await loop.run_in_executor(self._apply, self._snapshot)
                 if path is not None:
                     await self.snapshots.publish(path)
             except Exception:
                 log.exception("the snapshot on the way out failed")
+        if self.snapshots is not None:
             self.snapshots.close()
         for waiter in self._waiters.values():
             if not waiter.done():
