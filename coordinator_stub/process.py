@@ -4,6 +4,11 @@ Builds on the start-up contract of `python -m coordinator_stub` (see `__main__`)
 bound (and, with blend lookup on, every kernel compiled: ready) it prints one line
 ``listening on http://HOST:PORT`` on stdout, and it exits 0 on SIGTERM. `start_coordinator` waits for that line (or fails with what went wrong);
 `CoordinatorProcess.stop` sends SIGTERM, then SIGKILL if the process lingers.
+
+`exit_on_signals()`: for programs that start children (the demos): within the block,
+the first SIGTERM or SIGINT raises `SystemExit(128 + signal)`, so `finally` and `with`
+blocks stop the children and remove temporary files; later ones are ignored while that
+clean-up runs.
 """
 
 from __future__ import annotations
@@ -82,6 +87,25 @@ def start_coordinator(*flags: str, host: str = "127.0.0.1", port: int = 0,
         process.wait()
         process.stdout.close()
         raise
+
+
+@contextlib.contextmanager
+def exit_on_signals(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+                    ) -> Iterator[None]:
+    """SIGTERM/SIGINT raise `SystemExit(128 + signum)` once within the block (the default
+    SIGTERM ends the process at once and orphans its children); the previous handlers are
+    back after it."""
+    def handler(signum, frame):
+        for other in signums:  # the clean-up the exit starts must not be cut short
+            signal.signal(other, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 @contextlib.contextmanager

@@ -24,9 +24,11 @@ process of its own (`lmcache_env(version)`).
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -136,6 +138,8 @@ class LMCacheServer:
     command: list[str]
     instance_id: str
     _terminating: bool = field(default=False, repr=False)
+    #: A log directory made for this server alone (no `log_dir` given): removed on stop.
+    _own_log_dir: str | None = field(default=None, repr=False)
 
     @property
     def rpc_url(self) -> str:
@@ -155,7 +159,8 @@ class LMCacheServer:
             self.process.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 20.0, kill: bool = False) -> int:
-        """SIGTERM (or SIGKILL with `kill`), then wait; SIGKILL if it lingers. Idempotent."""
+        """SIGTERM (or SIGKILL with `kill`), then wait; SIGKILL if it lingers; then the log
+        directory made for it alone is removed. Idempotent."""
         if self.process.poll() is None:
             if kill:
                 self.process.kill()
@@ -166,6 +171,9 @@ class LMCacheServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._own_log_dir is not None:
+            shutil.rmtree(self._own_log_dir, ignore_errors=True)
+            self._own_log_dir = None
         return self.process.returncode
 
 
@@ -222,8 +230,8 @@ def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True
         command += ["--server-module", json.dumps({"module_path": ADAPTER_MODULE,
                                                    "config": module_config or {}})]
     command += list(extra_flags)
-    log_dir = log_dir or tempfile.mkdtemp(prefix="lmcache-logs-")
-    log_path = Path(log_dir) / f"{name}-{rpc_port}.log"
+    own_log_dir = None if log_dir else tempfile.mkdtemp(prefix="lmcache-logs-")
+    log_path = Path(log_dir or own_log_dir) / f"{name}-{rpc_port}.log"
     log = open(log_path, "w")
     root = cwd or str(ROOT)
     path = _python_path(lmcache_dir, root, inherit_lmcache=lmcache_dir is None)
@@ -231,10 +239,11 @@ def _start_once(name: str, *, front_end: bool = True, plugin_module: bool = True
                                env=quiet_lmcache_env({"PYTHONPATH": path, **(env or {})}),
                                )
     log.close()
-    server = LMCacheServer(name, rpc_port, http_port, process, log_path, command, instance_id)
+    server = LMCacheServer(name, rpc_port, http_port, process, log_path, command, instance_id,
+                           _own_log_dir=own_log_dir)
     try:
         _wait_ready(server)
-    except BaseException:
+    except BaseException:  # not ready, or interrupted (a signal, Ctrl-C): nothing outlives it
         server.stop(kill=True)
         raise
     return server
@@ -437,11 +446,19 @@ class EngineClient:
         return json.loads(self.module_call(STATUS_METHOD))
 
     def close(self) -> None:
+        """Close the transfer context and the RPC client, and free the KV cache: its POSIX
+        shared-memory segments (`/dev/shm/lmcache_kv_<pid>_*`) are unlinked when the last
+        tensor mapping them goes. Idempotent."""
+        if self.transfer is None:
+            return
         for closer in (self.transfer.close, self.rpc.close, self._zmq.term):
             try:
                 closer()
             except Exception:
                 pass
+        self.kv.clear()
+        self.transfer = None
+        gc.collect()  # reference cycles inside LMCache's transfer context may hold a tensor
 
 
 # --- servers with their clients ------------------------------------------------------------
