@@ -8,7 +8,9 @@ bound (and, with blend lookup on, every kernel compiled: ready) it prints one li
 `exit_on_signals()`: for programs that start children (the demos): within the block,
 the first SIGTERM or SIGINT raises `SystemExit(128 + signal)`, so `finally` and `with`
 blocks stop the children and remove temporary files; later ones are ignored while that
-clean-up runs.
+clean-up runs. `held_signals()`: SIGTERM/SIGINT wait (blocked) until the block is done,
+for a step that must not be cut in half (building an object that starts threads and
+registering its close).
 """
 
 from __future__ import annotations
@@ -89,23 +91,65 @@ def start_coordinator(*flags: str, host: str = "127.0.0.1", port: int = 0,
         raise
 
 
+class _ExitOnSignals:
+    """State of `exit_on_signals` (main thread only): how deep `held_signals` blocks are
+    nested, and a signal that came while one was open."""
+
+    def __init__(self, signums: tuple[int, ...]) -> None:
+        self.signums = signums
+        self.held = 0
+        self.pending: int | None = None
+        self.exiting = False
+
+    def handler(self, signum, frame) -> None:
+        if self.exiting:  # the clean-up the first one started must not be cut short
+            return
+        if self.held:
+            self.pending = self.pending or signum
+            return
+        self.exit(signum)
+
+    def exit(self, signum: int) -> None:
+        self.exiting = True
+        raise SystemExit(128 + signum)
+
+
+_active: _ExitOnSignals | None = None
+
+
 @contextlib.contextmanager
 def exit_on_signals(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
                     ) -> Iterator[None]:
     """SIGTERM/SIGINT raise `SystemExit(128 + signum)` once within the block (the default
     SIGTERM ends the process at once and orphans its children); the previous handlers are
     back after it."""
-    def handler(signum, frame):
-        for other in signums:  # the clean-up the exit starts must not be cut short
-            signal.signal(other, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    previous = {signum: signal.signal(signum, handler) for signum in signums}
+    global _active
+    state = _active = _ExitOnSignals(signums)
+    previous = {signum: signal.signal(signum, state.handler) for signum in signums}
     try:
         yield
     finally:
+        _active = None
         for signum, old in previous.items():
             signal.signal(signum, old)
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """Within `exit_on_signals`: a signal that arrives during the block takes effect at its
+    end, for a step that must not be cut in half (building an object that starts threads,
+    and registering its close). Outside `exit_on_signals` it does nothing."""
+    state = _active
+    if state is None:
+        yield
+        return
+    state.held += 1
+    try:
+        yield
+    finally:
+        state.held -= 1
+        if not state.held and state.pending is not None and not state.exiting:
+            state.exit(state.pending)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
 from blend_wire import BLEND_LOOKUP_PATH, encode, encode_tokens  # noqa: E402
-from coordinator_stub.process import exit_on_signals, start_coordinator  # noqa: E402
+from coordinator_stub.process import (exit_on_signals, held_signals,  # noqa: E402
+                                      start_coordinator)
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig, Source  # noqa: E402
 
 C = 256
@@ -173,8 +174,9 @@ def run(cluster: bool, workdir: Path, log_dir: Path, stack: contextlib.ExitStack
     l2: dict = {}
     servers = []
     for i in range(NUM_SERVERS):
-        servers.append(Server(i, url, l2))
-        stack.callback(servers[-1].close)
+        with held_signals():  # a plugin's threads start in there: never without its close
+            servers.append(Server(i, url, l2))
+            stack.callback(servers[-1].close)
     system_prompt = rng.integers(1000, 60000, C, dtype=np.uint32)
     docs = [rng.integers(1000, 60000, int(rng.integers(3 * C // 2, 4 * C)), dtype=np.uint32)
             for _ in range(NUM_DOCS)]
