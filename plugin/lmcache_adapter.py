@@ -65,6 +65,13 @@ Contract:
   read locks are released through `LMCacheHost.cancel`; a prefetch still in flight is
   released as soon as it lands (`LMCacheHost.settle`). Neither needs a later RPC: the
   plugin's sweep task releases abandoned lookups and settles on its worker pool.
+- Says it is there: at start-up one INFO line in the server's log, `fleet-blend plugin
+  VERSION loaded into LMCache VERSION: cb_unified_lookup is ours (local matcher + coordinator URLS, budget S s);
+  cache events reported by WHO; LMCache's own blend coordinator client (its 'Blend
+  coordinator client enabled' line) is closed` (the plugin's loggers print through
+  LMCache's, at `LMCACHE_LOG_LEVEL`). LMCache's `GET /status` (HTTP front end) has a
+  `fleet_blend` section with the same facts (`name`, `version`, `coordinator_urls`,
+  `budget_s`, `event_reporting`) and the figures below.
 - `fleet_blend.status` (server-module method) answers JSON: plugin stats, L1 read-locked
   objects, lookups in flight, tracked chunks, which reporter runs.
 """
@@ -74,6 +81,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import logging
 import sys
@@ -84,6 +92,7 @@ from typing import Any, Collection, Hashable, Sequence
 import msgspec
 import numpy as np
 
+from lmcache.logging import init_logger
 from lmcache.v1.distributed.bitmap_ops.fold import fold_unfold_grouped
 from lmcache.v1.mp_coordinator.blend_client import BlendCoordinatorClient
 from lmcache.v1.mp_observability.event import EventType
@@ -160,6 +169,8 @@ LMCACHE_INTERNALS: tuple[tuple[str, str], ...] = (
     ("lmcache.v1.rpc_utils", "get_ip"),
     ("lmcache.v1.mp_coordinator.blend_client", "BlendCoordinatorClient.maybe_create"),
     ("lmcache.v1.multiprocess.config", "MPServerConfig.separate_object_groups"),
+    # The plugin's loggers print through LMCache's handler (`log_under_lmcache`).
+    ("lmcache.logging", "init_logger"),
 )
 # What each version has that the other does not, as used here (`MOVED_IN_057` pairs them).
 VERSION_INTERNALS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -642,11 +653,28 @@ class FleetBlendModule:
                         "no placement events are reported")
         bus.register_subscriber(self.tiers)
         self._ctx.session_manager.destroy_listeners.append(self._session_ended)
-        if blend._coordinator is not None and not builtin_lookup:
+        lmcache_client = blend._coordinator is not None
+        if lmcache_client and not builtin_lookup:
             blend._coordinator.close()  # its lookup is not served any more
             blend._coordinator = None
-        log.info("fleet blend lookup loaded (fleet leg %s, event reporting by %s)",
-                 "on" if config.fleet_enabled else "off", self.reporting)
+        self.loaded = {
+            "name": "fleet-blend", "version": plugin_version(),
+            "coordinator_urls": list(config.coordinator_urls),
+            "budget_s": config.match_budget_s,
+            "event_reporting": self.reporting,
+        }
+        log.info(
+            "fleet-blend plugin %s loaded into LMCache %s: cb_unified_lookup is ours "
+            "(local matcher%s, budget %g s); cache events reported by %s%s",
+            self.loaded["version"], LMCACHE_VERSION,
+            f" + coordinator {','.join(config.coordinator_urls)}" if config.coordinator_urls
+            else " only: no coordinator URL", config.match_budget_s,
+            {"lmcache": "LMCache's subscriber", "plugin": "the plugin",
+             "off": "nobody (event reporting off)"}[self.reporting],
+            ("; LMCache's own blend coordinator client (its 'Blend coordinator client "
+             "enabled' line) is closed" if lmcache_client and not builtin_lookup else
+             "; LMCache's own lookup stays reachable as " + BUILTIN_LOOKUP_METHOD
+             if builtin_lookup else ""))
 
     @property
     def context(self):
@@ -737,6 +765,7 @@ class FleetBlendModule:
     def report_status(self) -> dict:
         l1 = self._ctx.storage_manager.report_status()
         return {"fleet_blend": {
+            **self.loaded,
             "lmcache_version": LMCACHE_VERSION,
             "chunk_size": self.host.chunk_size,
             "reporting": self.reporting,
@@ -803,8 +832,25 @@ def lmcache_reports_events(build: FleetBuild) -> bool:
     return front_end and bool(coordinator.url) and bool(coordinator.event_reporting)
 
 
+def plugin_version() -> str:
+    """fleet-blend's installed version ("unknown" when run from a checkout not installed)."""
+    try:
+        return importlib.metadata.version("fleet-blend")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def log_under_lmcache() -> None:
+    """The plugin's loggers (`plugin.*`) print as LMCache's do, at `LMCACHE_LOG_LEVEL`:
+    left alone they reach no handler in an LMCache server, and their INFO lines (the one
+    saying the plugin loaded) are lost. Only inside a server: in other processes the
+    `plugin` logger keeps propagating to the root logger."""
+    init_logger("plugin")
+
+
 def build_fleet_blend(build: FleetBuild) -> FleetBlendModule:
     """Our blend lookup in place of LMCache's, after every check (module doc)."""
+    log_under_lmcache()
     if build.mp_config.engine_type != "blend":
         raise ValueError(f"plugin.lmcache_adapter replaces the blend module's lookup: start the "
                          f"server with --engine-type blend (got {build.mp_config.engine_type!r})")
