@@ -4,9 +4,9 @@
 `run` blocks are run for real on loopback: the coordinator line first (kept running),
 then each LMCache server line, one at a time, on free ports: it must start, print the
 plugin's line naming the coordinator, register with it (`lmcache server`), and stop on
-SIGTERM. `template` blocks: the coordinator's flags are parsed. `make` blocks: each
-target exists. Lines are found by the marker, so a line added for another LMCache version
-(another `.venv*/`) is run without touching this file.
+SIGTERM. The router line starts and stops on SIGTERM. `template` blocks: the
+coordinator's flags are parsed. `make` blocks: each target exists. Lines are found by the
+marker, so a line added for another LMCache version is run without touching this file.
 """
 
 from __future__ import annotations
@@ -169,10 +169,14 @@ def _get_json(url: str, until=lambda reply: True, timeout: float = 60.0):
         time.sleep(0.2)
 
 
-BLOCKS = readme_blocks(README.read_text())
+try:
+    BLOCKS, UNMARKED = readme_blocks(README.read_text()), None
+except AssertionError as exc:  # reported by the first test, not as a collection error
+    BLOCKS, UNMARKED = [], str(exc)
 
 
 def test_every_sh_block_has_a_known_kind():
+    assert UNMARKED is None, UNMARKED
     assert BLOCKS, "no ```sh block found in README.md"
     for block in BLOCKS:
         assert block.kind in ("run", "template", "make"), (block.line, block.kind)
@@ -200,12 +204,38 @@ def test_template_coordinator_flags_parse():
                 parse_args(argv, environ={})  # exits (SystemExit 2) on a refused flag
 
 
+def _check_lmcache_server(line: str, log: Path, server: subprocess.Popen, ports: Ports,
+                          coordinator_url: str) -> None:
+    front_end = "lmcache server" in line
+    text = _wait_for(server, log, "fleet-blend plugin",
+                     "LMCache HTTP server initialized" if front_end
+                     else "LMCache cache server is running")
+    loaded = next(row for row in text.splitlines() if "fleet-blend plugin" in row)
+    assert re.search(r"loaded into LMCache [\w.]+: cb_unified_lookup is ours", loaded), loaded
+    assert f"coordinator {coordinator_url}" in loaded, loaded
+    assert "budget 1 s" in loaded, loaded
+    if not front_end:
+        assert "reported by the plugin" in loaded, loaded
+        return
+    assert "reported by LMCache's subscriber" in loaded, loaded
+    http = re.search(r"--http-port (\d+)", ports(line)).group(1)
+    status = _get_json(f"http://127.0.0.1:{http}/status")["fleet_blend"]
+    assert status["name"] == "fleet-blend"
+    assert status["coordinator_urls"] == [coordinator_url]
+    instances = _get_json(f"{coordinator_url}/instances",
+                          until=lambda reply: any(i["http_port"] == int(http)
+                                                  for i in reply["instances"]))
+    assert any(i["http_port"] == int(http) for i in instances["instances"]), \
+        f"the server on HTTP port {http} did not register with the coordinator: {instances}"
+
+
 def test_run_lines_work_as_written(tmp_path):
     """The coordinator line, then each LMCache line against it (the README's order)."""
     run = [c for b in BLOCKS if b.kind == "run" for c in b.commands]
     coordinators = [c for c in run if "-m coordinator_stub" in c]
     servers = [c for c in run if _LMCACHE.search(c)]
-    unknown = [c for c in run if c not in coordinators and c not in servers]
+    routers = [c for c in run if "-m blend_router" in c]
+    unknown = [c for c in run if c not in coordinators + servers + routers]
     assert not unknown, f"teach tests/test_readme_lines.py how to run: {unknown}"
     assert len(coordinators) == 1, coordinators
     ports = Ports()
@@ -215,31 +245,25 @@ def test_run_lines_work_as_written(tmp_path):
     try:
         _wait_for(coordinator, tmp_path / "coordinator.log",
                   f"listening on {coordinator_url}")
-        for n, line in enumerate(servers):
-            log = tmp_path / f"lmcache-{n}.log"
-            server = _spawn(ports(_resolve_venvs(line)), log)
+        for n, line in enumerate(routers):  # it starts, and stops on SIGTERM (exit 0)
+            log = tmp_path / f"router-{n}.log"
+            router = _spawn(ports(_resolve_venvs(line)), log)
             try:
-                front_end = "lmcache server" in line
-                text = _wait_for(server, log, "fleet-blend plugin",
-                                 "LMCache HTTP server initialized" if front_end
-                                 else "LMCache cache server is running")
-                loaded = next(row for row in text.splitlines() if "fleet-blend plugin" in row)
-                assert "loaded: cb_unified_lookup is ours" in loaded, loaded
-                assert f"coordinator {coordinator_url}" in loaded, loaded
-                assert "budget 1 s" in loaded, loaded
-                if front_end:
-                    assert "reported by LMCache's subscriber" in loaded, loaded
-                    http = re.search(r"--http-port (\d+)", ports(line)).group(1)
-                    status = _get_json(f"http://127.0.0.1:{http}/status")["fleet_blend"]
-                    assert status["name"] == "fleet-blend"
-                    assert status["coordinator_urls"] == [coordinator_url]
-                    assert _get_json(f"{coordinator_url}/instances",
-                                     until=lambda reply: reply["instances"]), \
-                        "the server did not register with the coordinator"
-                else:
-                    assert "reported by the plugin" in loaded, loaded
+                _wait_for(router, log, "listening on http://")
             finally:
-                code = _stop(server)
+                assert _stop(router) == 0, log.read_text()[-3000:]
+        # Side by side (each its own ports): every one must start, say the plugin is
+        # there, and stop on SIGTERM.
+        running = []
+        try:
+            for n, line in enumerate(servers):
+                log = tmp_path / f"lmcache-{n}.log"
+                running.append((line, log, _spawn(ports(_resolve_venvs(line)), log)))
+            for line, log, server in running:
+                _check_lmcache_server(line, log, server, ports, coordinator_url)
+        finally:
+            codes = [(_stop(server), log) for _, log, server in running]
+        for code, log in codes:
             assert code in (0, -signal.SIGTERM), log.read_text()[-3000:]
     finally:
         assert _stop(coordinator) == 0
