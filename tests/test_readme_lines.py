@@ -267,3 +267,12 @@ def test_run_lines_work_as_written(tmp_path):
             assert code in (0, -signal.SIGTERM), log.read_text()[-3000:]
     finally:
         assert _stop(coordinator) == 0
+
+
+def test_every_environment_variable_the_plugin_reads_is_in_the_readme_table():
+    from plugin import config
+
+    names = {value for name, value in vars(config).items() if name.startswith("ENV_")}
+    table = {row.split("|")[1].strip().strip("`") for row in README.read_text().splitlines()
+             if row.startswith("| `LMCACHE_")}
+    assert names and not names - table, f"missing from the README's table: {names - table}"
