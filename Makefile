@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 # --no-deps: its declared dependencies include CUDA-only packages; the CPU stack it imports
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
+COMMA := ,
 # LMCache's next release beside it, for tests/test_lmcache057.py (the same LMCache tests on
 # it): its own target directory, put first on PYTHONPATH by plugin.lmcache_process. Its CPU
 # stack is the same `lmcache` extra (same declared dependencies as 0.5.6; torch stays pinned).
@@ -16,17 +17,21 @@ LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
 .PHONY: demo demo-lmcache demo-cluster lmcache-057 test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile soak clean
 
+# Each step says what it installs and, once done, how long it took (pip itself is quiet).
+STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
+
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lmcache]'
-	$(PY) -m pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
-	touch $(STAMP)
+	@echo "Setting up $(VENV)/ (first use, or pyproject.toml/Makefile changed): the project, its test extras and LMCache $(LMCACHE_VERSION)'s CPU stack, about 1.4 GB to download; minutes on a fresh machine, mostly torch."
+	@$(call STEP,[1/4] creating the virtual environment,$(PYTHON) -m venv $(VENV))
+	@$(call STEP,[2/4] upgrading pip,$(PY) -m pip install --quiet --upgrade pip)
+	@$(call STEP,[3/4] installing the project with its test and lmcache extras (numpy / numba / aiohttp / torch CPU / ...: the long step),$(PY) -m pip install --quiet -e '.[test$(COMMA)lmcache]')
+	@$(call STEP,[4/4] installing lmcache==$(LMCACHE_VERSION) (--no-deps),$(PY) -m pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION))
+	@touch $(STAMP)
 
 $(LMCACHE_057_STAMP): Makefile | $(STAMP)
-	rm -rf $(LMCACHE_057_DIR)
-	$(PY) -m pip install --quiet --no-deps --target $(LMCACHE_057_DIR) lmcache==$(LMCACHE_057_VERSION)
-	touch $(LMCACHE_057_STAMP)
+	@rm -rf $(LMCACHE_057_DIR)
+	@t=$$(date +%s); echo "$(LMCACHE_057_DIR)/: installing lmcache==$(LMCACHE_057_VERSION) beside $(LMCACHE_VERSION) (--no-deps, 18 MB)"; $(PY) -m pip install --quiet --no-deps --target $(LMCACHE_057_DIR) lmcache==$(LMCACHE_057_VERSION) && echo "    done in $$(( $$(date +%s) - t )) s"
+	@touch $(LMCACHE_057_STAMP)
 
 lmcache-057: $(LMCACHE_057_STAMP)
 
