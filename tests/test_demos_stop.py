@@ -10,6 +10,7 @@ server that fails to start.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,8 +45,9 @@ def _read_until(process: subprocess.Popen, marker: str) -> list[str]:
 
 
 def _coordinator_port(lines: list[str]) -> int:
-    line = next(line for line in lines if line.startswith("coordinator: "))
-    return int(line.split("http://127.0.0.1:", 1)[1].split(";")[0].split(" ")[0])
+    found = next(m for m in (re.search(r"coordinator: .*?http://127\.0\.0\.1:(\d+)", line)
+                             for line in lines) if m)
+    return int(found.group(1))
 
 
 def _assert_nothing_left(process: subprocess.Popen, children: list[psutil.Process],
@@ -75,7 +77,7 @@ def _stop_demo(process: subprocess.Popen, signum: int) -> tuple[int, str]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_fleet_demo_stops_its_coordinator_on_a_signal(tmp_path, signum):
     process, tmp = _run_demo("fleet_demo.py", tmp_path)
-    lines = _read_until(process, "coordinator: ")
+    lines = _read_until(process, "coordinator: http")
     children = psutil.Process(process.pid).children(recursive=True)
     assert children  # the coordinator
     code, rest = _stop_demo(process, signum)
