@@ -38,8 +38,9 @@ over the queries, for:
   (`reusable_tokens`): see there.
 
 Also: per workload, the queries on which unified reuses less than the fleet leg alone,
-unified lookup p50/p99 (first call to result, polled as a scheduler does) and its CPU time
-(this process and the coordinator's, over a second pass of unified lookups alone), and the
+unified lookup p50/p99 (first call to result, polled as a scheduler does), the same in a
+second pass of unified lookups alone (the first interleaves every system's lookups in this
+process), its CPU time (this process and the coordinator's, over that second pass), and the
 coordinator's reply bytes to `POST /directory/blend-lookup` in its default form and with
 `"candidates": true` (a coordinator without the candidates form answers that request in
 its default form: said so). Every returned segment is checked against the stored chunk it
@@ -256,6 +257,9 @@ class Run:
     prompt_tokens: int = 0
     reused: dict[str, list[int]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
     latencies: list[float] = field(default_factory=list)
+    # The same lookups again in a pass of unified lookups alone, polled every millisecond
+    # (the first pass interleaves the other systems' lookups in this process).
+    latencies_alone: list[float] = field(default_factory=list)
     default_bytes: list[int] = field(default_factory=list)
     candidates_bytes: list[int] = field(default_factory=list)
     candidates_form: bool = False
@@ -377,8 +381,10 @@ def run_one(work: Workload, chunk: int, lmcache: bool, warmup: int) -> Run:
         own, theirs = time.process_time(), sum(coordinator_cpu.cpu_times()[:2])
         for q, (server, tokens) in enumerate(work.queries):
             key = LookupKey(f"{work.name}-{chunk}-cpu{q}", tokens, MODEL)
+            started = time.perf_counter()
             while unified[server].cb_unified_lookup(key, 1) is None:
                 time.sleep(0.001)
+            run.latencies_alone.append(time.perf_counter() - started)
         run.cpu_plugin_ms = (time.process_time() - own) / len(work.queries) * 1e3
         run.cpu_coordinator_ms = ((sum(coordinator_cpu.cpu_times()[:2]) - theirs)
                                   / len(work.queries) * 1e3)
@@ -410,6 +416,7 @@ def reuse_table(runs: list[Run], systems: list[str]) -> list[str]:
 def detail_table(runs: list[Run]) -> list[str]:
     head = ["workload", "chunk", "queries", "prompt tokens", "stored chunks",
             "queries unified < fleet leg", "unified lookup p50 / p99 ms",
+            "p50 / p99 ms, unified lookups alone",
             "unified lookup CPU ms: plugin + coordinator",
             "reply B default p50 / total", "reply B candidates p50 / total",
             "candidates / default (total)"]
@@ -424,6 +431,8 @@ def detail_table(runs: list[Run]) -> list[str]:
             r.workload, str(r.chunk), str(r.queries), f"{r.prompt_tokens:,}",
             f"{r.stored_chunks:,}", f"{r.below_fleet()} of {r.queries}",
             f"{percentile_ms(r.latencies, 50):.2f} / {percentile_ms(r.latencies, 99):.2f}",
+            f"{percentile_ms(r.latencies_alone, 50):.2f} / "
+            f"{percentile_ms(r.latencies_alone, 99):.2f}",
             f"{r.cpu_plugin_ms:.2f} + {r.cpu_coordinator_ms:.2f}",
             f"{p50(r.default_bytes):,} / {sum(r.default_bytes):,}", candidates, ratio]) + " |")
     return lines
