@@ -195,36 +195,42 @@ class BlendLookupRequest(BlendQuery, kw_only=True, omit_defaults=True):
     candidates: bool = False
 
 
-class WireBlendMatch(msgspec.Struct, kw_only=True):
+# Replies a serving process decodes on every lookup are not tracked by Python's cyclic GC
+# (`gc=False`: they hold no cycles). Thousands of tracked objects per lookup push young
+# objects into the old generation of a process whose heap is large (an engine's), and its
+# full collections cost far more than the lookup.
+
+
+class WireBlendMatch(msgspec.Struct, kw_only=True, gc=False):
     chunk_hash: str
     old_st: int
     cur_st: int
 
 
-class BlendLookupReply(msgspec.Struct, kw_only=True):
+class BlendLookupReply(msgspec.Struct, kw_only=True, gc=False):
     matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
 
 
-class WireChunkOffer(msgspec.Struct, kw_only=True, omit_defaults=True):
+class WireChunkOffer(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """A chunk holding a found content: its stored offset and where it is held (in the
     requester's namespace): the instances whose L1 has it, and whether a shared tier does."""
 
     chunk_hash: str
     old_st: int
-    l1: list[str] = msgspec.field(default_factory=list)
+    l1: tuple[str, ...] = ()
     shared: bool = False
 
 
-class WireFoundContent(msgspec.Struct, kw_only=True):
+class WireFoundContent(msgspec.Struct, kw_only=True, gc=False):
     """One content found in the query: every position it occurs at, ascending, and up to
     `min(len(positions) + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)` chunks holding it,
     first indexed first."""
 
-    positions: list[int]
+    positions: tuple[int, ...]
     chunks: list[WireChunkOffer]
 
 
-class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """The reply to a blend lookup that asked for `candidates` (docs/WIRE.md).
 
     A client decodes every blend-lookup reply with this shape: `candidates` is None when

@@ -195,8 +195,8 @@ class Coordinator:
         places = iter(directory.places_of(
             [chunk_hash for content in found for chunk_hash, _ in content.chunks], namespace))
         return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=[
-            WireFoundContent(positions=list(content.positions), chunks=[
-                WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=list(l1),
+            WireFoundContent(positions=content.positions, chunks=[
+                WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=l1,
                                shared=shared)
                 for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places)])
             for content in found])

@@ -502,7 +502,7 @@ class BlendCoordinatorClient:
                     f"positions {positions[:8]} are not ascending inside the "
                     f"{num_tokens}-token query")
                 continue
-            by_place: dict[Place, list] = {}
+            by_place: dict[Place, list] = {}  # nearly always one place
             for entry in content.chunks[:MAX_CANDIDATE_CHUNKS]:
                 # The checks of `_why_unusable`, inline: this loop runs per chunk named.
                 chunk_hash = _hex(entry.chunk_hash)
@@ -520,9 +520,8 @@ class BlendCoordinatorClient:
                     by_place[place] = [(chunk_hash, entry.old_st)]
                 else:
                     chunks.append((chunk_hash, entry.old_st))
-            positions = tuple(positions)
-            found.extend(FoundContent(positions, place, tuple(chunks))
-                         for place, chunks in by_place.items())
+            for place, chunks in by_place.items():
+                found.append(FoundContent(positions, place, tuple(chunks)))
         self._count_dropped(dropped, first_reason)
         return tuple(found)
 
