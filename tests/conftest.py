@@ -9,13 +9,21 @@ module imports another.
   loopback port, with `CoordinatorConfig` overrides; every one started is closed after the
   test.
 - `coord`: one such coordinator with the defaults.
+
+Hypothesis runs without its per-example deadline: property tests assert results, not
+speed, and a first example that compiles or loads kernels on a loaded 2-core machine took
+over a second (seen: `test_wire.py`).
 """
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from coordinator_client import Coordinator, start_coordinator
+
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 @pytest.fixture

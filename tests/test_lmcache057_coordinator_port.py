@@ -236,10 +236,13 @@ async def test_a_reaped_instance_is_readmitted_by_registering_again(start):
     coord = await start(health_check_interval=0.05, instance_timeout=0.2)
     await coord.register("slow")
     await coord.post_events(batch(entry("aa01", A, offset=0), instance="slow"))
+    # Reaped = unlisted and fenced: the reaper deregisters first and fences just after (off
+    # the loop), so a batch posted in between would still be taken; wait for both.
     deadline = time.monotonic() + 20
-    while await coord.instances() and time.monotonic() < deadline:
+    while ((await coord.instances() or await coord.lookup(A))
+           and time.monotonic() < deadline):
         await coord.call("GET", "/healthz")
-    assert await coord.instances() == []
+    assert await coord.instances() == [] and await coord.lookup(A) == []
     # Still sending, same incarnation: L1 refused (its slice was fenced), L2 taken.
     reply = await coord.post_events(batch(entry("bb02", A, offset=0), instance="slow", seq=2),
                                     batch(entry("cc03"), instance="slow", seq=3, tier="l2",
