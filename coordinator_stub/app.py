@@ -32,7 +32,8 @@ Contract:
 - Errors, in LMCache's shapes: a request breaking the wire contract -> 422
   `{"detail": [{"type", "loc", "msg", "input"}]}`; a token lookup naming what no key can
   carry -> 400 `{"detail": "<why>"}`; a body over `max_body_bytes` or a query over
-  `max_query_tokens` -> 413; a body that cannot be read (corrupt gzip/deflate, unknown
+  `max_query_tokens` -> 413; a request outside its token's scope (`coordinator_stub.access`)
+  -> 403; a body that cannot be read (corrupt gzip/deflate, unknown
   content encoding, broken chunking) -> 400; a body not complete within `body_timeout_s`
   of its headers -> 408; ingest saturated -> 503 with `Retry-After` (these
   `{"detail": "<why>"}`); a heartbeat of an unknown id -> 404
@@ -54,7 +55,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from coordinator_stub.access import access_middleware
+from coordinator_stub.access import Forbidden, access_middleware, scope_of
 from blend_wire import (
     BLEND_LOOKUP_PATH,
     BLEND_SCORE_PATH,
@@ -155,6 +156,8 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
             return _detail(422, exc.detail, "validation", request)
         except BadRequest as exc:
             return _detail(400, str(exc), "bad_request", request)
+        except Forbidden as exc:
+            return _detail(403, str(exc), "forbidden", request)
         except TooLarge as exc:
             return _detail(413, str(exc), "too_large", request)
         except ChunkSizeConflict as exc:
@@ -196,9 +199,10 @@ async def _events(request: web.Request) -> bytes:
     try:
         body = await _read_body(request)
         replica = request.app[REPLICA]
+        scope = scope_of(request)
         if replica is not None:  # appended to the event log, then applied from it
-            return await replica.submit_events(body)
-        return await asyncio.wrap_future(coordinator.submit_events(body))
+            return await replica.submit_events(body, scope)
+        return await asyncio.wrap_future(coordinator.submit_events(body, scope))
     finally:
         release()
         if coordinator.ingest_budget.burst_over():
@@ -212,13 +216,14 @@ async def _blend_lookup(request: web.Request) -> bytes:
     coordinator = request.app[COORDINATOR]
     started = time.perf_counter()
     body = await _read_body(request)
+    scope = scope_of(request)
     if len(body) > _INLINE_PARSE_BYTES:
-        reply = await _run(request, _MATCH_POOL, coordinator.lookup, body)
+        reply = await _run(request, _MATCH_POOL, coordinator.lookup, body, scope)
     else:
         # A small body's shape is validated right here (microseconds); the matcher thread
         # decodes its tokens without the GIL and matches, so the loop keeps serving.
         reply = await _run(request, _MATCH_POOL, coordinator.matches,
-                           coordinator.parse_lookup(body))
+                           coordinator.parse_lookup(body, scope=scope))
     metrics = request.app.get(METRICS)
     if metrics is not None:
         found = (len(reply.matches) if type(reply) is BlendLookupReply
@@ -234,11 +239,12 @@ async def _blend_score(request: web.Request) -> bytes:
     coordinator = request.app[COORDINATOR]
     started = time.perf_counter()
     body = await _read_body(request)
+    scope = scope_of(request)  # a router's token may be scoped to salts, as a reader's
     if len(body) > _INLINE_PARSE_BYTES:
-        reply = await _run(request, _MATCH_POOL, coordinator.score, body)
+        reply = await _run(request, _MATCH_POOL, coordinator.score, body, scope)
     else:
         reply = await _run(request, _MATCH_POOL, coordinator.scores,
-                           coordinator.parse_lookup(body, BlendScoreRequest))
+                           coordinator.parse_lookup(body, BlendScoreRequest, scope))
     metrics = request.app.get(METRICS)
     if metrics is not None:
         metrics.observe_lookup("blend-score", time.perf_counter() - started)
@@ -288,15 +294,18 @@ async def _metrics(request: web.Request) -> web.Response:
 
 @_answers_errors
 async def _register(request: web.Request) -> bytes:
-    replica = request.app[REPLICA]
-    body = await _read_body(request)
     coordinator = request.app[COORDINATOR]
+    body = await _read_body(request)
+    # Decoded (and checked against the token's scope) off the loop.
+    registration = await _run(request, None, coordinator.parse_register, body,
+                              scope_of(request))
+    replica = request.app[REPLICA]
     if replica is not None:  # through the log: every replica registers it alike
-        await _run(request, None, coordinator.check_registration, body)
-        return await replica.submit_register(body)
+        await _run(request, None, coordinator.check_registration, registration)
+        return await replica.submit_register(registration)
     # Off the loop: a chunk size it carries is bound, and its L1 readmitted, under the
     # directory lock.
-    return await _run(request, None, coordinator.register, body)
+    return await _run(request, None, coordinator.register, registration)
 
 
 @_answers_errors
@@ -306,8 +315,20 @@ async def _bind_chunk_size(request: web.Request) -> bytes:
     return await _run(request, None, request.app[COORDINATOR].bind_chunk_size, body)
 
 
+def _outside_scope(request: web.Request, instance_id: str) -> web.Response | None:
+    """403 when the token may not speak for `instance_id` (heartbeat, deregister)."""
+    try:
+        scope_of(request).check_instance(instance_id, "the path's instance id")
+    except Forbidden as exc:
+        return _detail(403, str(exc), "forbidden", request)
+    return None
+
+
 async def _heartbeat(request: web.Request) -> web.Response:
     instance_id = request.match_info["instance_id"]
+    refused = _outside_scope(request, instance_id)
+    if refused is not None:
+        return refused
     replica = request.app[REPLICA]
     known = (await replica.heartbeat(instance_id) if replica is not None
              else request.app[COORDINATOR].heartbeat(instance_id))
@@ -320,6 +341,9 @@ async def _heartbeat(request: web.Request) -> web.Response:
 
 async def _deregister(request: web.Request) -> web.Response:
     instance_id = request.match_info["instance_id"]
+    refused = _outside_scope(request, instance_id)
+    if refused is not None:
+        return refused
     try:
         await _drop(request.app, instance_id)
     except ServiceUnavailable as exc:  # the event log could not take it: nothing changed

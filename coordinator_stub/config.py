@@ -62,8 +62,8 @@ class CoordinatorConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    # Opt-in access control (coordinator_stub.access): (role, token) pairs; empty = off.
-    access_tokens: tuple[tuple[str, str], ...] = ()
+    # Opt-in access control (coordinator_stub.access): (role, token[, scope]); empty = off.
+    access_tokens: tuple[tuple, ...] = ()
     # TLS: both or neither (PEM files); off = plain HTTP.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -251,8 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "has a request in progress. Also kept below the process's "
                              "descriptor limit (default: %(default)s)")
     parser.add_argument("--auth-token-file", metavar="PATH",
-                        help="turn access control on: a file of 'ROLE TOKEN' lines (roles: "
-                             "emitter, reader, admin). The variables COORDINATOR_EMITTER_TOKEN, "
+                        help="turn access control on: a file of 'ROLE TOKEN "
+                             "[instances=P,...] [salts=S,...]' lines (roles: emitter, reader, "
+                             "admin; P an instance id or a prefix ending in '*', S a cache "
+                             "salt, \"\" the empty one; a scope left out is any). The "
+                             "variables COORDINATOR_EMITTER_TOKEN, "
                              "COORDINATOR_READER_TOKEN and COORDINATOR_ADMIN_TOKEN add tokens "
                              "(and turn it on) too. Off by default: LMCache servers send no "
                              "token")

@@ -32,7 +32,8 @@ Contract:
   flow of its own, and then queued with its emitter. (A body whose opening names one
   emitter and whose batches another can only misplace itself: batches are gated by
   their own ids.)
-- All or nothing per body: every batch is validated before the first is applied. A body
+- All or nothing per body: every batch is validated (and checked against the poster's
+  token scope, `coordinator_stub.access`) before the first is applied. A body
   that breaks the contract anywhere is rejected whole, its message naming the field as
   `$.batches[i]...` like a whole-body decode would. Per emitter, bodies apply in the order
   they arrived (one scan queue, FIFO), and a body's batches in their order.
@@ -65,6 +66,7 @@ from typing import Callable
 import msgspec
 
 from blend_wire import CacheEventBatch, EventsReply, WireError, decode
+from coordinator_stub.access import Forbidden, Scope
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +100,12 @@ _SCAN_DISCOUNT = 8
 
 
 class _Job:
-    __slots__ = ("body", "future", "raws", "decoded", "kept", "phase", "next", "counts")
+    __slots__ = ("body", "scope", "future", "raws", "decoded", "kept", "phase", "next",
+                 "counts")
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, scope: Scope | None = None) -> None:
         self.body: bytes | None = body
+        self.scope = scope
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.raws: list[msgspec.Raw] = []
         self.decoded: list[CacheEventBatch] = []
@@ -157,9 +161,10 @@ class FairIngest:
 
     # --- submitting ------------------------------------------------------------------------
 
-    def submit(self, body: bytes) -> concurrent.futures.Future:
-        """Queue a body; the future resolves to its `EventsReply` (or its error)."""
-        job = _Job(body)
+    def submit(self, body: bytes, scope: Scope | None = None) -> concurrent.futures.Future:
+        """Queue a body; the future resolves to its `EventsReply` (or its error: a batch
+        outside `scope`, the poster's token's, is `Forbidden`, found while validating)."""
+        job = _Job(body, scope)
         with self._cond:
             if self._closed:
                 _settle(job, IngestClosed("the coordinator is shutting down"))
@@ -267,7 +272,9 @@ class FairIngest:
         if job.phase == _VALIDATE:
             try:
                 batch = _decode_batch(job.raws[job.next], job.next)
-            except WireError as exc:
+                if job.scope is not None:
+                    job.scope.check_batch(batch, job.next)
+            except (WireError, Forbidden) as exc:
                 return exc
             if job.kept:
                 job.decoded.append(batch)
@@ -333,13 +340,15 @@ def _decode_batch(raw: msgspec.Raw, index: int) -> CacheEventBatch:
                         kind=exc.kind, input=exc.input) from None
 
 
-def validated_batches(body: bytes) -> list[msgspec.Raw]:
+def validated_batches(body: bytes, scope: Scope | None = None) -> list[msgspec.Raw]:
     """Every batch of an `/events` body as raw JSON, each validated (`WireError` names
-    the first that is not, as `FairIngest` would). For callers that forward the batches
-    rather than apply them here (the event log)."""
+    the first that is not, `Forbidden` the first outside `scope`, as `FairIngest` would).
+    For callers that forward the batches rather than apply them here (the event log)."""
     raws = decode(body, _Outline).batches
     for i, raw in enumerate(raws):
-        _decode_batch(raw, i)
+        batch = _decode_batch(raw, i)
+        if scope is not None:
+            scope.check_batch(batch, i)
     return raws
 
 

@@ -397,9 +397,9 @@ class LogReplica:
             self._waiters.pop(record_id, None)
             waiter.cancel()
 
-    async def submit_events(self, body: bytes) -> bytes:
+    async def submit_events(self, body: bytes, scope=None) -> bytes:
         loop = asyncio.get_running_loop()
-        raws = await loop.run_in_executor(self._validate, validated_batches, body)
+        raws = await loop.run_in_executor(self._validate, validated_batches, body, scope)
         if not raws:
             return encode(EventsReply(applied=0, duplicates=0, stale=0))
         replies: list[asyncio.Future] = []
@@ -435,9 +435,10 @@ class LogReplica:
 
     # --- the instance registry --------------------------------------------------------------
 
-    async def submit_register(self, body: bytes) -> bytes:
-        """`POST /instances` through the log: the reply body once applied here."""
-        request = with_instance_id(decode(body, RegisterRequest))  # WireError -> 422
+    async def submit_register(self, request: RegisterRequest) -> bytes:
+        """`POST /instances` (its body decoded) through the log: the reply body once
+        applied here."""
+        request = with_instance_id(request)
         reply = await self._append_and_wait(REGISTER, encode(request))
         if reply is _PENDING:
             raise ServiceUnavailable(

@@ -7,6 +7,9 @@ Contract:
   and nothing of it is applied. Then the directory gates and applies the batches in
   order, one at a time, taking turns with other emitters. `ingest_budget` bounds the
   request bytes in flight (the HTTP layer reserves before reading a body).
+- Scopes (`coordinator_stub.access`): `submit_events`, `lookup`/`parse_lookup` and
+  `parse_register` take the token's `Scope` and raise `Forbidden` (-> 403) for anything
+  outside it, before anything is applied.
 - `lookup(body)`: validate, refuse queries over `max_query_tokens` with `TooLarge`
   (-> 413) before decoding them, and match in the caller's namespace. With blend lookup
   off, or a query shorter than one chunk, the answer has no matches. It returns the
@@ -27,8 +30,9 @@ Contract:
   `ChunkSizeConflict` (-> 409) and changes nothing. With `--event-log` the size cannot
   move (every replica must agree without a log record for it): only `--chunk-size`
   itself binds. Both take the directory lock: the HTTP layer runs them off the loop.
-- `register` (binds the size it carries first, and takes the instance's L1 batches again:
-  gate.py), `heartbeat`, `deregister`, `instances`: the instance registry. Deregistering (or reaping) an instance also needs `drop_instance(id)`, which
+- `parse_register(body, scope)` (validation, and the token's scope: off the loop), then
+  `register(request)` (binds the size it carries first, and takes the instance's L1
+  batches again: gate.py), `heartbeat`, `deregister`, `instances`: the instance registry. Deregistering (or reaping) an instance also needs `drop_instance(id)`, which
   fences its L1 placements and forgets its ingest cursor (under the directory lock, so
   between two batches); the HTTP layer runs it off the event loop.
 - `stats()`: the directory's stats object, JSON-encoded.
@@ -89,6 +93,7 @@ from blend_wire import (
     pack_kv_rank,
     prefix_chunk_hashes,
 )
+from coordinator_stub.access import ANY, Forbidden, Scope
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.ingest import ByteBudget, FairIngest
@@ -138,8 +143,9 @@ class Coordinator:
 
     # --- events and blend lookups ---------------------------------------------------------
 
-    def submit_events(self, body: bytes) -> concurrent.futures.Future:
-        """Queue an `/events` body; the future's result is the reply body (`bytes`)."""
+    def submit_events(self, body: bytes, scope: Scope = ANY) -> concurrent.futures.Future:
+        """Queue an `/events` body; the future's result is the reply body (`bytes`), or
+        `Forbidden` when a batch is outside `scope` (nothing of the body applied)."""
         reply: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(job: concurrent.futures.Future) -> None:
@@ -148,21 +154,23 @@ class Coordinator:
                 reply.set_exception(error)
             else:
                 reply.set_result(encode(job.result()))
-        self.ingest_queue.submit(body).add_done_callback(done)
+        self.ingest_queue.submit(body, None if scope.unrestricted else scope
+                                 ).add_done_callback(done)
         return reply
 
     def _apply_batch(self, batch: CacheEventBatch) -> str:
         reply = self.directory.ingest([batch])
         return "applied" if reply.applied else "duplicate" if reply.duplicates else "stale"
 
-    def lookup(self, body: bytes) -> BlendLookupReply:
-        return self.matches(self.parse_lookup(body))
+    def lookup(self, body: bytes, scope: Scope = ANY) -> BlendLookupReply:
+        return self.matches(self.parse_lookup(body, scope=scope))
 
-    def parse_lookup(self, body: bytes, shape: type[BlendQuery] = BlendLookupRequest
-                     ) -> BlendQuery:
-        """Validate a blend-lookup (or blend-score) body's shape, and its size from the
-        text alone."""
+    def parse_lookup(self, body: bytes, shape: type[BlendQuery] = BlendLookupRequest,
+                     scope: Scope = ANY) -> BlendQuery:
+        """Validate a blend-lookup (or blend-score) body's shape, its salt against the
+        reader's `scope` (`Forbidden`), and its size from the text alone."""
         request = decode(body, shape)
+        scope.check_salt(request.cache_salt, "$.cache_salt")
         # Base64 carries 3 bytes per 4 characters (padding aside): refuse an oversized
         # query from its text length, before spending time and memory decoding it.
         cap = self.config.max_query_tokens
@@ -201,8 +209,8 @@ class Coordinator:
                 for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places)])
             for content in found])
 
-    def score(self, body: bytes) -> BlendScoreReply:
-        return self.scores(self.parse_lookup(body, BlendScoreRequest))
+    def score(self, body: bytes, scope: Scope = ANY) -> BlendScoreReply:
+        return self.scores(self.parse_lookup(body, BlendScoreRequest, scope))
 
     def scores(self, request: BlendScoreRequest) -> BlendScoreReply:
         """WIRE.md's `/directory/blend-score`: every registered instance asked for (all by
@@ -317,16 +325,27 @@ class Coordinator:
             self._chunk_size_bound = True
             return chunk_size
 
-    def check_registration(self, body: bytes) -> RegisterRequest:
-        """Decode a registration and bind the chunk size it carries (ChunkSizeConflict)."""
+    def parse_register(self, body: bytes, scope: Scope = ANY) -> RegisterRequest:
+        """A `POST /instances` body, validated (`WireError`) and checked against the
+        emitter's `scope` (`Forbidden`); off the event loop (a body may be large)."""
         request = decode(body, RegisterRequest)
+        if scope.instances is not None:
+            if not request.instance_id:
+                raise Forbidden(f"this token may register only instances matching "
+                                f"{','.join(scope.instances)}: name one in instance_id "
+                                "(an empty one would be assigned at random)")
+            scope.check_instance(request.instance_id, "$.instance_id")
+        return request
+
+    def check_registration(self, request: RegisterRequest) -> RegisterRequest:
+        """Bind the chunk size a registration carries (ChunkSizeConflict)."""
         if request.chunk_size is not None:
             self.bind(request.chunk_size)
         return request
 
-    def register(self, body: bytes) -> bytes:
+    def register(self, request: RegisterRequest) -> bytes:
         """`POST /instances`: bind the size it carries, register, take its L1 again."""
-        request = self.check_registration(body)
+        self.check_registration(request)
         instance_id, re_registered = self.instances.register(request)
         self.directory.readmit(instance_id)
         return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, encode, encode_tokens
-from coordinator_stub.access import AccessConfigError, tokens_from
+from coordinator_stub.access import ANY, AccessConfigError, tokens_from
 from coordinator_stub.config import parse_args
 from coordinator_stub.process import launch_coordinator
 from helpers import poll_lookup, wait_until
@@ -84,9 +84,9 @@ def test_tokens_come_from_a_file_and_the_environment(tmp_path):
     path = tmp_path / "tokens"
     path.write_text(f"# serving processes\nemitter {BOTH}\nreader {BOTH}\nadmin {ADMIN}\n")
     env = {"COORDINATOR_READER_TOKEN": f"{READ}, {'q' * 20}"}
-    assert set(tokens_from(str(path), env)) == {
-        ("emitter", BOTH), ("reader", BOTH), ("admin", ADMIN), ("reader", READ),
-        ("reader", "q" * 20)}
+    assert set(tokens_from(str(path), env)) == {  # unscoped: any (see test_hostile_scopes)
+        ("emitter", BOTH, ANY), ("reader", BOTH, ANY), ("admin", ADMIN, ANY),
+        ("reader", READ, ANY), ("reader", "q" * 20, ANY)}
     config = parse_args(["--auth-token-file", str(path)], environ={})
     assert len(config.access_tokens) == 3
     assert parse_args([], environ={}).access_tokens == ()  # off by default
