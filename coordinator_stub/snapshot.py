@@ -11,7 +11,15 @@ Contract:
   `read(path, expect)` reads one file or raises `SnapshotRefused`; `write(path, ...)`
   writes one (`coordinator_stub.snapshot_bucket` moves such files to and from a NATS
   object store, byte for byte).
-- Refused: a file that is not a snapshot, is truncated or fails its checksum (corrupt);
+- Partial files (`.writing-*`, `.fetching-*`) are locked (flock) by their writer while
+  open; `SnapshotDir(...)` removes, at start, every one no live process holds (a writer
+  killed mid-write leaves one). A shared directory on a file system without flock
+  across hosts may lose a peer's write in progress: that snapshot fails, is logged, and
+  the next interval writes another.
+- Refused: a file that is not a snapshot, is truncated or fails its checksum (corrupt),
+  or whose header does not describe the payload it holds (part sizes that are not
+  non-negative integers adding up to the bytes after the header: corrupt, checked before
+  anything is allocated);
   one written in another format than this code reads (a newer one, or an older one this
   build no longer reads); one whose layout fingerprint differs (written by a build whose
   state classes have other fields); one whose meta does not match `expect` (another
@@ -34,6 +42,7 @@ verified before anything is unpickled.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import logging
@@ -115,12 +124,14 @@ def read(path: str | os.PathLike, expect: dict, source: str = "") -> tuple[Any, 
     where = source or str(path)
     with open(path, "rb", buffering=0) as src:
         meta = _header(where, src)
-        try:
-            sizes = [int(meta["pickle_bytes"]), *(int(n) for n in meta["buffers"])]
-            wanted_digest = str(meta["blake3"])
-        except (KeyError, TypeError, ValueError):
-            raise SnapshotRefused(f"snapshot {where} refused: its header lacks the payload's "
-                                  "layout (corrupt); the replica rebuilds without it") from None
+        sizes = _payload_sizes(meta, os.fstat(src.fileno()).st_size - src.tell())
+        if sizes is None or not isinstance(meta.get("blake3"), str):
+            # Outside the checksum: a size that is negative, not an integer, or not what the
+            # file holds would fail (or allocate petabytes) before the checksum could say so.
+            raise SnapshotRefused(f"snapshot {where} refused: its header does not describe "
+                                  "the payload the file holds (corrupt); the replica "
+                                  "rebuilds without it")
+        wanted_digest = meta["blake3"]
         for field, wanted in expect.items():  # before reading GBs it would not use
             if meta.get(field) != wanted:
                 raise SnapshotRefused(
@@ -150,6 +161,19 @@ def read(path: str | os.PathLike, expect: dict, source: str = "") -> tuple[Any, 
         if collecting:
             gc.enable()
     return state, meta
+
+
+def _payload_sizes(meta: dict, file_bytes: int) -> list[int] | None:
+    """The payload's part sizes the header names, when they are sane: non-negative
+    integers adding up to what follows the header in the file (`file_bytes`); else None."""
+    sizes = [meta.get("pickle_bytes")]
+    buffers = meta.get("buffers")
+    if not isinstance(buffers, list):
+        return None
+    sizes.extend(buffers)
+    if not all(type(size) is int and size >= 0 for size in sizes) or sizes[0] == 0:
+        return None
+    return sizes if sum(sizes) == file_bytes else None
 
 
 def _header(where: str, src: BinaryIO) -> dict:
@@ -208,10 +232,43 @@ class SnapshotDir:
         self.path = Path(path)
         self.keep = keep
         self.path.mkdir(parents=True, exist_ok=True)
+        self.remove_leftovers()
+
+    def partial(self, prefix: str = ".writing-") -> tuple[int, Path]:
+        """A new partial file `(fd, path)`, locked (flock) while its writer has it open:
+        `remove_leftovers` tells a live writer's file from one a crash left behind."""
+        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=self.path)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd, Path(tmp)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Remove partial files (`.writing-*`, `.fetching-*`) no live process holds: what a
+        writer killed mid-write left. A file a live writer (this or another process, on
+        this host) has open is locked, and kept. Returns the files removed."""
+        removed = []
+        for leftover in [*self.path.glob(".writing-*"), *self.path.glob(".fetching-*")]:
+            try:
+                fd = os.open(leftover, os.O_RDONLY)
+            except OSError:  # gone meanwhile (renamed into place, or removed by a peer)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # locked: being written right now
+                os.close(fd)
+                continue
+            try:
+                leftover.unlink(missing_ok=True)
+                removed.append(leftover)
+            finally:
+                os.close(fd)
+        if removed:
+            log.info("removed %d partial snapshot file(s) left by an interrupted write: %s",
+                     len(removed), ", ".join(path.name for path in removed))
+        return removed
 
     def save(self, state: Any, meta: dict) -> Path:
         final = self.path / snapshot_name(meta["seq"], meta.get("replica", "replica"))
-        fd, tmp = tempfile.mkstemp(prefix=".writing-", dir=self.path)
+        fd, tmp = self.partial()
         try:
             with os.fdopen(fd, "wb") as out:
                 write(out, state, meta)

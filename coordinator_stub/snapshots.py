@@ -275,9 +275,7 @@ class Snapshots:
 
     async def _load_remote(self, name: str, expect: dict, run) -> tuple[Any, dict]:
         local = self._local
-        fd, tmp = tempfile.mkstemp(prefix=".fetching-", dir=local.path)
-        os.close(fd)
-        tmp = Path(tmp)
+        fd, tmp = local.partial(".fetching-")  # held (locked) until fetched and read
         try:
             await self.bucket.fetch(name, tmp)
             loaded = await run(read, tmp, expect, self.bucket.label(name))
@@ -289,6 +287,7 @@ class Snapshots:
             return loaded
         finally:
             tmp.unlink(missing_ok=True)
+            os.close(fd)
 
     def close(self) -> None:
         if self._scratch is not None:
