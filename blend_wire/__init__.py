@@ -34,6 +34,7 @@ key fan-out).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
@@ -96,6 +97,19 @@ class WireError(ValueError):
     @property
     def detail(self) -> list[dict]:
         return [{"type": self.kind, "loc": list(self.loc), "msg": str(self), "input": self.input}]
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine
+    only: where a bearer token may travel over plain HTTP without crossing a network.
+    Both sides warn when a token would go in clear anywhere else."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_cache_salt(cache_salt: str) -> None:

@@ -151,6 +151,8 @@ async def serve(config: CoordinatorConfig) -> int:
         log.info("access control %s, TLS %s",
                  f"on ({len(config.access_tokens)} tokens)" if config.access_tokens else "off",
                  "on" if config.tls_cert_file else "off")
+        for warning in config.warnings():
+            log.warning("%s", warning)
         log.info("at most %d connections; idle timeout %g s, body timeout %g s",
                  guard.max_connections, config.idle_timeout_s, config.body_timeout_s)
         log.info("blend lookup %s, chunk size %d, probe stride %d, %s; reaper %s; metrics %s",

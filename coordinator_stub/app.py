@@ -35,7 +35,8 @@ Contract:
   `max_query_tokens` -> 413; a request outside its token's scope (`coordinator_stub.access`)
   -> 403; a body that cannot be read (corrupt gzip/deflate, unknown
   content encoding, broken chunking) -> 400; a body not complete within `body_timeout_s`
-  of its headers -> 408; ingest saturated -> 503 with `Retry-After` (these
+  of its headers -> 408 (these three with `Connection: close`: the rest of the body
+  cannot be framed); ingest saturated -> 503 with `Retry-After` (these
   `{"detail": "<why>"}`); a heartbeat of an unknown id -> 404
   `{"error": "unknown instance <id>; re-register"}`. None changes any state, and none
   is a 500.
@@ -146,6 +147,15 @@ async def _read_body(request: web.Request) -> bytes:
         raise _Unreadable(f"body cannot be read: {message}".strip()) from None
 
 
+def _closing(response: web.Response) -> web.Response:
+    """A refusal of a body not read to its end (too large, undecodable, too slow): what
+    is left of it on the connection cannot be framed, so the reply says `Connection:
+    close` and the connection is closed after it (the client opens a new one) rather
+    than reset under the client's next request."""
+    response.force_close()
+    return response
+
+
 def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
                     ) -> Callable[[web.Request], Awaitable[web.Response]]:
     """Turn a handler's reply body, or its refusal, into the HTTP response."""
@@ -159,11 +169,11 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
         except Forbidden as exc:
             return _detail(403, str(exc), "forbidden", request)
         except TooLarge as exc:
-            return _detail(413, str(exc), "too_large", request)
+            return _closing(_detail(413, str(exc), "too_large", request))
         except ChunkSizeConflict as exc:
             return _detail(409, str(exc), "chunk_size_conflict", request)
         except _Unreadable as exc:
-            return _detail(exc.status, str(exc), "unreadable", request)
+            return _closing(_detail(exc.status, str(exc), "unreadable", request))
         except (_Busy, ServiceUnavailable) as exc:
             response = _detail(503, str(exc), "busy", request)
             response.headers["Retry-After"] = str(RETRY_AFTER_S)

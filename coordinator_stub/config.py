@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from blend_wire import is_loopback_host
 from coordinator_stub.access import tokens_from
 
 DEFAULT_HOST = "127.0.0.1"
@@ -113,6 +114,18 @@ class CoordinatorConfig:
         if not 0 <= self.health_check_interval < float("inf"):
             raise ValueError("health_check_interval must be a finite number of seconds >= 0 "
                              f"(0: never reap), got {self.health_check_interval!r}")
+
+
+    def warnings(self) -> list[str]:
+        """What an operator should hear about this configuration at start-up."""
+        found = []
+        if self.access_tokens and self.tls_cert_file is None and not is_loopback_host(self.host):
+            found.append(
+                f"access control is on without TLS while listening on {self.host}: bearer "
+                "tokens (and the token ids of every tenant's prompts) cross the network in "
+                "clear, for anyone on the path to copy; serve HTTPS (--tls-cert, --tls-key) "
+                "or bind a loopback address")
+        return found
 
 
 @dataclass(frozen=True)

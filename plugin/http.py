@@ -7,7 +7,8 @@ Contract:
   `connections` keep-alive connections, and `DeadlineTransport` underneath. With a `token`,
   every request carries `Authorization: Bearer <token>` (a coordinator with access control
   on); with a `ca_file`, an `https://` coordinator's certificate is checked against it
-  instead of the system's trust store.
+  instead of the system's trust store. A token bound for an `http://` URL whose host is
+  not loopback is warned about (once per host): it would cross the network in clear.
 - `DeadlineTransport` makes a request's timeout a *total* deadline for the round-trip:
   connecting, sending and every read of the status line, headers and body, together.
   httpx applies its timeouts per phase and per read (a read that returns one byte restarts
@@ -25,6 +26,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import logging
 import ssl
 import threading
 import time
@@ -33,17 +35,38 @@ from typing import Iterable, Iterator
 import httpcore
 import httpx
 
+from blend_wire import is_loopback_host
+
 __all__ = ["DeadlineTransport", "coordinator_http"]
+
+log = logging.getLogger(__name__)
 
 
 def coordinator_http(base_url: str, *, timeout: float, connections: int = 1,
                      token: str | None = None, ca_file: str | None = None) -> httpx.Client:
     """An `httpx.Client` for a coordinator: total deadline per round-trip, no env proxy."""
+    if token:
+        _warn_if_in_clear(base_url)
     ssl_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     transport = DeadlineTransport(max_connections=connections, ssl_context=ssl_context)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return httpx.Client(base_url=base_url, timeout=timeout, transport=transport,
                         headers=headers, trust_env=False)
+
+
+_warned_in_clear: set[str] = set()
+
+
+def _warn_if_in_clear(base_url: str) -> None:
+    """Warn (once per coordinator) when a bearer token would go over plain HTTP to
+    another machine: anyone on the path can copy it and speak as this server."""
+    url = httpx.URL(base_url)
+    if url.scheme != "http" or is_loopback_host(url.host) or url.host in _warned_in_clear:
+        return
+    _warned_in_clear.add(url.host)
+    log.warning("the coordinator token (LMCACHE_COORDINATOR_TOKEN) is sent over plain http:// "
+                "to %s, a host other than this one: anyone on the path can copy it; use an "
+                "https:// coordinator URL (LMCACHE_COORDINATOR_CA_FILE for its CA)", url.host)
 
 
 # The absolute deadline (time.monotonic) of the round-trip the current thread is making. A
