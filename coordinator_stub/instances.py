@@ -99,6 +99,10 @@ class InstanceRegistry:
             return [instance_id for instance_id, instance in self._instances.items()
                     if now - instance.last_heard > timeout]
 
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._instances)
+
     def restore_from(self, other: "InstanceRegistry") -> None:
         """Take `other`'s records (a loaded snapshot, or an empty registry) in place."""
         with self._lock:

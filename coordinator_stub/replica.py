@@ -12,17 +12,26 @@ Contract (README, "Replicas"):
   * `beats`: a JSON list of instance ids heard from (heartbeats, coalesced);
   * `drop`: an instance left (`DELETE /instances/{id}`): deregistered, its L1
     placements fenced and its cursor forgotten;
-  * `reap`: `{"timeout": s}`: every registered instance not heard from for more than
-    `s` seconds of log time is dropped as by `drop`, at this record.
+  * `reap`: `{"timeout": s, "ids": [...]}`: every instance of `ids` not heard from for
+    more than `s` seconds of log time is dropped as by `drop`, at this record (a record
+    without `ids`, written before issue 19: every such instance).
 - Log time: each record carries the time the stream stored it (stamped by the stream's
   leader, the same for every reader); the log's time is the largest seen so far, so it
   never goes back. A registration's `registration_time`, an instance's last heartbeat
   and every reaping decision use it, never a replica's own clock: every replica (and a
   replica replaying the stream later) reaps the same instances at the same record,
-  exactly once. Replicas may all run the reaper; a replica's own clock only decides
-  when it is worth appending a `reap` (some instance looks overdue); a `reap` that finds
-  nobody overdue changes nothing. Instances are dropped only at `reap` records, so a
-  quiet log reaps nobody until some replica's reaper appends one.
+  exactly once. Replicas may all run the reaper.
+- Reaping needs two clocks to agree: an instance is dropped only when the log's time
+  AND the monotonic clock of the replica proposing the `reap` both say it has been silent
+  for more than the timeout. The proposer names, in the record, the ids it has not heard
+  of (a heartbeat taken there, or a register / beats record applied there) for over the
+  timeout by `time.monotonic()`; applying the record drops those of them silent by log
+  time. So a clock step on the log's host (log time jumping ahead of every beat) reaps
+  nobody the replicas still hear, and no wall clock step on a replica's host moves its
+  monotonic view; the outcome is still decided by the record alone, alike everywhere. A
+  replica that starts (or restarts) counts every instance it has not heard of as heard
+  when its reaper first looks, so it proposes nobody for a timeout after that. Instances are dropped only at `reap` records,
+  so a quiet log reaps nobody until some replica's reaper appends one.
 - Heartbeats: a replica answers a heartbeat from the registry it has applied (an id it
   does not know yet makes it first catch up with the log's end, so a registration taken
   by a peer a moment ago is not answered 404). It appends the beat only when it has not
@@ -106,6 +115,9 @@ _PENDING = object()
 
 class _Reap(msgspec.Struct):
     timeout: float
+    # The ids the proposing replica found silent by its own monotonic clock; None (a
+    # record written before issue 19): every id silent by log time, as then.
+    ids: list[str] | None = None
 
 
 class LogReplica:
@@ -139,6 +151,13 @@ class LogReplica:
         self._beats: set[str] = set()
         self._beat_queued: dict[str, float] = {}
         self._beats_lock = asyncio.Lock()
+        # When this replica last heard of each instance by its own monotonic clock (a
+        # heartbeat taken here, or a register / beats record applied): its half of the
+        # reaping rule (module doc). An id it has not heard of counts as heard when the
+        # reaper first looked (a restarted replica proposes nobody for a timeout).
+        self._clock: Callable[[], float] = time.monotonic
+        self._heard: dict[str, float] = {}
+        self._first_look: float | None = None
         self._apply = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apply")
         self._validate = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="validate")
@@ -353,17 +372,24 @@ class LogReplica:
             instance_id, re_registered = instances.register(
                 decode(record.payload, RegisterRequest), at=self.log_time)
             directory.readmit(instance_id)  # its L1 batches are taken again (gate.py)
+            self._heard[instance_id] = self._clock()
             return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
         if record.kind == BEATS:
+            now = self._clock()
             for instance_id in decode(record.payload, list[str]):
-                instances.heartbeat(instance_id, at=self.log_time)
+                if instances.heartbeat(instance_id, at=self.log_time):
+                    self._heard[instance_id] = now
             return None
         if record.kind == DROP:
             self._depart(record.payload.decode())
             return None
         if record.kind == REAP:
-            timeout = decode(record.payload, _Reap).timeout
+            reap = decode(record.payload, _Reap)
+            timeout = reap.timeout
             reaped = instances.silent(timeout, now=self.log_time)
+            if reap.ids is not None:  # both clocks must agree (module doc)
+                proposed = set(reap.ids)
+                reaped = [instance_id for instance_id in reaped if instance_id in proposed]
             for instance_id in reaped:
                 log.info("instance %s silent for over %g s of log time (record %d): "
                          "deregistered, L1 fenced", instance_id, timeout, record.seq)
@@ -374,6 +400,7 @@ class LogReplica:
         return _UNKNOWN
 
     def _depart(self, instance_id: str) -> None:
+        self._heard.pop(instance_id, None)
         self.coordinator.instances.deregister(instance_id)
         self.coordinator.directory.drop_instance(instance_id)
 
@@ -454,6 +481,7 @@ class LogReplica:
             await self._caught_up_with_the_log()  # a peer may have taken it a moment ago
             if instance_id not in instances:
                 return False
+        self._heard[instance_id] = self._clock()
         now = time.monotonic()
         if now - self._beat_queued.get(instance_id, -self._beat_refresh_s) \
                 >= self._beat_refresh_s:
@@ -465,14 +493,24 @@ class LogReplica:
         """Append an instance's departure; return once applied here (or the timeout)."""
         await self._append_and_wait(DROP, instance_id.encode())
 
+    def silent_here(self, timeout: float) -> list[str]:
+        """Registered ids this replica has not heard of for over `timeout` s by its own
+        monotonic clock (a wall clock step, here or on the log's host, moves nothing)."""
+        now = self._clock()
+        if self._first_look is None:
+            self._first_look = now
+        return [instance_id for instance_id in self.coordinator.instances.ids()
+                if now - self._heard.get(instance_id, self._first_look) > timeout]
+
     async def reap(self, timeout: float) -> None:
-        """The reaper's turn: when some instance looks silent for over `timeout` s by this
-        replica's clock, append the beats heard here, then a `reap` record (which decides,
-        by log time, who goes)."""
-        if not self.coordinator.instances.silent(timeout, now=time.time()):
+        """The reaper's turn: when some instance is silent for over `timeout` s by this
+        replica's monotonic clock, append the beats heard here, then a `reap` record
+        naming those ids; applying it drops those of them also silent by log time."""
+        proposed = self.silent_here(timeout)
+        if not proposed:
             return
         await self._flush_beats()
-        await self._append_and_wait(REAP, encode(_Reap(timeout=timeout)))
+        await self._append_and_wait(REAP, encode(_Reap(timeout=timeout, ids=proposed)))
 
     async def _flush_beats(self) -> None:
         async with self._beats_lock:
