@@ -506,6 +506,8 @@ from blend_wire.fleet import (  # noqa: E402
     InstanceInfo,
     InstancesReply,
     KeyPlacements,
+    MAX_METADATA_CHARS,
+    MAX_REGISTRATION_BODY_BYTES,
     RegisterReply,
     RegisterRequest,
     WirePlacement,

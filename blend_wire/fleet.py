@@ -27,6 +27,12 @@ ChunkSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_IDS)]
 
 # --- /instances -------------------------------------------------------------------------
 
+#: A `POST /instances` body larger than this is refused (413) before it is read: the
+#: registry keeps every record in memory and `GET /instances` lists them all.
+MAX_REGISTRATION_BODY_BYTES = 64 * 1024
+#: `metadata` keys and values together, in characters (422 beyond).
+MAX_METADATA_CHARS = 16 * 1024
+
 
 class RegisterRequest(msgspec.Struct, kw_only=True):
     """`POST /instances`. An empty `instance_id` asks the coordinator to assign one."""
@@ -46,6 +52,10 @@ class RegisterRequest(msgspec.Struct, kw_only=True):
         self.p2p_advertised_url = self.p2p_advertised_url.strip()
         if not self.ip:
             raise ValueError("ip must be a non-empty address (the coordinator calls it)")
+        size = sum(len(name) + len(value) for name, value in self.metadata.items())
+        if size > MAX_METADATA_CHARS:
+            raise ValueError(f"metadata holds {size} characters (keys and values), more than "
+                             f"{MAX_METADATA_CHARS}; keep registration hints short")
 
 
 class RegisterReply(msgspec.Struct, kw_only=True):

@@ -15,7 +15,10 @@ Contract:
     (`give_back_memory`) on asyncio's default pool;
   * blend lookups and blend scores on `match_workers` threads (one by default: the index serialises
     matches under its own lock, so a second matcher only adds lock and GIL hand-offs),
-    so a long query stalls neither ingest nor `/healthz`. A lookup body of at most
+    so a long query stalls neither ingest nor `/healthz`; readers (a bearer token, or a
+    client address without access control) take turns there by start-time fair
+    queuing on query bytes (`coordinator_stub.matchpool`), so one reader's huge
+    queries delay another's small one by at most the lookup running. A lookup body of at most
     256 KiB (~48k tokens) has its JSON shape validated on the loop first; the matcher
     thread decodes its tokens (a GIL-free kernel) and matches. Larger bodies are
     validated on the matcher thread too;
@@ -25,7 +28,9 @@ Contract:
 - Background work is one pattern: an asyncio task owned by the app's lifecycle
   (`cleanup_ctx`), cancelled on shutdown. The only one is the reaper: every
   `health_check_interval` seconds (0: never) it deregisters instances silent for more
-  than `instance_timeout` and fences their L1 placements, as `DELETE /instances/{id}`.
+  than `instance_timeout` and fences their L1 placements, as `DELETE /instances/{id}`,
+  and releases the ingest cursor and capacity rows of ids that are not registered, hold
+  no placement and sent no batch for as long (ids that never registered, or stopped).
   With `--event-log` the registry lives in the log (`coordinator_stub.replica`):
   registrations, heartbeats, departures and the reaper's decisions go through the
   replica, which applies them on every replica at the same point of the stream.
@@ -46,7 +51,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import time
@@ -66,6 +70,7 @@ from blend_wire import (
     EVENTS_PATH,
     HEALTH_PATH,
     INSTANCES_PATH,
+    MAX_REGISTRATION_BODY_BYTES,
     METRICS_PATH,
     STATS_PATH,
     BlendLookupReply,
@@ -78,6 +83,7 @@ from blend_wire import (
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.connections import ConnectionGuard, connection_cap
 from coordinator_stub.ingest import give_back_memory
+from coordinator_stub.matchpool import FairPool
 from coordinator_stub.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator_stub.service import (BadRequest, ChunkSizeConflict, Coordinator,
                                       ServiceUnavailable, TooLarge)
@@ -88,7 +94,7 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 METRICS = web.AppKey("metrics", CoordinatorMetrics)  # absent with metrics off
 #: Caps open connections when the app is served through it (`python -m coordinator_stub`).
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
-_MATCH_POOL = web.AppKey("match_pool", concurrent.futures.ThreadPoolExecutor)
+_MATCH_POOL = web.AppKey("match_pool", FairPool)
 #: The replica applying the event log (`--event-log`), or None for one in-memory process.
 REPLICA = web.AppKey("replica", object)
 
@@ -122,21 +128,23 @@ def _detail(status: int, detail, reason: str, request: web.Request) -> web.Respo
     return web.Response(status=status, body=encode({"detail": detail}), content_type=_JSON)
 
 
-async def _read_body(request: web.Request) -> bytes:
-    limit = request.app[COORDINATOR].config.max_body_bytes
+async def _read_body(request: web.Request, limit: int | None = None,
+                     limit_name: str = "--max-body-bytes") -> bytes:
+    """The request's body, at most `limit` bytes (default: the app's body limit)."""
+    limit = limit or request.app[COORDINATOR].config.max_body_bytes
     declared = request.content_length
     if declared is not None and declared > limit:
         # Refuse on the declared length, without reading (and buffering) the body at all.
-        raise TooLarge(f"body of {declared} bytes exceeds {limit} (--max-body-bytes)")
+        raise TooLarge(f"body of {declared} bytes exceeds {limit} ({limit_name})")
     timeout = request.app[COORDINATOR].config.body_timeout_s
     try:
         # A body without a declared length is cut off at the app's client_max_size (after
         # decompression, so a gzip bomb stops there too). A body trickling in is cut off
         # after `timeout`: it would otherwise hold its connection and buffer for ever.
         async with asyncio.timeout(timeout):
-            return await request.read()
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise TooLarge(f"body exceeds {limit} bytes (--max-body-bytes)") from None
+        raise TooLarge(f"body exceeds {limit} bytes ({limit_name})") from None
     except TimeoutError:
         raise _Unreadable(f"body not received within {timeout:g} s (--body-timeout)",
                           timed_out=True) from None
@@ -145,6 +153,9 @@ async def _read_body(request: web.Request) -> bytes:
         cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
         message = getattr(cause, "message", "") or str(cause)
         raise _Unreadable(f"body cannot be read: {message}".strip()) from None
+    if len(body) > limit:  # sent without a length, or compressed
+        raise TooLarge(f"body exceeds {limit} bytes ({limit_name})")
+    return body
 
 
 def _closing(response: web.Response) -> web.Response:
@@ -180,6 +191,14 @@ def _answers_errors(handler: Callable[[web.Request], Awaitable[bytes]]
             return response
         return web.Response(body=reply, content_type=_JSON)
     return respond
+
+
+def _reader_of(request: web.Request) -> tuple[str, str | None]:
+    """Whose turn a lookup takes at the matcher: its bearer token when access control is
+    on (checked by then: a client cannot make up readers), else the client's address."""
+    if request.app[COORDINATOR].config.access_tokens:
+        return "token", request.headers.get("Authorization", "")
+    return "peer", request.remote
 
 
 def _run(request: web.Request, pool: web.AppKey | None, work: Callable[..., T],
@@ -227,13 +246,16 @@ async def _blend_lookup(request: web.Request) -> bytes:
     started = time.perf_counter()
     body = await _read_body(request)
     scope = scope_of(request)
+    # Readers take turns at the matcher, by query size (coordinator_stub.matchpool).
+    pool, reader = request.app[_MATCH_POOL], _reader_of(request)
     if len(body) > _INLINE_PARSE_BYTES:
-        reply = await _run(request, _MATCH_POOL, coordinator.lookup, body, scope)
+        job = pool.submit(reader, len(body), coordinator.lookup, body, scope)
     else:
         # A small body's shape is validated right here (microseconds); the matcher thread
         # decodes its tokens without the GIL and matches, so the loop keeps serving.
-        reply = await _run(request, _MATCH_POOL, coordinator.matches,
-                           coordinator.parse_lookup(body, scope=scope))
+        job = pool.submit(reader, len(body), coordinator.matches,
+                          coordinator.parse_lookup(body, scope=scope))
+    reply = await asyncio.wrap_future(job)
     metrics = request.app.get(METRICS)
     if metrics is not None:
         found = (len(reply.matches) if type(reply) is BlendLookupReply
@@ -250,11 +272,13 @@ async def _blend_score(request: web.Request) -> bytes:
     started = time.perf_counter()
     body = await _read_body(request)
     scope = scope_of(request)  # a router's token may be scoped to salts, as a reader's
+    pool, reader = request.app[_MATCH_POOL], _reader_of(request)  # turns, as lookups
     if len(body) > _INLINE_PARSE_BYTES:
-        reply = await _run(request, _MATCH_POOL, coordinator.score, body, scope)
+        job = pool.submit(reader, len(body), coordinator.score, body, scope)
     else:
-        reply = await _run(request, _MATCH_POOL, coordinator.scores,
-                           coordinator.parse_lookup(body, BlendScoreRequest, scope))
+        job = pool.submit(reader, len(body), coordinator.scores,
+                          coordinator.parse_lookup(body, BlendScoreRequest, scope))
+    reply = await asyncio.wrap_future(job)
     metrics = request.app.get(METRICS)
     if metrics is not None:
         metrics.observe_lookup("blend-score", time.perf_counter() - started)
@@ -305,7 +329,8 @@ async def _metrics(request: web.Request) -> web.Response:
 @_answers_errors
 async def _register(request: web.Request) -> bytes:
     coordinator = request.app[COORDINATOR]
-    body = await _read_body(request)
+    body = await _read_body(request, MAX_REGISTRATION_BODY_BYTES,
+                            "the registration body limit, WIRE.md")
     # Decoded (and checked against the token's scope) off the loop.
     registration = await _run(request, None, coordinator.parse_register, body,
                               scope_of(request))
@@ -362,7 +387,10 @@ async def _deregister(request: web.Request) -> web.Response:
 
 
 async def _instances(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[COORDINATOR].instances_listing(), content_type=_JSON)
+    # Encoded off the loop: the listing grows with the fleet (up to 16 KiB of metadata
+    # per instance).
+    body = await _run(request, None, request.app[COORDINATOR].instances_listing)
+    return web.Response(body=body, content_type=_JSON)
 
 
 async def _drop(app: web.Application, instance_id: str) -> None:
@@ -386,8 +414,7 @@ async def _worker_pools(app: web.Application) -> AsyncIterator[None]:
     """Threads live exactly as long as the running app."""
     config = app[COORDINATOR].config
     app[COORDINATOR].ingest_queue.start()
-    app[_MATCH_POOL] = concurrent.futures.ThreadPoolExecutor(
-        config.match_workers, thread_name_prefix="match")
+    app[_MATCH_POOL] = FairPool(config.match_workers, "match")
     yield
     app[_MATCH_POOL].shutdown(wait=True, cancel_futures=True)
     app[COORDINATOR].ingest_queue.close()
@@ -423,6 +450,12 @@ async def _reap_forever(app: web.Application, interval: float, timeout: float) -
                 metrics = app.get(METRICS)
                 if metrics is not None:
                     metrics.reaped()
+            released = await asyncio.get_running_loop().run_in_executor(
+                None, coordinator.release_ghosts, timeout)
+            if released:
+                log.info("%d unregistered ids holding nothing, silent for over %.0f s: "
+                         "their ingest cursors and capacity rows released", len(released),
+                         timeout)
         except ServiceUnavailable as exc:  # the event log cannot take the record now
             log.warning("reaping silent instances deferred to the next interval: %s", exc)
         except Exception:  # never let one bad sweep end the reaper

@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -958,6 +959,39 @@ class KeyDirectory:
                 self._writer = _IndexWriter(index, chunk_size)
                 self._index = index
             return True
+
+    def has_ghosts(self, registered: Callable[[str], bool]) -> bool:
+        """Whether some id with a gate cursor is not `registered` and holds nothing."""
+        with self._lock:
+            return any(not registered(instance_id) and instance_id not in self._held_by
+                       for instance_id in self._gate.instances())
+
+    def release_ghosts(self, registered: Callable[[str], bool], now: float,
+                       timeout: float) -> list[str]:
+        """Forget the gate cursor and capacity rows of every id that is not `registered`,
+        holds no placement, and has sent no batch for more than `timeout` (by `now`, the
+        reaper's clock, across its sweeps): ids that never registered or stopped, which
+        would otherwise be kept for good. Such an id's next batch is its first; it holds
+        nothing, so there is nothing to fence. An unregistered id that holds placements
+        (a ZMQ-only server reports without registering) keeps its cursor. Returns the ids
+        released. O(ids with a cursor), under the directory lock."""
+        with self._lock:
+            gate, held = self._gate, self._held_by
+            released = []
+            for instance_id in gate.instances():
+                if registered(instance_id) or instance_id in held:
+                    gate.not_idle(instance_id)
+                elif gate.idle_for(instance_id, now) > timeout:
+                    released.append(instance_id)
+            if not released:
+                return released
+            gone = set(released)
+            for instance_id in released:
+                gate.forget(instance_id)
+                self._l1_by_instance.pop(instance_id, None)
+            for place in [p for p in self._capacity if p[0] in gone]:
+                del self._capacity[place]
+            return released
 
     def _fence(self, instance_id: str, l1_only: bool = False) -> None:
         """Instance restarted: drop every placement it reported (and what they held); or,

@@ -27,6 +27,10 @@ Contract (DESIGN.md, "Coordinator"; WIRE.md, `CacheEventBatch`; LMCache 0.5.7's
   delivery delay of the last one carrying `ts` (its send time to admission, across the
   two hosts' clocks). Totals (`batches_missing`, `events_dropped`) never reset.
 
+- Idleness, for releasing cursors nobody needs (`KeyDirectory.release_ghosts`): the
+  reaper's sweeps ask `idle_for(id, now)`; any batch of the id resets it; `forget` drops
+  a ghost's cursor (not a departure: it never registered, nothing is refused).
+
 Not thread-safe: the key directory consults it under its own lock, so admitting a batch
 and applying it are one atomic step. `snapshot()`/`restore()` put a cursor (and the
 totals, and a departure) back exactly when a batch is rolled back. Reads for stats and
@@ -80,10 +84,14 @@ class IngestGate:
         self._departed: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.batches_missing = 0
         self.events_dropped = 0
+        # Ids the reaper found idle (`idle_for`), and since when; any batch clears it.
+        self._idle: dict[str, float] = {}
 
     def admit(self, instance_id: str, incarnation: int, seq: int, *, tier: str = "l1",
               dropped_events: int = 0, ts: float = 0.0) -> Verdict:
         """Decide a batch's fate and advance the cursor when it is to be applied."""
+        if self._idle:
+            self._idle.pop(instance_id, None)
         departed = self._departed.get(instance_id)
         if departed is not None:
             if incarnation > departed:
@@ -138,6 +146,7 @@ class IngestGate:
         """The instance left (its L1 is fenced): drop its cursor and refuse its L1 batches
         of this incarnation until `readmit` (module doc)."""
         cursor = self._cursors.pop(instance_id, None)
+        self._idle.pop(instance_id, None)
         if cursor is None:
             return
         self._departed.pop(instance_id, None)
@@ -148,6 +157,21 @@ class IngestGate:
     def readmit(self, instance_id: str) -> None:
         """The instance registered again: take its L1 batches again."""
         self._departed.pop(instance_id, None)
+
+    def forget(self, instance_id: str) -> None:
+        """Drop the cursor of an id that holds nothing and is not registered (a ghost,
+        `KeyDirectory.release_ghosts`): its next batch is a first one, refused nothing."""
+        self._cursors.pop(instance_id, None)
+        self._idle.pop(instance_id, None)
+
+    def idle_for(self, instance_id: str, now: float) -> float:
+        """How long the instance has sent no batch, as far as the reaper's sweeps (`now`
+        each) can tell: 0 at the first sweep that asks, then the time since it."""
+        return now - self._idle.setdefault(instance_id, now)
+
+    def not_idle(self, instance_id: str) -> None:
+        """The reaper keeps this id whatever its batches (registered, or holding data)."""
+        self._idle.pop(instance_id, None)
 
     def instances(self) -> list[str]:
         """Instances with a cursor, in the order their current stream began."""

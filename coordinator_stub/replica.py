@@ -14,7 +14,11 @@ Contract (README, "Replicas"):
     placements fenced and its cursor forgotten;
   * `reap`: `{"timeout": s, "ids": [...]}`: every instance of `ids` not heard from for
     more than `s` seconds of log time is dropped as by `drop`, at this record (a record
-    without `ids`, written before issue 19: every such instance).
+    without `ids`, written before issue 19: every such instance); and ids that are not
+    registered, hold nothing and sent no batch across reap records spanning more than
+    `s` of log time lose their ingest cursor and capacity rows
+    (`KeyDirectory.release_ghosts`). A replica appends a `reap` when it proposes ids, or
+    when some id with a cursor is not registered and holds nothing.
 - Log time: each record carries the time the stream stored it (stamped by the stream's
   leader, the same for every reader); the log's time is the largest seen so far, so it
   never goes back. A registration's `registration_time`, an instance's last heartbeat
@@ -396,6 +400,8 @@ class LogReplica:
                 self._depart(instance_id)
             if reaped:
                 self._on_reaped(len(reaped))
+            # Ids not registered that hold nothing, idle across reap records: released.
+            directory.release_ghosts(instances.__contains__, self.log_time, timeout)
             return reaped
         return _UNKNOWN
 
@@ -507,10 +513,16 @@ class LogReplica:
         replica's monotonic clock, append the beats heard here, then a `reap` record
         naming those ids; applying it drops those of them also silent by log time."""
         proposed = self.silent_here(timeout)
-        if not proposed:
+        if not proposed and not await asyncio.get_running_loop().run_in_executor(
+                self._apply, self._unregistered_cursors):
             return
         await self._flush_beats()
         await self._append_and_wait(REAP, encode(_Reap(timeout=timeout, ids=proposed)))
+
+    def _unregistered_cursors(self) -> bool:
+        """On the apply thread: whether some id with an ingest cursor is not registered
+        and holds nothing (a `reap` record would release it once idle long enough)."""
+        return self.coordinator.directory.has_ghosts(self.coordinator.instances.__contains__)
 
     async def _flush_beats(self) -> None:
         async with self._beats_lock:

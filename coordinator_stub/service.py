@@ -34,7 +34,9 @@ Contract:
   `register(request)` (binds the size it carries first, and takes the instance's L1
   batches again: gate.py), `heartbeat`, `deregister`, `instances`: the instance registry. Deregistering (or reaping) an instance also needs `drop_instance(id)`, which
   fences its L1 placements and forgets its ingest cursor (under the directory lock, so
-  between two batches); the HTTP layer runs it off the event loop.
+  between two batches); the HTTP layer runs it off the event loop. `release_ghosts(timeout)`
+  (the reaper, every sweep): ids never registered (or gone) that hold nothing and sent
+  nothing for `timeout` lose their gate cursor and capacity rows.
 - `stats()`: the directory's stats object, JSON-encoded.
 
 `lookup` is `matches(parse_lookup(body))`, split so the HTTP layer can validate a small
@@ -53,6 +55,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -360,6 +363,14 @@ class Coordinator:
 
     def drop_instance(self, instance_id: str) -> None:
         self.directory.drop_instance(instance_id)
+
+    def release_ghosts(self, timeout: float, now: float | None = None) -> list[str]:
+        """The reaper's sweep of ids that are not registered and hold nothing: those that
+        sent no batch for over `timeout` lose their gate cursor and capacity rows
+        (`KeyDirectory.release_ghosts`; `now`: monotonic seconds, by default now)."""
+        return self.directory.release_ghosts(self.instances.__contains__,
+                                             time.monotonic() if now is None else now,
+                                             timeout)
 
     def instances_listing(self) -> bytes:
         return encode(self.instances.listing())

@@ -1,0 +1,107 @@
+"""One reader's huge queries cannot hold the matcher from everyone else (issue 19, item 3).
+
+Before: blend lookups queued FIFO for the one match worker, so four clients sending
+2^20-token lookups pushed another client's p99 from 25 ms to 550 ms. Now readers (their
+bearer token; without access control, their address) take turns by start-time fair
+queuing on query bytes: a small lookup waits for at most the lookup already running.
+
+Deterministic: the matcher is held on a first lookup until every other lookup is queued;
+then the order in which the matcher serves them is what is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+
+from blend_wire import BLEND_LOOKUP_PATH, encode, encode_tokens
+
+FLOODERS, EACH = 4, 3
+TOKENS = {name: name[0].upper() * 4 + name.ljust(16, "-")
+          for name in ["gate", "victim", *(f"flood{i}" for i in range(FLOODERS))]}
+
+
+async def test_a_small_lookup_waits_only_for_the_one_running(start):
+    coord = await start(access_tokens=tuple(("reader", token) for token in TOKENS.values()))
+    service = coord.coordinator
+    served: list[str] = []
+    release = threading.Event()
+    match = service.directory.match
+
+    def recording_match(tokens, namespace):
+        served.append(namespace.cache_salt)
+        if namespace.cache_salt == "gate":
+            release.wait(60)
+        return match(tokens, namespace)
+
+    service.directory.match = recording_match
+    parsed = 0
+    parse = service.parse_lookup
+
+    def counting_parse(*args, **kwargs):
+        nonlocal parsed
+        parsed += 1
+        return parse(*args, **kwargs)
+
+    service.parse_lookup = counting_parse
+
+    async def lookup(name: str, size: int) -> int:
+        tokens = np.arange(size, dtype=np.uint32)
+        body = {"tokens_b64": encode_tokens(tokens), "model_name": "m", "cache_salt": name}
+        response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body),
+                                           headers={"Authorization": f"Bearer {TOKENS[name]}"})
+        return response.status
+
+    async def until(predicate) -> None:
+        for _ in range(2000):
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    requests = [asyncio.create_task(lookup("gate", 8))]
+    await until(lambda: served == ["gate"])  # the matcher is held
+    # Each flooder queues three 40k-token lookups (~210 KB each), then the victim one of 8.
+    for i in range(EACH):
+        for f in range(FLOODERS):
+            requests.append(asyncio.create_task(lookup(f"flood{f}", 40_000)))
+    await until(lambda: parsed == 1 + FLOODERS * EACH)
+    requests.append(asyncio.create_task(lookup("victim", 8)))
+    await until(lambda: parsed == 2 + FLOODERS * EACH)  # parsed, and so queued (same step)
+    release.set()
+    assert set(await asyncio.gather(*requests)) == {200}
+    assert served[1] == "victim", served
+    # And the flooders shared the matcher in turns, not one after the other.
+    floods = served[2:]
+    assert floods[:FLOODERS] and len(set(floods[:FLOODERS])) == FLOODERS, floods
+
+
+def test_the_pool_keeps_each_readers_order_skips_cancelled_and_settles_at_shutdown():
+    from coordinator_stub.matchpool import FairPool, PoolClosed
+
+    pool = FairPool(1, "test")
+    held, ran = threading.Event(), []
+    try:
+        first = pool.submit("a", 10, held.wait, 30)
+        jobs = [pool.submit("a", 10, ran.append, f"a{i}") for i in range(3)]
+        jobs += [pool.submit("b", 10, ran.append, f"b{i}") for i in range(2)]
+        failing = pool.submit("c", 1, lambda: 1 / 0)
+        skipped = pool.submit("c", 1, ran.append, "skipped")
+        assert skipped.cancel()
+        held.set()
+        assert first.result(30) is True
+        for job in jobs:
+            job.result(30)
+        assert isinstance(failing.exception(30), ZeroDivisionError)
+        assert [r for r in ran if r.startswith("a")] == ["a0", "a1", "a2"]
+        assert "skipped" not in ran and ran.index("b0") < ran.index("a2")  # turns, not FIFO
+        held.clear()
+        pool.submit("a", 1, held.wait, 30)
+        queued = pool.submit("b", 1, ran.append, "late")
+    finally:
+        held.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+    assert queued.cancelled() or queued.done()
+    assert isinstance(pool.submit("a", 1, ran.append, "x").exception(1), PoolClosed)
