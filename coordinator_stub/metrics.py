@@ -59,7 +59,7 @@ class CoordinatorMetrics:
                                 registry=self.registry)
         self._rejected = Counter(_PREFIX + "rejected_requests",
                                  "Requests refused, by reason (validation: 422, "
-                                 "bad_request: 400, too_large: 413)", ["reason"],
+                                 "bad_request: 400, forbidden: 403, too_large: 413)", ["reason"],
                                  registry=self.registry)
         # Children bound once: the request path skips the label lookup.
         self._seconds_of = {endpoint: self._lookup_seconds.labels(endpoint)
