@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, INSTANCES_PATH, STATS_PATH, encode, \
+from blend_wire import BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, EVENTS_PATH, INSTANCES_PATH, STATS_PATH, encode, \
     encode_tokens
 from coordinator_stub.access import ANY, AccessConfigError, Scope, tokens_from
 from coordinator_stub.process import launch_coordinator
@@ -98,6 +98,13 @@ async def test_a_reader_looks_up_only_its_salts(start):
     assert "tenant-a" in refused["detail"] and "cache_salt" in refused["detail"]
     assert (await _lookup(coord, TOKEN_B, A, "tenant-b"))["matches"] == []
     assert (await _lookup(coord, TOKEN_A, A, "tenant-a"))["matches"]
+    # A blend score (routers, reader role) names a salt too: the same scope.
+    body = {"tokens_b64": encode_tokens(np.asarray(A, dtype=np.uint32)), "model_name": "m",
+            "cache_salt": "tenant-a"}
+    score = await coord.client.post(BLEND_SCORE_PATH, data=encode(body), headers=_as(TOKEN_B))
+    assert score.status == 403 and "tenant-a" in (await score.json())["detail"]
+    score = await coord.client.post(BLEND_SCORE_PATH, data=encode(body), headers=_as(TOKEN_A))
+    assert score.status == 200, await score.text()
     # A large body (parsed on the matcher thread) is held to the same scope.
     big = np.tile(np.asarray(A, dtype=np.uint32), 70_000)
     refused = await _lookup(coord, TOKEN_B, big, "tenant-a", expect=403)
