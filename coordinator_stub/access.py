@@ -6,7 +6,7 @@ no token). With tokens, every request but `GET /healthz` needs
 
 | role      | may call                                                               |
 | --------- | ---------------------------------------------------------------------- |
-| `emitter` | `POST /events`, `/instances` and everything under it (serving processes) |
+| `emitter` | `POST /events`, `/instances` and everything under it, `PUT /config/chunk-size` (serving processes; binding the chunk size needs an emitter with no scope) |
 | `reader`  | `POST /directory/blend-lookup` (serving processes), `POST /directory/blend-score` (routers) |
 | `admin`   | everything: the directory queries (`/directory/lookup`, `/keys`, `/stats`), which return tenants' token ids, and `/metrics` |
 
@@ -47,7 +47,7 @@ from typing import Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 
-from blend_wire import (BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, EVENTS_PATH, HEALTH_PATH,
+from blend_wire import (BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, CHUNK_SIZE_PATH, EVENTS_PATH, HEALTH_PATH,
                         INSTANCES_PATH, MAX_NAME_CHARS, check_cache_salt, encode)
 
 EMITTER, READER, ADMIN = "emitter", "reader", "admin"
@@ -200,7 +200,8 @@ def required_role(method: str, path: str) -> str | None:
     """The role a request needs (None: open to anyone)."""
     if path == HEALTH_PATH:
         return None
-    if path == EVENTS_PATH or path == INSTANCES_PATH or path.startswith(INSTANCES_PATH + "/"):
+    if (path == EVENTS_PATH or path == INSTANCES_PATH or path.startswith(INSTANCES_PATH + "/")
+            or path == CHUNK_SIZE_PATH):
         return EMITTER
     if path == BLEND_LOOKUP_PATH or path == BLEND_SCORE_PATH:
         return READER

@@ -345,7 +345,11 @@ async def _register(request: web.Request) -> bytes:
 
 @_answers_errors
 async def _bind_chunk_size(request: web.Request) -> bytes:
-    """LMCache 0.5.7's `PUT /config/chunk-size` (service.py)."""
+    """LMCache 0.5.7's `PUT /config/chunk-size` (service.py). Servers call it, so it is an
+    emitter's; the size binds the whole fleet, so not one held to some instances or salts."""
+    if not scope_of(request).unrestricted:
+        raise Forbidden("binding the fleet's chunk size needs an emitter token with no "
+                        "instances= or salts= scope: it applies to every tenant")
     body = await _read_body(request)
     return await _run(request, None, request.app[COORDINATOR].bind_chunk_size, body)
 

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from blend_wire import BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, EVENTS_PATH, INSTANCES_PATH, STATS_PATH, encode, \
+from blend_wire import BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, CHUNK_SIZE_PATH, EVENTS_PATH, INSTANCES_PATH, STATS_PATH, encode, \
     encode_tokens
 from coordinator_stub.access import ANY, AccessConfigError, Scope, tokens_from
 from coordinator_stub.process import launch_coordinator
@@ -244,3 +244,17 @@ def test_plugins_with_scoped_tokens_work_and_stay_in_their_scope(tmp_path):
             finally:
                 reporter.close()
             assert http.get(STATS_PATH).json()["num_keys"] == 2 * 1 + 1
+
+
+async def test_servers_bind_the_chunk_size_but_not_with_a_scoped_token(start):
+    # LMCache 0.5.7's servers PUT their chunk size: an emitter's call (it was admin-only, so
+    # with access control on their binding failed). The size applies to every tenant, so a
+    # token held to some instances or salts may not set it.
+    coord = await start(access_tokens=TOKENS, chunk_size=4)
+    body = encode({"chunk_size": 8})
+    scoped = await coord.client.put(CHUNK_SIZE_PATH, data=body, headers=_as(TOKEN_A))
+    assert scoped.status == 403 and "every tenant" in (await scoped.json())["detail"]
+    bound = await coord.client.put(CHUNK_SIZE_PATH, data=body, headers=_as(OPEN))
+    assert bound.status == 200, await bound.text()
+    assert (await bound.json())["chunk_size"] == 8
+    assert (await coord.client.put(CHUNK_SIZE_PATH, data=body)).status == 401
