@@ -21,7 +21,7 @@ State (all guarded by `self._lock`, the directory lock):
 
 All or nothing per batch: everything that can fail on the way in is checked by the wire
 decoder before a batch gets here (ranges, hex, token ids). Then a batch is admitted and
-applied under an undo journal (`coordinator_stub.journal`: the bindings, the per-instance
+applied under an undo journal (`coordinator_stub.directory.journal`: the bindings, the per-instance
 sets, the many-keys records and the capacity map are journaled; counters and the gate
 cursor are snapshotted), and its index updates are queued, not sent, until the directory
 part is done. If anything raises, the journal is rolled back, the cursor restored and the
@@ -103,8 +103,8 @@ from typing import Callable
 
 import numpy as np
 
-from coordinator_stub.gate import IngestGate, Verdict
-from coordinator_stub.journal import Journal, JournaledDict
+from coordinator_stub.directory.gate import IngestGate, Verdict
+from coordinator_stub.directory.journal import Journal, JournaledDict
 from blend_wire import (
     UNKNOWN_TOKEN_OFFSET,
     BlendNamespace,
