@@ -59,8 +59,8 @@ from benchmarks.bench_coordinator import (
     run_lookups,
 )
 from benchmarks.common import machine_description, percentile_ms
-from coordinator_stub.nats_process import start_nats_cluster
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.nats_process import start_nats_cluster
+from coordinator_stub.launch.process import start_coordinator
 
 
 def parse_args(argv=None) -> argparse.Namespace:

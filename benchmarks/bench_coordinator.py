@@ -51,7 +51,7 @@ import psutil
 
 from benchmarks.common import machine_description
 from benchmarks.lmcache_reference import lmcache_version, start_lmcache_coordinator
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.process import start_coordinator
 from blend_wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,

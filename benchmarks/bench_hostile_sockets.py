@@ -209,7 +209,7 @@ def run_cap(cap: int, args: argparse.Namespace) -> dict:
     try:
         child = psutil.Process(coordinator.process.pid)
         soft, _ = child.rlimit(psutil.RLIMIT_NOFILE)
-        effective = min(cap, soft - 64)  # coordinator_stub.connections.connection_cap
+        effective = min(cap, soft - 64)  # coordinator_stub.http.connections.connection_cap
         tokens, hashes = store_chunks(coordinator.url, rng, args.chunks)
         query = np.concatenate([rng.integers(1, 128_000, 77, dtype=np.uint32), tokens])
         requests = Requests(coordinator.url, encode(

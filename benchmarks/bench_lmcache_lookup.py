@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 
 from benchmarks.common import machine_description, percentile_ms  # noqa: E402
-from coordinator_stub.process import start_coordinator  # noqa: E402
+from coordinator_stub.launch.process import start_coordinator  # noqa: E402
 from plugin.lmcache_process import (LMCACHE_057, ServerFleet,  # noqa: E402
                                    running_lmcache_version, run_under)
 

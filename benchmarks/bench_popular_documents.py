@@ -60,7 +60,7 @@ from blend_wire import (
     encode_tokens,
     pack_kv_rank,
 )
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.process import start_coordinator
 from local_matcher import ContentIndex, LocalMatcher
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # its matcher logs every lookup

@@ -70,7 +70,7 @@ from benchmarks.common import machine_description, percentile_ms
 from benchmarks.lmcache_reference import lmcache_version
 from blend_wire import (BLEND_LOOKUP_PATH, CacheEventBatch, CacheEventEntry, EventsRequest,
                         encode, encode_tokens)
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.process import start_coordinator
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig
 from plugin.http import coordinator_http
 from plugin.reporter import encode_key

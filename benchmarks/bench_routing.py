@@ -52,7 +52,7 @@ from blend_wire import (
     pack_kv_rank,
     prefix_chunk_hashes,
 )
-from coordinator_stub.process import launch_coordinator
+from coordinator_stub.launch.process import launch_coordinator
 from local_matcher import ContentIndex
 from local_matcher.selection import select_offers
 

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from benchmarks.common import machine_description, percentile_ms
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.process import start_coordinator
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig
 
 C = 256

@@ -8,7 +8,7 @@
   and its report URL pointed at a loopback port nothing listens on, so nothing leaves the
   machine even if a check is missed). It runs as shipped otherwise, except `--disable-metrics`
   (its OpenTelemetry exporter is an optional extra, not installed here). Returns a
-  `coordinator_stub.process.CoordinatorProcess` once `/healthz` answers, stopped the same
+  `coordinator_stub.launch.process.CoordinatorProcess` once `/healthz` answers, stopped the same
   way as ours: `stop()` sends SIGTERM (SIGKILL if it lingers).
 
 LMCache is used here only as a black box to measure against; nothing of it is copied.
@@ -26,7 +26,7 @@ import sys
 import time
 import urllib.request
 
-from coordinator_stub.process import CoordinatorProcess
+from coordinator_stub.launch.process import CoordinatorProcess
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 

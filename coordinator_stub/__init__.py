@@ -1,15 +1,11 @@
 """The bundled coordinator: LMCache-compatible event ingest, key directory, blend lookup.
 
 `create_app(config)` builds the aiohttp application; `python -m coordinator_stub` runs it
-(see `coordinator_stub.__main__`). Modules, each with one job:
-`config` (flags -> `CoordinatorConfig`), `gate` (per-instance ingest cursor),
-`directory` (placements, token bindings, and the blend index derived from them),
-`instances` (the instance registry), `metrics` (Prometheus series),
-`service` (request bodies in, reply bodies out), `app` (HTTP, worker threads, reaper),
-`process` (run it as a child process), `aio` (asyncio helpers).
+(see `coordinator_stub.__main__`). Its layers (`http`, `service`, `writes`, `directory`,
+`durability`, `launch`): docs/DESIGN.md, "Coordinator layout".
 """
 
-from coordinator_stub.app import COORDINATOR, create_app
+from coordinator_stub.http.app import COORDINATOR, create_app
 from coordinator_stub.config import CoordinatorConfig, parse_args
 
 __all__ = ["COORDINATOR", "CoordinatorConfig", "create_app", "parse_args"]

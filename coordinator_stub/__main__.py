@@ -1,8 +1,8 @@
 """`python -m coordinator_stub`: run the bundled coordinator until SIGINT/SIGTERM.
 
-Contract (`coordinator_stub.process` relies on it; tests, the demo and benchmarks start
+Contract (`coordinator_stub.launch.process` relies on it; tests, the demo and benchmarks start
 the coordinator through that module): once the coordinator is ready (every numba kernel
-it uses compiled, see `coordinator_stub.service`) and the socket is bound, exactly one
+it uses compiled, see `coordinator_stub.service.coordinator`) and the socket is bound, exactly one
 line ``listening on http://HOST:PORT`` (``https://`` with `--tls-cert`) is written to
 stdout and flushed, with the real port when `--port 0` asked for a free one. Logs go to
 stderr. On SIGINT or SIGTERM the server
@@ -34,7 +34,7 @@ from typing import Sequence
 from aiohttp import web
 
 from coordinator_stub.aio import cancel_until_done
-from coordinator_stub.app import CONNECTIONS, REPLICA, create_app
+from coordinator_stub.http.app import CONNECTIONS, REPLICA, create_app
 from coordinator_stub.config import CoordinatorConfig, parse_args
 
 log = logging.getLogger("coordinator_stub")

@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
 from blend_wire import BLEND_LOOKUP_PATH, encode, encode_tokens  # noqa: E402
-from coordinator_stub.process import (exit_on_signals, held_signals,  # noqa: E402
+from coordinator_stub.launch.process import (exit_on_signals, held_signals,  # noqa: E402
                                       start_coordinator)
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig, Source  # noqa: E402
 
@@ -85,7 +85,7 @@ class Replicas:
     replica comes back at the same URL."""
 
     def __init__(self, workdir: Path, log_dir: Path) -> None:
-        from coordinator_stub.nats_process import free_ports, start_nats_cluster
+        from coordinator_stub.launch.nats_process import free_ports, start_nats_cluster
 
         self.log_dir = log_dir
         self.running = [None, None]

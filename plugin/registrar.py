@@ -13,7 +13,7 @@ Contract:
   at the next beat. `close()` stops the thread and deregisters (`DELETE`), once.
 - Several URLs: one replica at a time. A request that cannot reach it, or that it answers
   5xx, goes on to the next replica at once; the next requests stay there. The replicas
-  share one registry (`coordinator_stub.replica`), so a heartbeat that moves keeps the
+  share one registry (`coordinator_stub.writes.replicated`), so a heartbeat that moves keeps the
   registration: no re-registration, no fencing.
 - A registration the coordinator refuses as invalid (4xx) is logged as an error, and
   tried again at the next beat (an operator may fix the coordinator meanwhile).

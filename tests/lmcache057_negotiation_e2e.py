@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, STATS_PATH, encode_tokens
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.process import start_coordinator
 from helpers import wait_until
 from plugin.lmcache_process import ServerFleet
 from test_lmcache_e2e import HTTP_TIMEOUT, found, tokens

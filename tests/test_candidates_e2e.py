@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, encode_tokens
-from coordinator_stub.process import launch_coordinator
+from coordinator_stub.launch.process import launch_coordinator
 from helpers import poll_lookup, store
 from plugin import BlendPlugin, CBMatchResult, InMemoryHost, LookupKey, PluginConfig
 

@@ -36,8 +36,8 @@ from blend_wire import (
     encode_tokens,
     pack_kv_rank,
 )
-from coordinator_stub.nats_process import launch_nats_cluster
-from coordinator_stub.process import launch_coordinator, start_coordinator
+from coordinator_stub.launch.nats_process import launch_nats_cluster
+from coordinator_stub.launch.process import launch_coordinator, start_coordinator
 from helpers import wait_until
 
 CHUNK = 16
@@ -399,7 +399,7 @@ def test_bad_event_log_flags_are_refused_at_start():
 def test_the_log_reader_never_skips_records_retention_removed(tmp_path):
     """A reader that needs records the stream no longer holds gets `LogGap` (the replica
     then reloads a snapshot or stops), never the next record as if nothing was missing."""
-    from coordinator_stub.eventlog import EventLog, LogGap, LogSettings
+    from coordinator_stub.durability.eventlog import EventLog, LogGap, LogSettings
 
     async def scenario(url: str) -> None:
         log = EventLog(LogSettings(servers=(url,), stream="gap", max_msgs=5))
@@ -426,7 +426,7 @@ def test_the_log_reader_replays_large_records_in_order(tmp_path):
     """Records of large `/events` bodies (~1 MB each, 150 MB in all) are read back whole
     and in order: fetches are sized so the server never cuts the reader off as a slow
     consumer (which once stalled a replica replaying 200k chunks)."""
-    from coordinator_stub.eventlog import EventLog, LogSettings
+    from coordinator_stub.durability.eventlog import EventLog, LogSettings
 
     payload = b"x" * (1 << 20)
 
@@ -511,8 +511,8 @@ def test_the_snapshot_bucket_keeps_the_newest_and_refuses_damaged_objects(tmp_pa
     """Uploads keep the newest `keep` objects; a download is byte for byte what was
     uploaded; an object whose bytes were altered is refused by the snapshot checksum."""
     from coordinator_stub.directory import KeyDirectory
-    from coordinator_stub.snapshot import SnapshotDir, SnapshotRefused, read
-    from coordinator_stub.snapshots import SnapshotBucket, Snapshots
+    from coordinator_stub.durability.snapshot_format import SnapshotDir, SnapshotRefused, read
+    from coordinator_stub.durability.snapshot_stores import SnapshotBucket, Snapshots
 
     import nats as nats_client
 

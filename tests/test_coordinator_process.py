@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from coordinator_stub.process import launch_coordinator
+from coordinator_stub.launch.process import launch_coordinator
 from blend_wire import (
     BLEND_LOOKUP_PATH,
     EVENTS_PATH,

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_stub.process import CoordinatorProcess, launch_coordinator, start_coordinator
+from coordinator_stub.launch.process import CoordinatorProcess, launch_coordinator, start_coordinator
 from helpers import HangingServer, poll_lookup, store, wait_until
 from plugin import BlendPlugin, CBMatchResult, InMemoryHost, LookupKey, PluginConfig
 

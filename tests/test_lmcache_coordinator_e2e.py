@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from blend_wire import encode_tokens
-from coordinator_stub.process import launch_coordinator
+from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
 from plugin.lmcache_process import lmcache_command, quiet_lmcache_env, start_lmcache_server
 

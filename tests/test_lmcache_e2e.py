@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, INSTANCES_PATH, encode_tokens
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.process import start_coordinator
 from helpers import wait_until
 from plugin.lmcache_process import ServerFleet
 

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, INSTANCES_PATH, STATS_PATH, encode_tokens
-from coordinator_stub.nats_process import launch_nats_cluster
-from coordinator_stub.process import start_coordinator
+from coordinator_stub.launch.nats_process import launch_nats_cluster
+from coordinator_stub.launch.process import start_coordinator
 from helpers import wait_until
 
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 
 from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, encode_tokens
-from coordinator_stub.process import launch_coordinator
+from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
 from plugin.lmcache_process import ServerFleet
 

@@ -11,7 +11,7 @@ import logging
 import httpx
 
 from blend_wire import INSTANCES_PATH
-from coordinator_stub.process import launch_coordinator, start_coordinator
+from coordinator_stub.launch.process import launch_coordinator, start_coordinator
 from helpers import wait_until
 from plugin.registrar import InstanceRegistrar
 

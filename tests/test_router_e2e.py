@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 
 from blend_router import Tokenizer
 from blend_wire import EVENTS_PATH, INSTANCES_PATH, encode, pack_kv_rank
-from coordinator_stub.process import launch_coordinator
+from coordinator_stub.launch.process import launch_coordinator
 from helpers import LoopbackServer, Reply, closed_port_url, wait_until
 
 C = 16

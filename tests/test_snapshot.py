@@ -19,7 +19,7 @@ import pytest
 
 from blend_wire import BlendNamespace, EventsRequest, decode, encode, pack_kv_rank
 from coordinator_stub.directory import KeyDirectory
-from coordinator_stub.snapshot import FORMAT, SnapshotDir, SnapshotRefused, layout_of, read
+from coordinator_stub.durability.snapshot_format import FORMAT, SnapshotDir, SnapshotRefused, layout_of, read
 
 C = 16
 NS = BlendNamespace("m", "", 1)
@@ -45,7 +45,7 @@ def test_a_snapshot_written_by_another_process_restores_the_same_directory(tmp_p
         import sys
         sys.path.insert(0, {tests_dir!r})
         from coordinator_stub.directory import KeyDirectory
-        from coordinator_stub.snapshot import SnapshotDir
+        from coordinator_stub.durability.snapshot_format import SnapshotDir
         from test_snapshot import store
         directory = KeyDirectory(chunk_size={C}, enable_blend_lookup=True)
         store(directory, 1, "aa", 0)

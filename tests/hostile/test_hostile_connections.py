@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, encode, encode_tokens
-from coordinator_stub.process import launch_coordinator
+from coordinator_stub.launch.process import launch_coordinator
 from hostile_helpers import A, batch, entry
 
 
@@ -110,7 +110,7 @@ def test_keeps_answering_under_hundreds_of_hostile_sockets_and_caps_them():
 
 
 def test_connection_cap_is_kept_below_the_descriptor_limit():
-    from coordinator_stub.connections import connection_cap
+    from coordinator_stub.http.connections import connection_cap
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -21,10 +21,10 @@ import pytest
 
 from blend_wire import EVENTS_PATH, BlendNamespace, encode
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.ingest import (STEP_BYTES, TRIM_AFTER_BYTES, TURN_BYTES, ByteBudget,
+from coordinator_stub.writes.local import (STEP_BYTES, TRIM_AFTER_BYTES, TURN_BYTES, ByteBudget,
                                      FairIngest)
-from coordinator_stub.process import launch_coordinator
-from coordinator_stub.service import Coordinator
+from coordinator_stub.launch.process import launch_coordinator
+from coordinator_stub.service.coordinator import Coordinator
 from helpers import wait_until
 from hostile_helpers import A, batch, entry
 from plugin.reporter import CacheEventReporter

@@ -79,7 +79,7 @@ async def test_a_small_lookup_waits_only_for_the_one_running(start):
 
 
 def test_the_pool_keeps_each_readers_order_skips_cancelled_and_settles_at_shutdown():
-    from coordinator_stub.matchpool import FairPool, PoolClosed
+    from coordinator_stub.service.matchpool import FairPool, PoolClosed
 
     pool = FairPool(1, "test")
     held, ran = threading.Event(), []

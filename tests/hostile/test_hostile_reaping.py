@@ -19,9 +19,9 @@ import itertools
 
 from blend_wire import RegisterRequest, encode
 from coordinator_stub.config import ClusterConfig, CoordinatorConfig
-from coordinator_stub.eventlog import LogRecord
-from coordinator_stub.replica import BEATS, REAP, REGISTER, LogReplica
-from coordinator_stub.service import Coordinator
+from coordinator_stub.durability.eventlog import LogRecord
+from coordinator_stub.writes.replicated import BEATS, REAP, REGISTER, LogReplica
+from coordinator_stub.service.coordinator import Coordinator
 from helpers import FakeClock
 
 TIMEOUT = 30.0

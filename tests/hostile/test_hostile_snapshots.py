@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from coordinator_stub.snapshot import SnapshotDir, SnapshotRefused, read
+from coordinator_stub.durability.snapshot_format import SnapshotDir, SnapshotRefused, read
 
 
 def _save(folder, seq: int):
@@ -54,7 +54,7 @@ def test_a_header_that_does_not_describe_the_payload_is_corrupt_and_an_older_one
 
 _BLOCKED_WRITER = textwrap.dedent("""
     import sys, time
-    from coordinator_stub.snapshot import SnapshotDir
+    from coordinator_stub.durability.snapshot_format import SnapshotDir
 
     class Stuck:
         def __reduce__(self):  # pickled after the partial file is open: hold it there

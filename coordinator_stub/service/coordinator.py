@@ -2,12 +2,12 @@
 
 Contract:
 - `submit_events(body)`: queue an `/events` body with the fair ingest scheduler
-  (`coordinator_stub.ingest`); the future resolves to the reply body. Every batch is
+  (`coordinator_stub.writes.local`); the future resolves to the reply body. Every batch is
   validated before the first is applied: a body that fails raises `WireError` (-> 422)
   and nothing of it is applied. Then the directory gates and applies the batches in
   order, one at a time, taking turns with other emitters. `ingest_budget` bounds the
   request bytes in flight (the HTTP layer reserves before reading a body).
-- Scopes (`coordinator_stub.access`): `submit_events`, `lookup`/`parse_lookup` and
+- Scopes (`coordinator_stub.http.access`): `submit_events`, `lookup`/`parse_lookup` and
   `parse_register` take the token's `Scope` and raise `Forbidden` (-> 403) for anything
   outside it, before anything is applied.
 - `lookup(body)`: validate, refuse queries over `max_query_tokens` with `TooLarge`
@@ -16,7 +16,7 @@ Contract:
   reply value (the HTTP layer counts its matches, then encodes it).
 - `score(body)`: WIRE.md's `/directory/blend-score`, the same validation and namespace as
   `lookup`, then per registered instance what its unified lookup would reuse
-  (`coordinator_stub.score`); `scores(parse_lookup(body, BlendScoreRequest))`, split
+  (`coordinator_stub.service.score`); `scores(parse_lookup(body, BlendScoreRequest))`, split
   alike.
 - `directory_lookup(body)`: WIRE.md's `/directory/lookup`, keys form or tokens form
   (hashed as LMCache's prefix chain, fanned out per rank, copies in other object groups
@@ -96,12 +96,12 @@ from blend_wire import (
     pack_kv_rank,
     prefix_chunk_hashes,
 )
-from coordinator_stub.access import ANY, Forbidden, Scope
+from coordinator_stub.http.access import ANY, Forbidden, Scope
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.directory import KeyDirectory
-from coordinator_stub.ingest import ByteBudget, FairIngest
-from coordinator_stub.instances import InstanceRegistry
-from coordinator_stub.score import PlacedContent, score_instances
+from coordinator_stub.writes.local import ByteBudget, FairIngest
+from coordinator_stub.service.instances import InstanceRegistry
+from coordinator_stub.service.score import PlacedContent, score_instances
 
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class Coordinator:
 
     def scores(self, request: BlendScoreRequest) -> BlendScoreReply:
         """WIRE.md's `/directory/blend-score`: every registered instance asked for (all by
-        default) scored by what its unified lookup would reuse (`coordinator_stub.score`)."""
+        default) scored by what its unified lookup would reuse (`coordinator_stub.service.score`)."""
         tokens = self._tokens(request)
         namespace = request.namespace
         directory = self.directory

@@ -24,12 +24,12 @@ Contract:
 - `max_record_bytes`: the largest payload a record may carry (the server's max_payload
   less room for headers).
 - `jetstream(timeout)`: a JetStream context on the same connection (the snapshot bucket,
-  `coordinator_stub.snapshots`, uses it).
+  `coordinator_stub.durability.snapshot_stores`, uses it).
 
 A record is `kind` (header `Blend-Kind`), `record_id` (header `Nats-Msg-Id`), an
 opaque payload, and `time`: when the stream stored it (epoch seconds, stamped by the
 stream's leader and kept with the record, so every reader sees the same value). The log
-knows nothing of what records mean (`coordinator_stub.replica` does). Runs on the event
+knows nothing of what records mean (`coordinator_stub.writes.replicated` does). Runs on the event
 loop.
 """
 
@@ -241,7 +241,7 @@ class EventLog:
 
     def jetstream(self, timeout: float):
         """A JetStream context on this connection whose calls wait up to `timeout` s (the
-        snapshot bucket's chunks are MBs: `coordinator_stub.snapshots`)."""
+        snapshot bucket's chunks are MBs: `coordinator_stub.durability.snapshot_stores`)."""
         return self._nc.jetstream(timeout=timeout)
 
     # --- reading ------------------------------------------------------------------------

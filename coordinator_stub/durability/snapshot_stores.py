@@ -4,7 +4,7 @@ Contract:
 - `Snapshots(directory, bucket, keep)`: `directory` a `SnapshotDir` path (or "": none),
   `bucket` a `SnapshotBucket` (or None). At least one of them.
 - `write(state, meta)` (blocking; the replica calls it on its apply thread, between
-  records) writes one snapshot file (`coordinator_stub.snapshot`'s format): into the
+  records) writes one snapshot file (`coordinator_stub.durability.snapshot_format`'s format): into the
   directory, or without one into a private scratch directory. `await publish(path)` then
   uploads it to the bucket (ingest goes on meanwhile; the file does not change), and
   drops the scratch file. Both keep the newest `keep` snapshots.
@@ -54,7 +54,7 @@ from nats.js.object_store import (
     OBJ_STREAM_TEMPLATE,
 )
 
-from coordinator_stub.snapshot import SnapshotDir, SnapshotRefused, read, seq_of
+from coordinator_stub.durability.snapshot_format import SnapshotDir, SnapshotRefused, read, seq_of
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Contract:
 - The event loop only moves bytes and runs O(1) bookkeeping (the instance registry,
   `/healthz`). Every blocking step (validation of large bodies, the directory lock,
   matching) runs on a worker thread:
-  * ingest on ONE scheduler thread (`coordinator_stub.ingest`): bodies are validated and
+  * ingest on ONE scheduler thread (`coordinator_stub.writes.local`): bodies are validated and
     applied a batch at a time, emitters fairly queued by bytes, so however many clients
     flood, another's batch waits for at most the batch step already running; per
     instance, batches apply in order. Request bytes in flight are bounded: a body that
@@ -17,7 +17,7 @@ Contract:
     matches under its own lock, so a second matcher only adds lock and GIL hand-offs),
     so a long query stalls neither ingest nor `/healthz`; readers (a bearer token, or a
     client address without access control) take turns there by start-time fair
-    queuing on query bytes (`coordinator_stub.matchpool`), so one reader's huge
+    queuing on query bytes (`coordinator_stub.service.matchpool`), so one reader's huge
     queries delay another's small one by at most the lookup running. A lookup body of at most
     256 KiB (~48k tokens) has its JSON shape validated on the loop first; the matcher
     thread decodes its tokens (a GIL-free kernel) and matches. Larger bodies are
@@ -31,13 +31,13 @@ Contract:
   than `instance_timeout` and fences their L1 placements, as `DELETE /instances/{id}`,
   and releases the ingest cursor and capacity rows of ids that are not registered, hold
   no placement and sent no batch for as long (ids that never registered, or stopped).
-  With `--event-log` the registry lives in the log (`coordinator_stub.replica`):
+  With `--event-log` the registry lives in the log (`coordinator_stub.writes.replicated`):
   registrations, heartbeats, departures and the reaper's decisions go through the
   replica, which applies them on every replica at the same point of the stream.
 - Errors, in LMCache's shapes: a request breaking the wire contract -> 422
   `{"detail": [{"type", "loc", "msg", "input"}]}`; a token lookup naming what no key can
   carry -> 400 `{"detail": "<why>"}`; a body over `max_body_bytes` or a query over
-  `max_query_tokens` -> 413; a request outside its token's scope (`coordinator_stub.access`)
+  `max_query_tokens` -> 413; a request outside its token's scope (`coordinator_stub.http.access`)
   -> 403; a body that cannot be read (corrupt gzip/deflate, unknown
   content encoding, broken chunking) -> 400; a body not complete within `body_timeout_s`
   of its headers -> 408 (these three with `Connection: close`: the rest of the body
@@ -60,7 +60,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from coordinator_stub.access import Forbidden, access_middleware, scope_of
+from coordinator_stub.http.access import Forbidden, access_middleware, scope_of
 from blend_wire import (
     BLEND_LOOKUP_PATH,
     BLEND_SCORE_PATH,
@@ -81,11 +81,11 @@ from blend_wire import (
     encode,
 )
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.connections import ConnectionGuard, connection_cap
-from coordinator_stub.ingest import give_back_memory
-from coordinator_stub.matchpool import FairPool
-from coordinator_stub.metrics import CONTENT_TYPE, CoordinatorMetrics
-from coordinator_stub.service import (BadRequest, ChunkSizeConflict, Coordinator,
+from coordinator_stub.http.connections import ConnectionGuard, connection_cap
+from coordinator_stub.writes.local import give_back_memory
+from coordinator_stub.service.matchpool import FairPool
+from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
+from coordinator_stub.service.coordinator import (BadRequest, ChunkSizeConflict, Coordinator,
                                       ServiceUnavailable, TooLarge)
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ async def _blend_lookup(request: web.Request) -> bytes:
     started = time.perf_counter()
     body = await _read_body(request)
     scope = scope_of(request)
-    # Readers take turns at the matcher, by query size (coordinator_stub.matchpool).
+    # Readers take turns at the matcher, by query size (coordinator_stub.service.matchpool).
     pool, reader = request.app[_MATCH_POOL], _reader_of(request)
     if len(body) > _INLINE_PARSE_BYTES:
         job = pool.submit(reader, len(body), coordinator.lookup, body, scope)
@@ -495,7 +495,7 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     app.cleanup_ctx.append(_reaper)
     app[REPLICA] = None
     if config.cluster is not None:
-        from coordinator_stub.replica import LogReplica  # needs the `cluster` extra (nats-py)
+        from coordinator_stub.writes.replicated import LogReplica  # needs the `cluster` extra (nats-py)
         metrics = app.get(METRICS)
         app[REPLICA] = LogReplica(app[COORDINATOR], config.cluster, config.port,
                                   on_reaped=metrics.reaped if metrics is not None else None)

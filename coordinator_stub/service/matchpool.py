@@ -4,7 +4,7 @@ One reader's huge queries must not hold the matcher from everyone else (issue 19
 FIFO pool, four clients sending 2^20-token lookups pushed another client's p99 from 25 ms
 to 550 ms. Here every reader (`flow`: the bearer token with access control on, else the
 client's address) has its own FIFO of lookups, and the workers take the next lookup by
-start-time fair queuing (the same discipline as ingest, `coordinator_stub.ingest`, for
+start-time fair queuing (the same discipline as ingest, `coordinator_stub.writes.local`, for
 whole jobs): a waiting flow carries a start tag in virtual cost units (a lookup's cost is
 its body's bytes plus `JOB_COST`); a worker takes the flow with the lowest tag (ties:
 the cheaper lookup first, then arrival), the virtual clock becomes that tag, and the

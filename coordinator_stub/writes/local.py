@@ -33,7 +33,7 @@ Contract:
   emitter and whose batches another can only misplace itself: batches are gated by
   their own ids.)
 - All or nothing per body: every batch is validated (and checked against the poster's
-  token scope, `coordinator_stub.access`) before the first is applied. A body
+  token scope, `coordinator_stub.http.access`) before the first is applied. A body
   that breaks the contract anywhere is rejected whole, its message naming the field as
   `$.batches[i]...` like a whole-body decode would. Per emitter, bodies apply in the order
   they arrived (one scan queue, FIFO), and a body's batches in their order.
@@ -66,7 +66,7 @@ from typing import Callable
 import msgspec
 
 from blend_wire import CacheEventBatch, EventsReply, WireError, decode
-from coordinator_stub.access import Forbidden, Scope
+from coordinator_stub.http.access import Forbidden, Scope
 
 log = logging.getLogger(__name__)
 

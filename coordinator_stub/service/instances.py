@@ -11,7 +11,7 @@ Contract (WIRE.md, "Instances"; LMCache 0.5.6's `InstanceRegistry`):
   registration) is more than `timeout` seconds old.
 - Time: one process on its own reads its clocks (registration time by the wall clock,
   silence by the monotonic clock, so a wall clock step cannot reap a live fleet).
-  Replicas over an event log (`coordinator_stub.replica`) pass `at`/`now`, the log's
+  Replicas over an event log (`coordinator_stub.writes.replicated`) pass `at`/`now`, the log's
   time, instead: then every replica fed the same records holds the same registry, down
   to registration times, and reaps the same instances at the same record.
 - Thread-safe (one lock, held for O(1) work, or O(instances) for `listing`/`silent`): a

@@ -2,7 +2,7 @@
 
 Contract (README, "Replicas"):
 - Every mutation of the directory and of the instance registry is a record of the log
-  (`coordinator_stub.eventlog`), applied by every replica in stream order on ONE apply
+  (`coordinator_stub.durability.eventlog`), applied by every replica in stream order on ONE apply
   thread. Replicas fed the same stream hold the same directory, index and registry, and
   answer every lookup and `GET /instances` alike. Record kinds:
   * `events`: an `/events` body's batches (JSON, validated by the replica that took
@@ -56,11 +56,11 @@ Contract (README, "Replicas"):
   durable and will be applied. `submit_register` answers once its record is applied
   here (`re_registered` as of that point of the log), 503 when the log does not take it
   or it is not applied within `apply_timeout_s` (a retry is a harmless re-registration).
-- `start()`: load the newest sound snapshot (`coordinator_stub.snapshot`), then apply
+- `start()`: load the newest sound snapshot (`coordinator_stub.durability.snapshot_format`), then apply
   the log from the record after it, and return once caught up with the log's end as it
   was at start: a replica serves only once it knows what its peers knew. Without a
   usable snapshot it replays the stream from its first record.
-- Snapshots (with `snapshot_dir` and/or `snapshot_bucket`: `coordinator_stub.snapshots`):
+- Snapshots (with `snapshot_dir` and/or `snapshot_bucket`: `coordinator_stub.durability.snapshot_stores`):
   every `snapshot_interval_s`, and on `stop()`, written on the apply thread between
   records (ingest pauses; lookups go on), then uploaded to the bucket (ingest goes on).
   A snapshot holds the directory (placements, bindings, blend index, gate cursors,
@@ -98,12 +98,12 @@ from blend_wire import (EventsReply, EventsRequest, RegisterReply, RegisterReque
                         decode, encode)
 from coordinator_stub.config import ClusterConfig
 from coordinator_stub.directory import KeyDirectory
-from coordinator_stub.eventlog import EventLog, LogGap, LogRecord, LogSettings, LogUnavailable
-from coordinator_stub.ingest import validated_batches
-from coordinator_stub.instances import InstanceRegistry, with_instance_id
-from coordinator_stub.service import ServiceUnavailable, TooLarge
-from coordinator_stub.snapshot import layout_of
-from coordinator_stub.snapshots import SnapshotBucket, Snapshots
+from coordinator_stub.durability.eventlog import EventLog, LogGap, LogRecord, LogSettings, LogUnavailable
+from coordinator_stub.writes.local import validated_batches
+from coordinator_stub.service.instances import InstanceRegistry, with_instance_id
+from coordinator_stub.service.coordinator import ServiceUnavailable, TooLarge
+from coordinator_stub.durability.snapshot_format import layout_of
+from coordinator_stub.durability.snapshot_stores import SnapshotBucket, Snapshots
 
 log = logging.getLogger(__name__)
 
