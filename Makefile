@@ -3,13 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The LMCache MP server the plugin loads into (plugin/lmcache_adapter.py is written for it).
+# The LMCache MP server the plugin loads into (plugin/lmcache/ is written for it).
 # --no-deps: its declared dependencies include CUDA-only packages; the CPU stack it imports
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
 COMMA := ,
 # LMCache's next release beside it, for tests/test_lmcache057.py (the same LMCache tests on
-# it): its own target directory, put first on PYTHONPATH by plugin.lmcache_process. Its CPU
+# it): its own target directory, put first on PYTHONPATH by plugin.harness.lmcache_process. Its CPU
 # stack is the same `lmcache` extra (same declared dependencies as 0.5.6; torch stays pinned).
 LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7

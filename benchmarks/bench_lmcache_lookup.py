@@ -36,7 +36,7 @@ import psutil  # noqa: E402
 
 from benchmarks.common import machine_description, percentile_ms  # noqa: E402
 from coordinator_stub.launch.process import start_coordinator  # noqa: E402
-from plugin.lmcache_process import (LMCACHE_057, ServerFleet,  # noqa: E402
+from plugin.harness.lmcache_process import (LMCACHE_057, ServerFleet,  # noqa: E402
                                    running_lmcache_version, run_under)
 
 C = 256

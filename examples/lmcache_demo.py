@@ -38,7 +38,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
 from coordinator_stub.launch.process import exit_on_signals, start_coordinator  # noqa: E402
-from plugin.lmcache_process import (LMCACHE_057, ServerFleet,  # noqa: E402
+from plugin.harness.lmcache_process import (LMCACHE_057, ServerFleet,  # noqa: E402
                                    running_lmcache_version, run_under)
 
 LMCACHE_VERSIONS = ("0.5.6", LMCACHE_057)

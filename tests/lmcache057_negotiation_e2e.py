@@ -20,7 +20,7 @@ import pytest
 from blend_wire import BLEND_LOOKUP_PATH, STATS_PATH, encode_tokens
 from coordinator_stub.launch.process import start_coordinator
 from helpers import wait_until
-from plugin.lmcache_process import ServerFleet
+from plugin.harness.lmcache_process import ServerFleet
 from test_lmcache_e2e import HTTP_TIMEOUT, found, tokens
 
 NEGOTIATED = 288  # 256 rounded up to a multiple of 48

@@ -3,7 +3,7 @@
 Each demo runs as a real process with its own temporary directory (TMPDIR) and log
 directory; a signal is sent once it has started its children, and then nothing of it may
 be left: no child process, no listening coordinator, no `/dev/shm/lmcache_kv_<pid>_*`
-segment, no temporary directory. The launcher (`plugin.lmcache_process`) is checked on a
+segment, no temporary directory. The launcher (`plugin.harness.lmcache_process`) is checked on a
 server that fails to start.
 """
 
@@ -103,7 +103,7 @@ def test_lmcache_demo_stops_everything_on_sigterm(tmp_path):
 
 
 def test_launcher_stops_a_server_that_fails_and_removes_its_log_dir(tmp_path, monkeypatch):
-    from plugin.lmcache_process import start_lmcache_server
+    from plugin.harness.lmcache_process import start_lmcache_server
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile

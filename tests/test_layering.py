@@ -34,3 +34,28 @@ def _top_level(modules: set[str]) -> set[str]:
 def test_import_loads_nothing_from_the_other_side(module, forbidden):
     loaded = _top_level(_modules_after_import(module))
     assert not loaded & forbidden, f"importing {module} loaded {sorted(loaded & forbidden)}"
+
+
+def test_the_plugin_loads_neither_the_adapter_nor_the_harness():
+    loaded = _modules_after_import("plugin")
+    assert not {m for m in loaded if m.startswith(("plugin.lmcache", "plugin.harness"))}
+
+
+def test_no_product_module_imports_the_harness():
+    # plugin.harness starts LMCache servers for tests, the demo and benchmarks only.
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for package in ("plugin", "coordinator_stub", "blend_wire", "blend_router", "local_matcher"):
+        for path in (root / package).rglob("*.py"):
+            if root / "plugin" / "harness" in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [f"{node.module}.{a.name}" for a in node.names]
+                         if isinstance(node, ast.ImportFrom) else [])
+                if any(n == "plugin.harness" or n.startswith("plugin.harness.") for n in names):
+                    offenders.append(str(path.relative_to(root)))
+    assert offenders == []

@@ -1,7 +1,7 @@
 """The LMCache tests again on LMCache 0.5.7rc2: the adapter's unit tests and the whole
 e2e (tests/test_lmcache_e2e.py: fleet leg, union, local-only with the coordinator down, L1
 eviction with an L2 copy, restart fencing, abandoned-lookup release, events), run in a
-child pytest whose path puts `make test`'s 0.5.7 install (plugin.lmcache_process's
+child pytest whose path puts `make test`'s 0.5.7 install (plugin.harness.lmcache_process's
 `LMCACHE_057_DIR`) first, plus what only 0.5.7 has: a chunk size negotiated at
 registration (tests/lmcache057_negotiation_e2e.py). A child process, because the engine client speaks the LMCache
 its own process imports, and one process cannot import two LMCache versions.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.lmcache_process import LMCACHE_057, lmcache_env
+from plugin.harness.lmcache_process import LMCACHE_057, lmcache_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("tests/test_lmcache_adapter.py", "tests/test_lmcache_e2e.py",

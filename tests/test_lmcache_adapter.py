@@ -1,6 +1,6 @@
-"""plugin.lmcache_adapter without a server: the pinned LMCache, the internals it uses (and
-what moved between the supported versions), the factory's refusals, the RPC signatures,
-and the tier rule for the local matcher.
+"""The LMCache adapter (plugin.lmcache, loaded as plugin.lmcache_adapter) without a server:
+the pinned LMCache, the internals it uses (and what moved between the supported versions),
+the factory's refusals, the RPC signatures, and the tier rule for the local matcher.
 
 Runs against whichever supported LMCache is importable: 0.5.6 in the suite's own process,
 0.5.7rc2 in the child run of tests/test_lmcache057.py. The adapter in a running server is
@@ -23,10 +23,13 @@ from lmcache.v1.multiprocess.modules.blend.lookup import LookupMixin
 from lmcache.v1.multiprocess.request_handler import validate_handler
 
 from plugin import lmcache_adapter
-from plugin.lmcache_adapter import (LMCACHE_057, LMCACHE_VERSION, MOVED_IN_057,
-                                    SUPPORTED_VERSIONS, VERSION_INTERNALS, FleetBlendModule,
-                                    FleetBuild, TierWatcher, _has, build_fleet_blend,
-                                    make_key, missing_lmcache_internals)
+from plugin.lmcache.factory import FleetBuild, build_fleet_blend
+from plugin.lmcache.internals import (LMCACHE_057, LMCACHE_VERSION, MOVED_IN_057,
+                                      SUPPORTED_VERSIONS, VERSION_INTERNALS, _has,
+                                      missing_lmcache_internals)
+from plugin.lmcache.module import FleetBlendModule
+from plugin.lmcache.rpc import make_key
+from plugin.lmcache.tiers import TierWatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,15 +166,31 @@ def test_a_chunk_stays_while_any_rank_holds_it_and_foreign_chunks_are_ignored():
                                                ("delete", "l1", "dram", [b"h0"])]
 
 
-def test_the_adapter_module_is_the_only_one_importing_lmcache_internals():
+def test_only_the_adapter_and_the_harness_import_lmcache():
+    allowed = (ROOT / "plugin" / "lmcache", ROOT / "plugin" / "harness")
     offenders = []
-    for path in list((ROOT / "plugin").glob("*.py")) + list((ROOT / "coordinator_stub").glob("*.py")):
-        if path.name in ("lmcache_adapter.py", "lmcache_process.py"):
+    for path in list((ROOT / "plugin").rglob("*.py")) + list((ROOT / "coordinator_stub").rglob("*.py")):
+        if path.name == "lmcache_adapter.py" or any(p in path.parents for p in allowed):
             continue
         if re.search(r"^\s*(from|import) lmcache\b", path.read_text(), re.M):
-            offenders.append(path.name)
+            offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
     assert lmcache_adapter.__doc__ and "--server-module" in lmcache_adapter.__doc__
+
+
+def test_private_lmcache_names_are_imported_by_the_internals_module_only():
+    # Its attributes are checked by tests/test_plugin_http.py (no `x._name` outside it).
+    import ast
+    offenders = []
+    for path in [ROOT / "plugin" / "lmcache_adapter.py", *(ROOT / "plugin").rglob("*.py")]:
+        if path == ROOT / "plugin" / "lmcache" / "internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lmcache"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private or any(p.startswith("_") for p in node.module.split(".")):
+                    offenders.append(f"{path.relative_to(ROOT)}: {node.module} {private}")
+    assert offenders == []
 
 
 # --- the segmented prefix is carried through ------------------------------------------------
@@ -182,7 +201,8 @@ def test_the_segmented_prefix_tail_is_carried_into_the_result():
     from lmcache.v1.multiprocess.session import SessionManager
     from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
-    from plugin.lmcache_adapter import LMCacheHost, _Op, _session_tokens
+    from plugin.lmcache.host import LMCacheHost, _Op
+    from plugin.lmcache.rpc import session_tokens
     from plugin.types import CBMatchResult, CBUnifiedLookupResult
 
     C = 4
@@ -193,7 +213,7 @@ def test_the_segmented_prefix_tail_is_carried_into_the_result():
     tokens = tuple(range(100, 100 + 5 * C + 2))
     key = make_key(model_name="m", world_size=1, worker_id=None, token_ids=tokens,
                    start=0, end=len(tokens), request_id="r1", num_kv_readers=1)
-    sessions.get_or_create("r1").set_tokens(_session_tokens(key))
+    sessions.get_or_create("r1").set_tokens(session_tokens(key))
     hashes = [TokenHasher.hash_to_bytes(h) for h in sessions.get("r1").get_hashes(0, 5 * C)]
     # Prefix: chunk 0, then a gap at chunk 1; chunks 2 and 4 retained behind it.
     host._ops["r1"] = _Op(key, 1, segmented=True, prefix_done=True, leading=1, retained=[0, 2, 4])

@@ -24,7 +24,7 @@ import pytest
 from blend_wire import encode_tokens
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
-from plugin.lmcache_process import lmcache_command, quiet_lmcache_env, start_lmcache_server
+from plugin.harness.lmcache_process import lmcache_command, quiet_lmcache_env, start_lmcache_server
 
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
                     "project's Makefile); this test needs its server and CLI")

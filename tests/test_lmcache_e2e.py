@@ -28,7 +28,7 @@ import torch
 from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, INSTANCES_PATH, encode_tokens
 from coordinator_stub.launch.process import start_coordinator
 from helpers import wait_until
-from plugin.lmcache_process import ServerFleet
+from plugin.harness.lmcache_process import ServerFleet
 
 C = 256
 MODEL = "fleet-model"  # EngineClient's default model

@@ -30,7 +30,7 @@ from helpers import wait_until
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
                     "project's Makefile); this test needs its server")
 
-from plugin.lmcache_process import EngineClient, start_lmcache_server  # noqa: E402
+from plugin.harness.lmcache_process import EngineClient, start_lmcache_server  # noqa: E402
 
 C = 256
 MODEL = "fleet-model"  # EngineClient's default model

@@ -23,7 +23,7 @@ import numpy as np
 from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, encode_tokens
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
-from plugin.lmcache_process import ServerFleet
+from plugin.harness.lmcache_process import ServerFleet
 
 C = 256
 MODEL = "fleet-model"

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from coordinator_stub.config import parse_args
-from plugin.lmcache_process import free_port, quiet_lmcache_env
+from plugin.harness.lmcache_process import free_port, quiet_lmcache_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

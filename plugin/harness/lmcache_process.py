@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Sequence
 
 ADAPTER_MODULE = "plugin.lmcache_adapter"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: `make test` installs LMCache 0.5.7rc2 here (`pip install --no-deps --target`), beside
 #: the venv's 0.5.6.
 LMCACHE_057_DIR = ROOT / ".lmcache-0.5.7"
@@ -328,7 +328,7 @@ class EngineClient:
     def key(self, tokens: Sequence[int], request_id: str, *, start: int = 0,
             end: int | None = None, worker: int | None = 0, salt: str = "",
             model: str | None = None):
-        from plugin.lmcache_adapter import make_key  # the key's token field moved in 0.5.7
+        from plugin.lmcache.rpc import make_key  # the key's token field moved in 0.5.7
         return make_key(model_name=model or self.model, world_size=1, worker_id=worker,
                         token_ids=[int(t) for t in tokens], start=start,
                         end=len(tokens) if end is None else end,
@@ -381,8 +381,8 @@ class EngineClient:
     def lookup_once(self, key, *, builtin: bool = False):
         if not builtin:
             return self.rpc.cb_unified_lookup(key, 1).result(timeout=self.rpc_timeout_s)
-        from plugin.lmcache_adapter import (BUILTIN_LOOKUP_METHOD, decode_lookup_result,
-                                            encode_lookup_call)
+        from plugin.lmcache.rpc import (BUILTIN_LOOKUP_METHOD, decode_lookup_result,
+                                        encode_lookup_call)
         return decode_lookup_result(self.module_call(BUILTIN_LOOKUP_METHOD,
                                                      encode_lookup_call(key, 1)))
 
@@ -442,7 +442,7 @@ class EngineClient:
         return reply.payload
 
     def status(self) -> dict:
-        from plugin.lmcache_adapter import STATUS_METHOD
+        from plugin.lmcache.rpc import STATUS_METHOD
         return json.loads(self.module_call(STATUS_METHOD))
 
     def close(self) -> None:
