@@ -63,14 +63,15 @@ bench-unified: $(STAMP)
 bench-popular: $(STAMP)
 	$(PY) -m benchmarks.bench_popular_documents $(ARGS)
 
-# Routing by blend score vs round-robin vs prefix-only on MuSiQue (../shared/data/musique).
+# Routing by blend score vs round-robin vs prefix-only on MuSiQue (data: as bench-rag's).
 bench-routing: $(STAMP)
 	$(PY) -m benchmarks.bench_routing $(ARGS)
 
 bench-lmcache: $(STAMP)
 	$(PY) -m benchmarks.bench_lmcache_lookup $(ARGS)
 
-# Reuse on CacheBlend's MuSiQue prompts (../shared/data/musique; elsewhere: ARGS="--data DIR").
+# Reuse on CacheBlend's MuSiQue prompts. The data's one default is MUSIQUE_DATA_DIR in
+# benchmarks/bench_rag.py (--help prints it); elsewhere: ARGS="--data DIR".
 bench-rag: $(STAMP)
 	$(PY) -m benchmarks.bench_rag $(ARGS)
 

@@ -2,8 +2,8 @@
 
     python -m benchmarks.bench_rag [--data DIR] [--chunk-sizes 256 64] [--queries N]
 
-The prompts are CacheBlend's own MuSiQue subset (`<repo>/../shared/data/musique`, see its
-README.md): 150 questions, each a prompt of `system`, its 10 retrieved passages
+The prompts are CacheBlend's own MuSiQue subset (`MUSIQUE_DATA_DIR` below, or `--data DIR`;
+see the data's README.md): 150 questions, each a prompt of `system`, its 10 retrieved passages
 concatenated, then the question (~5,800 tokens). Retrieved passages overlap (windows of
 one text), so one run of text can sit at two offsets of one prompt.
 
@@ -77,7 +77,9 @@ from plugin.reporter import encode_key
 
 INSTANCES = 4
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "musique"
+#: The one default for the MuSiQue data (bench_rag and bench_routing; `--data DIR` elsewhere):
+#: CacheBlend's token files, kept beside the checkout, not in it.
+MUSIQUE_DATA_DIR = REPO.parent / "shared" / "data" / "musique"
 DATA_FILE = "musique_tokens.json.gz"
 
 SYSTEMS = ["unified", "local", "fleet", "lmcache_coordinator", "lmcache_local", "once",
@@ -103,7 +105,7 @@ def load_musique(data_dir: Path) -> tuple[np.ndarray, list[Question]]:
     path = data_dir / DATA_FILE
     if not path.is_file():
         raise SystemExit(f"{path} not found: pass --data DIR, the folder holding {DATA_FILE} "
-                         f"(shared/data/musique beside the repository)")
+                         f"(default: MUSIQUE_DATA_DIR, {MUSIQUE_DATA_DIR})")
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     as_array = lambda ids: np.asarray(ids, dtype=np.uint32)  # noqa: E731
@@ -441,8 +443,8 @@ def detail_table(runs: list[Run]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_rag",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA,
-                        help=f"folder holding {DATA_FILE} (default: {DEFAULT_DATA})")
+    parser.add_argument("--data", type=Path, default=MUSIQUE_DATA_DIR,
+                        help=f"folder holding {DATA_FILE} (default: {MUSIQUE_DATA_DIR})")
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[256, 64])
     parser.add_argument("--workloads", nargs="+", choices=["A", "B"], default=["A", "B"])
     parser.add_argument("--queries", type=int, default=150,

@@ -41,7 +41,7 @@ import httpx
 import numpy as np
 
 from benchmarks.common import machine_description, percentile_ms
-from benchmarks.bench_rag import DEFAULT_DATA, load_musique, prompt
+from benchmarks.bench_rag import MUSIQUE_DATA_DIR, load_musique, prompt
 from blend_wire import (
     BLEND_LOOKUP_PATH,
     BLEND_SCORE_PATH,
@@ -231,7 +231,7 @@ def measure_cost(http: httpx.Client, requests: list[Request]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_routing",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA,
+    parser.add_argument("--data", type=Path, default=MUSIQUE_DATA_DIR,
                         help="folder holding musique_tokens.json.gz (default: %(default)s)")
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--questions", type=int, default=150,
