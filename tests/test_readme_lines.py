@@ -1,21 +1,37 @@
-"""Every shell block of the README works as written (the convention is in README.md,
-"Inside a real LMCache MP server": a ```sh fence right after `<!-- readme-test: KIND -->`).
+"""Every code block of the README (and of docs/OPERATIONS.md) works as written.
 
-`run` blocks are run for real on loopback: the coordinator line first (kept running),
-then each LMCache server line, one at a time, on free ports: it must start, print the
-plugin's line naming the coordinator, register with it (`lmcache server`), and stop on
-SIGTERM. The router line starts and stops on SIGTERM. `template` blocks: the
-coordinator's flags are parsed. `make` blocks: each target exists. Lines are found by the
-marker, so a line added for another LMCache version is run without touching this file.
+The convention, for whoever adds a block: a fence right after an HTML comment
+`<!-- readme-test: KIND -->`; a ```sh, ```python or ```text fence without one fails.
+
+- `run` (```sh): every command is run for real on loopback, from the checkout (`$PWD` is
+  it; `.venv/` its virtual environment); numbers after `--port` / `--http-port` and in
+  `127.0.0.1:PORT` are swapped for free ports, the same in every block. The coordinator line
+  (one, a block of its own) starts first and is kept running; the router line must start
+  and stop on SIGTERM; each LMCache server line (`lmcache server` or `python -m
+  lmcache.v1.multiprocess.server`, one per supported version, its directory on
+  `PYTHONPATH`) must start, print the plugin's line naming the coordinator, register with it
+  (`lmcache server`) and stop on SIGTERM. Lines are found by the marker, so a line added for
+  another LMCache version is run without touching this file.
+- `python` (```python): the usage example, run as a script with this checkout importable
+  against the coordinator line (its URL swapped like the ports); what it prints must be the
+  `output` (```text) block right after it.
+- `template` (```sh): placeholders are the reader's; only the coordinator's flags are
+  checked (parsed).
+- `make` (```sh): each `make TARGET` exists in the Makefile.
+
+The configuration tables list exactly the environment variables the product reads, and a
+plugin variable set to its documented default changes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,8 +46,12 @@ from plugin.harness.lmcache_process import free_port, quiet_lmcache_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = (README, ROOT / "docs" / "OPERATIONS.md")  # where marked blocks are looked for
 _MARKER = re.compile(r"<!--\s*readme-test:\s*(\w+)")
-_FENCE = re.compile(r"^```sh\s*$")
+_FENCE = re.compile(r"^```(sh|python|text)\s*$")
+_LANGUAGE = {"run": "sh", "template": "sh", "make": "sh", "python": "python", "output": "text"}
+#: Python packages whose environment reads the configuration tables must list.
+PRODUCT = ("plugin", "coordinator_stub", "blend_router", "blend_wire", "local_matcher")
 _PORT = re.compile(r"(--port |--http-port |127\.0\.0\.1:)(\d+)")
 _LMCACHE = re.compile(r"(^|/)lmcache server\b|-m lmcache\.v1\.multiprocess\.server\b")
 READY_S = 180.0  # an LMCache server imports torch; a cold numba cache costs more
@@ -42,9 +62,11 @@ class Block:
     kind: str
     line: int  # where the fence opens, 1-based
     commands: list[str]  # continuation lines joined, comments dropped
+    source: str = "README.md"
+    text: str = ""  # the block as written
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, source: str = "README.md") -> list[Block]:
     lines = text.splitlines()
     blocks = []
     kind, comment_open = None, False
@@ -54,16 +76,21 @@ def readme_blocks(text: str) -> list[Block]:
         marker = _MARKER.search(line)
         if marker:
             kind = marker.group(1)
-        if _FENCE.match(line):
+        fence = _FENCE.match(line)
+        if fence:
             assert kind is not None, (
-                f"README.md:{i + 1}: a ```sh block without a `<!-- readme-test: KIND -->` "
-                f"comment right before it (see the convention in README.md)")
+                f"{source}:{i + 1}: a ```{fence.group(1)} block without a `<!-- readme-test: "
+                f"KIND -->` comment right before it (see tests/test_readme_lines.py)")
+            assert _LANGUAGE.get(kind) == fence.group(1), (
+                f"{source}:{i + 1}: a `readme-test: {kind}` block must be a "
+                f"```{_LANGUAGE.get(kind, '(sh, python or text)')} fence")
             start, body = i + 1, []
             i += 1
             while not lines[i].startswith("```"):
                 body.append(lines[i])
                 i += 1
-            blocks.append(Block(kind, start, _commands(body)))
+            commands = _commands(body) if fence.group(1) == "sh" else []
+            blocks.append(Block(kind, start, commands, source, "\n".join(body) + "\n"))
             kind = None
         elif line.strip() and not marker and not comment_open and kind is not None \
                 and not line.lstrip().startswith("<!--"):
@@ -170,7 +197,8 @@ def _get_json(url: str, until=lambda reply: True, timeout: float = 60.0):
 
 
 try:
-    BLOCKS, UNMARKED = readme_blocks(README.read_text()), None
+    BLOCKS, UNMARKED = [block for doc in DOCS
+                        for block in readme_blocks(doc.read_text(), doc.name)], None
 except AssertionError as exc:  # reported by the first test, not as a collection error
     BLOCKS, UNMARKED = [], str(exc)
 
@@ -179,7 +207,7 @@ def test_every_sh_block_has_a_known_kind():
     assert UNMARKED is None, UNMARKED
     assert BLOCKS, "no ```sh block found in README.md"
     for block in BLOCKS:
-        assert block.kind in ("run", "template", "make"), (block.line, block.kind)
+        assert block.kind in _LANGUAGE, (block.source, block.line, block.kind)
     run = [c for b in BLOCKS if b.kind == "run" for c in b.commands]
     assert any("-m coordinator_stub" in c for c in run)
     assert any(_LMCACHE.search(c) for c in run)
@@ -193,7 +221,8 @@ def test_make_targets_exist():
             assert words[0] == "make", (block.line, command)
             for target in words[1:]:
                 assert re.search(rf"^{re.escape(target)}:", makefile, re.M), (
-                    f"README.md:{block.line}: make {target}: no such target in the Makefile")
+                    f"{block.source}:{block.line}: make {target}: no such target in the "
+                    f"Makefile")
 
 
 def test_template_coordinator_flags_parse():
@@ -229,6 +258,21 @@ def _check_lmcache_server(line: str, log: Path, server: subprocess.Popen, ports:
         f"the server on HTTP port {http} did not register with the coordinator: {instances}"
 
 
+def _start_coordinator(ports: Ports, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """The README's one coordinator line, on a free port, once it is listening."""
+    run = [c for b in BLOCKS if b.kind == "run" for c in b.commands]
+    coordinators = [c for c in run if "-m coordinator_stub" in c]
+    assert len(coordinators) == 1, coordinators
+    url = "http://127.0.0.1:" + ports.map.setdefault("9300", str(free_port()))
+    coordinator = _spawn(ports(_resolve_venvs(coordinators[0])), tmp_path / "coordinator.log")
+    try:
+        _wait_for(coordinator, tmp_path / "coordinator.log", f"listening on {url}")
+    except BaseException:
+        _stop(coordinator)
+        raise
+    return coordinator, url
+
+
 def test_run_lines_work_as_written(tmp_path):
     """The coordinator line, then each LMCache line against it (the README's order)."""
     run = [c for b in BLOCKS if b.kind == "run" for c in b.commands]
@@ -237,14 +281,9 @@ def test_run_lines_work_as_written(tmp_path):
     routers = [c for c in run if "-m blend_router" in c]
     unknown = [c for c in run if c not in coordinators + servers + routers]
     assert not unknown, f"teach tests/test_readme_lines.py how to run: {unknown}"
-    assert len(coordinators) == 1, coordinators
     ports = Ports()
-    coordinator_line = ports(_resolve_venvs(coordinators[0]))
-    coordinator_url = "http://127.0.0.1:" + ports.map["9300"]
-    coordinator = _spawn(coordinator_line, tmp_path / "coordinator.log")
+    coordinator, coordinator_url = _start_coordinator(ports, tmp_path)
     try:
-        _wait_for(coordinator, tmp_path / "coordinator.log",
-                  f"listening on {coordinator_url}")
         for n, line in enumerate(routers):  # it starts, and stops on SIGTERM (exit 0)
             log = tmp_path / f"router-{n}.log"
             router = _spawn(ports(_resolve_venvs(line)), log)
@@ -269,10 +308,94 @@ def test_run_lines_work_as_written(tmp_path):
         assert _stop(coordinator) == 0
 
 
-def test_every_environment_variable_the_plugin_reads_is_in_the_readme_table():
+def test_python_example_prints_what_the_readme_says(tmp_path):
+    """The usage example, run as written against the README's coordinator line."""
+    examples = [i for i, b in enumerate(BLOCKS) if b.kind == "python"]
+    assert examples, "no `readme-test: python` block (the usage example) in README.md"
+    for i in examples:
+        block = BLOCKS[i]
+        assert i + 1 < len(BLOCKS) and BLOCKS[i + 1].kind == "output", (
+            f"{block.source}:{block.line}: a python block is followed by its `output` block")
+        ports = Ports()
+        coordinator, _ = _start_coordinator(ports, tmp_path)
+        try:
+            script = tmp_path / f"example-{block.line}.py"
+            script.write_text(ports(block.text))
+            env = {k: v for k, v in _env().items() if not k.startswith("LMCACHE_COORDINATOR_")}
+            # A budget a loaded machine cannot run out of: the example shows the fleet leg.
+            env.update(PYTHONPATH=str(ROOT), LMCACHE_COORDINATOR_BLEND_TIMEOUT="60")
+            done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=READY_S)
+        finally:
+            assert _stop(coordinator) == 0
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout == BLOCKS[i + 1].text, (
+            f"{block.source}:{block.line}: the example printed\n{done.stdout}\nbut the "
+            f"README says\n{BLOCKS[i + 1].text}")
+
+
+def _table(variable_prefixes: tuple[str, ...]) -> dict[str, str]:
+    """`{name: default}` of the README's environment-variable tables."""
+    rows = {}
+    for row in README.read_text().splitlines():
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        if len(cells) == 3 and cells[0].strip("`").startswith(variable_prefixes):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def _environment_reads() -> set[str]:
+    """Every environment variable the product reads: the plugin's and the coordinator's
+    named constants, and any literal `environ.get("NAME")` / `environ["NAME"]`."""
+    from coordinator_stub import access
     from plugin import config
 
     names = {value for name, value in vars(config).items() if name.startswith("ENV_")}
-    table = {row.split("|")[1].strip().strip("`") for row in README.read_text().splitlines()
-             if row.startswith("| `LMCACHE_")}
-    assert names and not names - table, f"missing from the README's table: {names - table}"
+    names |= set(access.ENV_TOKENS.values())
+    read = re.compile(r"environ(?:\.get\(|\[)\s*[\"']([A-Z][A-Z0-9_]+)[\"']")
+    for package in PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            if "harness" in path.parts or path.name == "lmcache_process.py":
+                continue  # the test/demo harness sets LMCache's variables, reads none
+            names |= set(read.findall(path.read_text()))
+    return names
+
+
+def test_the_configuration_tables_list_what_the_code_reads():
+    reads = _environment_reads()
+    table = _table(("LMCACHE_", "COORDINATOR_", "ROUTER_"))
+    assert reads, "found no environment variable read by the product"
+    assert not reads - set(table), f"missing from the README's tables: {reads - set(table)}"
+    assert not set(table) - reads, f"in the README's tables, read by nothing: {set(table) - reads}"
+
+
+def test_a_plugin_variable_set_to_its_documented_default_changes_nothing():
+    from plugin import PluginConfig
+
+    default = PluginConfig.from_env(environ={})
+    for name, cell in _table(("LMCACHE_",)).items():
+        value = cell.strip("`")
+        if value == "unset":
+            assert getattr(default, _field_of(name)) is None, name
+            continue
+        if value == "hostname:pid":
+            assert getattr(default, _field_of(name)) == f"{socket.gethostname()}:{os.getpid()}"
+            continue
+        if value == "off":
+            value = "0"
+        assert PluginConfig.from_env(environ={name: value}) == default, (
+            f"{name}={value!r}, the README's default, is not the default")
+
+
+def _field_of(name: str) -> str:
+    """The `PluginConfig` field an (unset by default) variable sets."""
+    from plugin import PluginConfig
+
+    fields = [f.name for f in dataclasses.fields(PluginConfig)]
+    sample = {"LMCACHE_COORDINATOR_CA_FILE": __file__,
+              "LMCACHE_COORDINATOR_URL": "http://x"}.get(name, "sample-value-0123456789")
+    changed = [f for f in fields
+               if getattr(PluginConfig.from_env(environ={name: sample}), f)
+               != getattr(PluginConfig.from_env(environ={}), f)]
+    assert len(changed) == 1, (name, changed)
+    return changed[0]
