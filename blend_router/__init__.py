@@ -1,6 +1,6 @@
 """A small OpenAI-style router that sends each request where its KV already is.
 
-`python -m blend_router --coordinator-url URL` (README, "Routing requests"): takes
+`python -m blend_router --coordinator-url URL` (docs/OPERATIONS.md, "Routing requests"): takes
 `/v1/completions` and `/v1/chat/completions`, asks the coordinator's
 `POST /directory/blend-score` within a budget which instance would reuse most of the
 request, forwards the request to that instance's URL from the registry (`GET /instances`:

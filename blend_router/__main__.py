@@ -1,5 +1,5 @@
-"""`python -m blend_router --coordinator-url URL [--port 8100] ...`: the router (README,
-"Routing requests"). Prints `listening on http://HOST:PORT` once bound; exits 0 on
+"""`python -m blend_router --coordinator-url URL [--port 8100] ...`: the router
+(docs/OPERATIONS.md). Prints `listening on http://HOST:PORT` once bound; exits 0 on
 SIGINT/SIGTERM."""
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """The router: pick an instance for each OpenAI-style request, forward it, stream the answer.
 
-Contract:
-- `create_router(config, tokenizer=None)` builds the aiohttp application (not started):
-  `POST /v1/completions`, `POST /v1/chat/completions`, `GET /healthz`.
-- The request's tokens, for scoring: `/v1/completions` `prompt` as token ids (a list of ints,
-  or a list holding one such list) or as text; `/v1/chat/completions` `prompt_token_ids`
-  (ours, optional: the ids the engine will see) or else the `messages`' text contents, each
-  tokenized on its own and concatenated (the blend score matches chunks at any offset, so the
-  engine's chat template around them does not matter). Text needs the tokenizer
-  (`Tokenizer`); without one, text requests are routed unscored. The namespace is the body's
-  `model` (or `RouterConfig.model_name`, when the engine's LMCache names the model
-  differently) and its `cache_salt`.
-- Choice: `POST /directory/blend-score` within `score_budget_s`; the best-scored instance the
-  registry knows (among equal best, the one with fewest requests in flight through this
-  router). No usable answer in time (slow, down, refusing) or a best score of 0: the
-  least-loaded instance, round-robin among equals. The reply says which and why in
-  `X-Routed-To` and `X-Route-Reason` (`score`, `nothing-cached`, `coordinator-unavailable`,
-  `unscored`).
-- Forwarding: the body as received (and the client's `Authorization`) to
-  `http://{ip}:{http_port}{path}` of the chosen instance; status, content type and body are
-  streamed back as they arrive (SSE included). An instance that cannot be reached before it
-  answers is skipped for the least-loaded other one, once; then `502`.
-- The registry (`GET /instances`) is refreshed every `refresh_interval_s` by a background
-  task; when the coordinator is down the last listing is kept. No instance known: `503`.
-- Bad input: a body that is not a JSON object, or token ids that are not integers in
-  [0, 2^32): `422` `{"detail": "<why>"}`, nothing forwarded.
+`create_router(config, tokenizer=None)` builds the aiohttp application (not started):
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /healthz`. Each request goes to
+the registered instance (`GET /instances`, refreshed in the background) the coordinator's
+`POST /directory/blend-score` ranks first within `score_budget_s`, else the least-loaded;
+the reply says which and why (`X-Routed-To`, `X-Route-Reason`) and is streamed back as the
+instance sends it. Bad input: `422`, nothing forwarded. Tokens, namespace, fallbacks and
+errors in full: docs/OPERATIONS.md, "Routing requests to where their KV is".
 """
 
 from __future__ import annotations
