@@ -1,33 +1,19 @@
 """The selection rule of a unified lookup, on plain data: candidates in, kept positions out.
 
-One rule, two users: the plugin selects what a serving process prefetches
-(`plugin.lookup.select`), and the coordinator scores, per instance, what that instance's
-lookup would select (`POST /directory/blend-score`). Both call this module, so a router's
-score and a server's reuse cannot drift apart. It loads nothing but the standard library.
+One rule, two users: the plugin's `plugin.lookup.select` (what a server prefetches) and the
+coordinator's blend score per instance (what that instance's lookup would select), so a
+router's score and a server's reuse cannot drift apart. Standard library only.
 
-Input: legs, each a sequence of *groups*, a group being `(positions, place, chunks)`: every
-query position where one content occurs (ascending), where its `chunks` are held, and those
-chunks as `(chunk_hash, old_st)` in the order the leg named them. `place` is an int, the
-lower the cheaper (the plugin's `Place`: 0 this server's L1, 1 a shared tier, 2 a peer's L1);
-a content whose chunks are held in several places is one group per place.
-`plugin.types.FoundContent` has that shape and passes as it is.
+Input: legs, each a sequence of groups `(positions, place, chunks)`: the ascending query
+positions where one content occurs, where its chunks are held (an int, the lower the
+cheaper: the plugin's `Place`; one group per place), and those chunks as `(chunk_hash,
+old_st)` in the order the leg named them. `plugin.types.FoundContent` has that shape.
 
-The rule (docs/DESIGN.md, "Unified lookup"):
-
-1. merge: every position any leg found, with every chunk any leg offers there;
-2. drop every position inside the prefix coverage (already reused, and it must not shadow a
-   usable position that overlaps it);
-3. one ascending pass over the positions: keep a position when it starts at or after the end
-   of the last kept one and some chunk offered there is still unused, and give it the
-   cheapest unused one (lowest `place`; on a tie the first leg's, then the order the leg
-   named them). Each chunk hash serves at most one position of a result.
-
-Greedy with fewer chunks than occurrences can keep fewer positions than the best choice. So
-when the union's pass skipped a position for want of an unused chunk, each leg's selection
-alone is computed too and the one keeping the most positions wins (the union on a tie): the
-union is never worse than either leg. A pass that never went short is plain leftmost-greedy
-over the union's positions, the most non-overlapping positions there are, so no leg can
-beat it and none is tried.
+The rule: merge the legs, drop positions inside the prefix, then one ascending pass keeps a
+position starting at or after the end of the last kept one and gives it the cheapest unused
+chunk (ties: the first leg's, then the leg's order); when that pass went short of chunks,
+each leg alone is selected too and the most positions win (the union on a tie).
+docs/DESIGN.md, "Plugin", says why.
 """
 
 from __future__ import annotations
