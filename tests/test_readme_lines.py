@@ -25,6 +25,7 @@ plugin variable set to its documented default changes nothing.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -345,19 +346,23 @@ def _table(variable_prefixes: tuple[str, ...]) -> dict[str, str]:
 
 
 def _environment_reads() -> set[str]:
-    """Every environment variable the product reads: the plugin's and the coordinator's
-    named constants, and any literal `environ.get("NAME")` / `environ["NAME"]`."""
-    from coordinator_stub import access
-    from plugin import config
-
-    names = {value for name, value in vars(config).items() if name.startswith("ENV_")}
-    names |= set(access.ENV_TOKENS.values())
+    """Every environment variable the product reads: the string constants of its `ENV_*`
+    names (a name, or a dict of them: `plugin.config`, the coordinator's access tokens) and
+    any literal `environ.get("NAME")` / `environ["NAME"]`, wherever the modules live."""
+    names: set[str] = set()
     read = re.compile(r"environ(?:\.get\(|\[)\s*[\"']([A-Z][A-Z0-9_]+)[\"']")
     for package in PRODUCT:
         for path in (ROOT / package).rglob("*.py"):
             if "harness" in path.parts or path.name == "lmcache_process.py":
                 continue  # the test/demo harness sets LMCache's variables, reads none
-            names |= set(read.findall(path.read_text()))
+            text = path.read_text()
+            names |= set(read.findall(text))
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.Assign) and any(
+                        isinstance(t, ast.Name) and t.id.startswith("ENV_") for t in node.targets):
+                    names |= {c.value for c in ast.walk(node.value)
+                              if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                              and c.value.isupper()}
     return names
 
 
