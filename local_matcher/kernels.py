@@ -103,6 +103,32 @@ def _same_tokens(query, start, stored):
     return True
 
 
+@njit(cache=True, inline="always")
+def _window_fingerprints(query, stride, salt, base, base_pow, width):
+    """The fingerprint of every window of `width` tokens starting at a multiple of
+    `stride` (pass 1 of `probe`: pure arithmetic, no memory but the query's)."""
+    n = query.shape[0]
+    scrambled = np.empty(n, dtype=np.uint64)
+    for i in range(n):
+        scrambled[i] = _scramble(query[i], salt)
+    last = n - width
+    num_probes = last // stride + 1
+    fps = np.empty(num_probes, dtype=np.uint64)
+    h = np.uint64(0)
+    for j in range(width):
+        h = h * base + scrambled[j]
+    next_probe, k = 0, 0  # a counter, not p % stride: division would dominate the loop
+    for p in range(last + 1):
+        if p == next_probe:
+            fps[k] = _mix(h ^ salt)
+            k += 1
+            next_probe += stride
+        if p < last:
+            # h*B - s[p]*B**C + s[p+C]: only one multiply-add depends on the previous h.
+            h = h * base + (scrambled[p + width] - scrambled[p] * base_pow)
+    return fps
+
+
 @njit(cache=True, nogil=True)
 def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
           table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch):
@@ -120,25 +146,8 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
     if n < width:
         empty = np.empty(0, dtype=np.int64)
         return empty, empty, empty, empty
-    scrambled = np.empty(n, dtype=np.uint64)
-    for i in range(n):
-        scrambled[i] = _scramble(query[i], salt)
-    # Pass 1: the fingerprint of every probed window (pure arithmetic).
-    last = n - width
-    num_probes = last // stride + 1
-    fps = np.empty(num_probes, dtype=np.uint64)
-    h = np.uint64(0)
-    for j in range(width):
-        h = h * base + scrambled[j]
-    next_probe, k = 0, 0  # a counter, not p % stride: division would dominate the loop
-    for p in range(last + 1):
-        if p == next_probe:
-            fps[k] = _mix(h ^ salt)
-            k += 1
-            next_probe += stride
-        if p < last:
-            # h*B - s[p]*B**C + s[p+C]: only one multiply-add depends on the previous h.
-            h = h * base + (scrambled[p + width] - scrambled[p] * base_pow)
+    fps = _window_fingerprints(query, stride, salt, base, base_pow, width)
+    num_probes = fps.shape[0]
     # Pass 2: filter, table, namespace pre-test, tokens. The filter loads are independent
     # of each other here, so the CPU overlaps their cache misses.
     table_mask = table_cid.shape[0] - 1

@@ -1,0 +1,441 @@
+"""The claims of a content index: which namespace claims which chunk on which content.
+
+`ClaimLists` is the bookkeeping half of `local_matcher.index.ContentIndex` (which owns
+the content store, the lock and the public API; docs/DESIGN.md, "The content index").
+Not thread-safe: the index calls it under its lock.
+
+Each (chunk, namespace) claim is a *slot*; the claims one namespace holds on one content
+form a circular doubly linked list of slots in occupant order (LMCache's: the order in
+which the chunks were first indexed on that content), kept in flat integer arrays, so
+that no cost grows with how many occupants a content has or how many namespaces claim a
+chunk: adding a claim is O(1) when its occupant is the newest on the content (else one
+step per newer occupant of its namespace), removing one O(1), a match one step per
+occurrence.
+
+Invariants:
+- `chunks[h]` for chunk `h`: the slot of its only claim (an int); a tuple of slots while
+  a few namespaces claim it; past `_FEW_CLAIMS`, a `_ManyClaims` ({namespace id: slot}
+  and, per content, its occupant's order and claim count). Ints and tuples of ints are
+  untracked by Python's cyclic GC, so a million chunks add no GC pause.
+- slot `s`: `slot_chunk[s]` its chunk, `slot_ns[s]` its namespace id, `slot_cid[s]` its
+  content, `slot_offset[s]` its stored offset, `_slot_order[s]` its occupant's order
+  number (the same in every slot of one occupant, increasing with the time the occupant
+  was first indexed), `next_slot[s]` and `_prev[s]` its neighbours in its circular list
+  (the head's prev is the tail), sorted by order number. Free slots are on `_free_slots`.
+- the list of (cid, ns) starts at `head[cid]` if `slot_ns[head[cid]] == ns`, else at
+  `_more_heads[ns << 32 | cid]`: most contents are claimed by one namespace, so their
+  only list costs no dict entry.
+- `num_chunks[cid]` occupants per content (chunks with at least one claim on it). A
+  content is stored iff it has an occupant; a chunk exists iff a namespace claims it.
+- A namespace's id is recycled once nothing claims it, so the ids stay small.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+
+NONE = -1  # "no slot" in the slot and head arrays
+_NS_SHIFT = 32  # `_more_heads` key: namespace id above, content id below
+_FEW_CLAIMS = 8  # claims on one chunk kept in a tuple (scanned); past this, a _ManyClaims
+
+
+def mask_bit(ns_id: int) -> int:
+    """The bit of a namespace in the content store's namespace masks."""
+    return 1 << (ns_id & 63)
+
+
+class ClaimLists:
+    """The slots, lists and namespace ids of a content index; see the module doc."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[Hashable, object] = {}
+        # Claim slots.
+        self.slot_chunk: list[Hashable] = []
+        self.slot_ns = array("i")
+        self.slot_cid = array("i")
+        self.slot_offset = array("q")
+        self._slot_order = array("q")
+        self.next_slot = array("i")
+        self._prev = array("i")
+        self._free_slots = array("i")
+        self._next_order = 0  # order number of the next new occupant
+        # Per content id (grown with the store).
+        self.head = array("i")
+        self.num_chunks = array("i")
+        self._more_heads: dict[int, int] = {}
+        self.num_occupants = 0
+        # Namespaces.
+        self.ns_ids: dict[Hashable, int] = {}
+        self._ns_names: list[Hashable] = []
+        self._ns_claim_counts: list[int] = []
+        self._free_ns_ids: list[int] = []
+        self.num_claims = 0
+
+    # --- adding -------------------------------------------------------------------------
+
+    def grow(self, capacity: int) -> None:
+        """Room for content ids below `capacity`."""
+        missing = capacity - len(self.head)
+        if missing > 0:
+            self.head.extend(array("i", [NONE]) * missing)
+            self.num_chunks.extend(array("i", [0]) * missing)
+
+    def namespace_id(self, namespace: Hashable) -> int:
+        """The id of `namespace`, given one if it has none."""
+        ns_id = self.ns_ids.get(namespace)
+        if ns_id is None:
+            if self._free_ns_ids:
+                ns_id = self._free_ns_ids.pop()
+                self._ns_names[ns_id] = namespace
+            else:
+                ns_id = len(self._ns_names)
+                self._ns_names.append(namespace)
+                self._ns_claim_counts.append(0)
+            self.ns_ids[namespace] = ns_id
+        return ns_id
+
+    def claim_all(self, chunk_hashes: Sequence[Hashable], cids: list[int], offsets: list[int],
+                  namespaces: Sequence[Hashable], ns_bits: np.ndarray) -> list[int]:
+        """Each chunk claimed by its namespace on its content at its offset, in order
+        (`ContentIndex.add` says what changes). Sets `ns_bits[i]` to row i's namespace
+        bit; returns the contents claims moved away from (to be settled)."""
+        chunks, slot_cid, slot_offset = self.chunks, self.slot_cid, self.slot_offset
+        vacated, current, ns_id = [], object(), NONE
+        for i, (chunk_hash, cid, offset, name) in enumerate(zip(
+                chunk_hashes, cids, offsets, namespaces)):
+            if name is not current:  # adding never retires an id: safe to keep
+                current, ns_id = name, self.namespace_id(name)
+            ns_bits[i] = mask_bit(ns_id)
+            claim = chunks.get(chunk_hash)
+            slot = NONE if claim is None else self._slot_of(claim, ns_id)
+            if slot == NONE:  # a new claim: O(1) however many the chunk has
+                slot = self._claim(chunk_hash, cid, ns_id, offset, claim)
+                chunks[chunk_hash] = self._with_slot(claim, slot)
+                self._count_claims(ns_id, 1)
+            elif slot_cid[slot] == cid:
+                slot_offset[slot] = offset
+            else:  # this namespace now reports other tokens under the hash
+                vacated.append(slot_cid[slot])
+                self._move(claim, slot, cid, offset)
+        return vacated
+
+    # --- removing -----------------------------------------------------------------------
+
+    def remove_claim(self, chunk_hash: Hashable, ns_id: int, holds: Callable[[int], bool]
+                     ) -> int:
+        """Drop `ns_id`'s claim on a chunk if `holds(its content)`; the content it left,
+        or NONE when nothing changed."""
+        claim = self.chunks.get(chunk_hash)
+        slot = NONE if claim is None else self._slot_of(claim, ns_id)
+        if slot == NONE or not holds(self.slot_cid[slot]):
+            return NONE
+        cid = self.slot_cid[slot]
+        self._remove_slot(chunk_hash, claim, slot)
+        return cid
+
+    def remove_where(self, chunk_hash: Hashable, holds: Callable[[int], bool]) -> list[int]:
+        """Drop every claim on a chunk whose content `holds`; the contents they left."""
+        claim = self.chunks.get(chunk_hash)
+        if claim is None:
+            return []
+        vacated = []
+        for slot in self._slots_in(claim):
+            if holds(self.slot_cid[slot]):
+                vacated.append(self.slot_cid[slot])
+                claim = self._remove_slot(chunk_hash, claim, slot)
+        return vacated
+
+    def drop(self, chunk_hash: Hashable) -> set[int] | tuple:
+        """Drop a chunk with every claim (unknown: nothing); the contents it occupied."""
+        claim = self.chunks.get(chunk_hash)
+        if claim is None:
+            return ()
+        slots = self._slots_in(claim)
+        cids = {self.slot_cid[slot] for slot in slots}
+        for slot in slots:
+            self._unlink(slot)
+            self._free(slot)
+        for cid in cids:
+            self.num_chunks[cid] -= 1
+        self.num_occupants -= len(cids)
+        del self.chunks[chunk_hash]
+        return cids
+
+    def vacant(self, touched) -> list[int]:
+        """The touched contents (NONE: none) left without an occupant."""
+        return [cid for cid in set(touched) if cid != NONE and self.num_chunks[cid] == 0]
+
+    # --- reading ------------------------------------------------------------------------
+
+    def content_of(self, chunk_hash: Hashable, ns_id: int | None) -> int:
+        """The content of `ns_id`'s claim on a chunk (None: of its first claim), or NONE."""
+        claim = self.chunks.get(chunk_hash)
+        if claim is None:
+            return NONE
+        slot = self._slots_in(claim)[0] if ns_id is None else self._slot_of(claim, ns_id)
+        return NONE if slot == NONE else self.slot_cid[slot]
+
+    def more_heads_of(self, cids: np.ndarray, ns_id: int, heads: np.ndarray,
+                      missing: np.ndarray) -> None:
+        """Fill `heads[i]` for each index i in `missing` (contents whose `head` is another
+        namespace's list) from the lists of second and later namespaces (-1: none)."""
+        more = self._more_heads
+        for i in missing.tolist():
+            heads[i] = more.get(ns_id << _NS_SHIFT | int(cids[i]), NONE) if more else NONE
+
+    def heads_of(self, cids: np.ndarray, ns_id: int) -> np.ndarray:
+        """Per content, the head slot of `ns_id`'s list (-1: none)."""
+        heads = np.frombuffer(self.head, dtype=np.int32)[cids].astype(np.int64)
+        own = heads != NONE
+        own[own] = np.frombuffer(self.slot_ns, dtype=np.int32)[heads[own]] == ns_id
+        if not own.all():
+            self.more_heads_of(cids, ns_id, heads, np.flatnonzero(~own))
+        return heads
+
+    def python_bytes(self) -> int:
+        """Memory held beyond the content store: the arrays and the Python records."""
+        arrays = (self.slot_ns, self.slot_cid, self.slot_offset, self._slot_order,
+                  self.next_slot, self._prev, self.head, self.num_chunks, self._free_slots)
+        return (sys.getsizeof(self.chunks) + len(self.chunks) * _RECORD_BYTES
+                + sys.getsizeof(self.slot_chunk) + sys.getsizeof(self._more_heads)
+                + sum(len(a) * a.itemsize for a in arrays))
+
+    # --- a chunk's claims: one slot (int), a tuple of slots, or a _ManyClaims ----------
+
+    def _slot_of(self, claim, ns_id: int) -> int:
+        """The slot of `ns_id`'s claim among a chunk's, or NONE."""
+        if type(claim) is int:
+            return claim if self.slot_ns[claim] == ns_id else NONE
+        if type(claim) is tuple:
+            slot_ns = self.slot_ns
+            for slot in claim:
+                if slot_ns[slot] == ns_id:
+                    return slot
+            return NONE
+        return claim.slots.get(ns_id, NONE)
+
+    @staticmethod
+    def _slots_in(claim) -> Sequence[int]:
+        if type(claim) is int:
+            return (claim,)
+        return claim if type(claim) is tuple else list(claim.slots.values())
+
+    def _with_slot(self, claim, slot: int):
+        """A chunk's claims with `slot` (just claimed, `_join`ed) added."""
+        if claim is None:
+            return slot
+        if type(claim) is int:
+            return claim, slot
+        if type(claim) is tuple:
+            if len(claim) < _FEW_CLAIMS:
+                return claim + (slot,)
+            many = _ManyClaims()  # many namespaces: O(1) per claim from now on
+            for held in claim + (slot,):
+                many.slots[self.slot_ns[held]] = held
+                occupant = many.occupants.get(self.slot_cid[held])
+                if occupant is None:
+                    many.occupants[self.slot_cid[held]] = [self._slot_order[held], 1]
+                else:
+                    occupant[1] += 1
+            return many
+        claim.slots[self.slot_ns[slot]] = slot
+        return claim
+
+    def _join(self, claim, cid: int, slot: int) -> int:
+        """`slot` (not on `cid` yet) joins the chunk's occupant of content `cid`: that
+        occupant's order number if another of the chunk's claims holds it, else a new
+        occupant's (counted)."""
+        if type(claim) is _ManyClaims:
+            occupant = claim.occupants.get(cid)
+            if occupant is not None:
+                occupant[1] += 1
+                return occupant[0]
+            order = self._new_occupant(cid)
+            claim.occupants[cid] = [order, 1]
+            return order
+        if claim is not None:
+            slot_cid = self.slot_cid
+            for other in ((claim,) if type(claim) is int else claim):
+                if other != slot and slot_cid[other] == cid:
+                    return self._slot_order[other]
+        return self._new_occupant(cid)
+
+    def _new_occupant(self, cid: int) -> int:
+        order = self._next_order
+        self._next_order += 1
+        self.num_chunks[cid] += 1
+        self.num_occupants += 1
+        return order
+
+    def _leave(self, claim, slot: int) -> None:
+        """`slot` leaves its content: the chunk's occupant of it ends with its last claim."""
+        cid = self.slot_cid[slot]
+        if type(claim) is _ManyClaims:
+            occupant = claim.occupants[cid]
+            occupant[1] -= 1
+            if occupant[1]:
+                return
+            del claim.occupants[cid]
+        else:
+            slot_cid = self.slot_cid
+            for other in ((claim,) if type(claim) is int else claim):
+                if other != slot and slot_cid[other] == cid:
+                    return
+        self.num_chunks[cid] -= 1
+        self.num_occupants -= 1
+
+    # --- the lists ----------------------------------------------------------------------
+
+    def _head_of(self, cid: int, ns_id: int) -> int:
+        """The first slot of `ns_id`'s list on content `cid`, or NONE."""
+        head = self.head[cid]
+        if head != NONE and self.slot_ns[head] == ns_id:
+            return head
+        return self._more_heads.get(ns_id << _NS_SHIFT | cid, NONE) if self._more_heads \
+            else NONE
+
+    def _set_head(self, cid: int, ns_id: int, old: int, new: int) -> None:
+        """Move the head of `ns_id`'s list on `cid` from slot `old` to `new` (NONE: the
+        list is gone)."""
+        if self.head[cid] == old:
+            self.head[cid] = new
+        elif new == NONE:
+            del self._more_heads[ns_id << _NS_SHIFT | cid]
+        else:
+            self._more_heads[ns_id << _NS_SHIFT | cid] = new
+
+    def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int, offset: int, claim) -> int:
+        """A new slot: `ns_id`'s claim on `chunk_hash` (whose claims so far are `claim`,
+        or None) at content `cid`, linked into its list. The caller adds it to the
+        chunk's claims (`_with_slot`), counts it (`_count_claims`) and sets the
+        namespace's mask bit."""
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self.slot_chunk[slot] = chunk_hash
+            self.slot_ns[slot] = ns_id
+            self.slot_cid[slot] = cid
+            self.slot_offset[slot] = offset
+        else:
+            slot = len(self.slot_ns)
+            self.slot_chunk.append(chunk_hash)
+            self.slot_ns.append(ns_id)
+            self.slot_cid.append(cid)
+            self.slot_offset.append(offset)
+            self._slot_order.append(0)
+            self.next_slot.append(slot)
+            self._prev.append(slot)
+        self._slot_order[slot] = self._join(claim, cid, slot)
+        self._link(slot)
+        return slot
+
+    def _move(self, claim, slot: int, cid: int, offset: int) -> None:
+        """A claim takes other content: out of its list, into that content's."""
+        self._unlink(slot)
+        self._leave(claim, slot)
+        self._slot_order[slot] = self._join(claim, cid, slot)
+        self.slot_cid[slot] = cid
+        self.slot_offset[slot] = offset
+        self._link(slot)
+
+    def _link(self, slot: int) -> None:
+        """Splice a slot into its (content, namespace) list, which stays in order-number
+        order: O(1) at the tail (a new occupant), else one step per newer slot."""
+        next_slot, prev_slot, slot_order = self.next_slot, self._prev, self._slot_order
+        cid, ns_id = self.slot_cid[slot], self.slot_ns[slot]
+        head = self._head_of(cid, ns_id)
+        if head == NONE:  # the namespace's first claim on this content: a new list
+            next_slot[slot] = prev_slot[slot] = slot
+            if self.head[cid] == NONE:
+                self.head[cid] = slot
+            else:
+                self._more_heads[ns_id << _NS_SHIFT | cid] = slot
+            return
+        order, after = slot_order[slot], prev_slot[head]  # the tail
+        while slot_order[after] > order:
+            if after == head:  # older than every slot of the list: it becomes the head
+                after = prev_slot[head]
+                self._set_head(cid, ns_id, head, slot)
+                break
+            after = prev_slot[after]
+        following = next_slot[after]
+        next_slot[after] = slot
+        prev_slot[slot] = after
+        next_slot[slot] = following
+        prev_slot[following] = slot
+
+    def _unlink(self, slot: int) -> None:
+        """Splice a slot out of its list (the list goes with its last slot; the content's
+        mask bit may stay: a stale bit costs a compare)."""
+        next_slot, prev_slot = self.next_slot, self._prev
+        cid, ns_id = self.slot_cid[slot], self.slot_ns[slot]
+        following = next_slot[slot]
+        if following == slot:
+            self._set_head(cid, ns_id, slot, NONE)
+            return
+        preceding = prev_slot[slot]
+        next_slot[preceding] = following
+        prev_slot[following] = preceding
+        if self._head_of(cid, ns_id) == slot:
+            self._set_head(cid, ns_id, slot, following)
+
+    def _count_claims(self, ns_id: int, claimed: int) -> None:
+        self._ns_claim_counts[ns_id] += claimed
+        self.num_claims += claimed
+
+    def _free(self, slot: int) -> None:
+        """Free an unlinked slot; retire the namespace's id with its last claim."""
+        ns_id = self.slot_ns[slot]
+        self.slot_chunk[slot] = None
+        self._free_slots.append(slot)
+        self.num_claims -= 1
+        self._ns_claim_counts[ns_id] -= 1
+        if self._ns_claim_counts[ns_id] == 0:
+            del self.ns_ids[self._ns_names[ns_id]]
+            self._ns_names[ns_id] = None
+            self._free_ns_ids.append(ns_id)
+
+    def _remove_slot(self, chunk_hash: Hashable, claim, slot: int):
+        """Drop one claim of a chunk; what is left of its claims (None: the chunk went)."""
+        self._unlink(slot)
+        self._leave(claim, slot)
+        self._free(slot)
+        if type(claim) is _ManyClaims:
+            del claim.slots[self.slot_ns[slot]]
+            rest = claim if claim.slots else None
+        elif type(claim) is int:
+            rest = None
+        else:
+            kept = tuple(held for held in claim if held != slot)
+            rest = kept[0] if len(kept) == 1 else kept
+        if rest is None:
+            del self.chunks[chunk_hash]
+        elif rest is not claim:
+            self.chunks[chunk_hash] = rest
+        return rest
+
+
+class _ManyClaims:
+    """The claims on a chunk past `_FEW_CLAIMS` namespaces: `slots` {namespace id: slot}
+    and `occupants` {content id: [order number, claims on it]}, so that adding or
+    removing one claim is O(1) however many there are. Rare, so its GC tracking does not
+    matter."""
+
+    __slots__ = ("slots", "occupants")
+
+    def __init__(self) -> None:
+        self.slots: dict[int, int] = {}
+        self.occupants: dict[int, list[int]] = {}
+
+    def __getstate__(self) -> tuple:
+        return self.slots, self.occupants
+
+    def __setstate__(self, state: tuple) -> None:
+        self.slots, self.occupants = state
+
+
+# Python memory of one chunk beyond the arrays: its record (a slot number, usually).
+_RECORD_BYTES = sys.getsizeof(10**6)
