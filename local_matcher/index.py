@@ -112,10 +112,15 @@ class ContentIndex:
         per_row = type(namespace) is list
         namespaces = namespace if per_row else (namespace,) * len(chunk_hashes)
         with self._lock:
-            cids, _ = self._store.insert(np.ascontiguousarray(rows))
+            cids, fresh = self._store.insert(np.ascontiguousarray(rows))
+            self._claims.grow(self._store.capacity)
+            if not per_row and row_of is None and fresh.all():
+                ns_id = self._claims.claim_fresh(chunk_hashes, cids, offsets, namespace)
+                if ns_id != NONE:
+                    self._store.ns_mask[cids] |= np.uint64(mask_bit(ns_id))
+                    return
             if row_of is not None:
                 cids = cids[row_of]
-            self._claims.grow(self._store.capacity)
             ns_bits = np.empty(len(cids), dtype=np.uint64)
             vacated = self._claims.claim_all(chunk_hashes, cids.tolist(), offsets.tolist(),
                                              namespaces, ns_bits)
@@ -200,26 +205,31 @@ class ContentIndex:
         Ascending by `cur_st`; at most one match per position and per chunk; every
         match compared token by token.
         """
+        return list(map(BlendMatch, *self.match_columns(query, namespace)))
+
+    def match_columns(self, query, namespace: Hashable
+                      ) -> tuple[list[Hashable], list[int], list[int]]:
+        """`match` as columns: (chunk hashes, stored offsets, query positions), for a
+        caller that builds result objects of its own."""
         tokens = self._query_tokens(query)
         if tokens is None:
-            return []
+            return [], [], []
         with self._lock:
             claims = self._claims
             ns_id = claims.ns_ids.get(namespace)
             if ns_id is None:
-                return []
+                return [], [], []
             store = self._store
-            found = store.probe(tokens, self.probe_stride, mask_bit(ns_id))
-            heads = claims.heads_of(found[1], ns_id)
-            # A zero-copy view of the list links, dropped before the lock is released
-            # (an array.array cannot grow while a view of it lives).
-            next_slot = np.frombuffer(claims.next_slot, dtype=np.int32)
-            positions, slots = store.take_occupants(tokens, *found, heads, next_slot)
-            del next_slot
-            offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots].tolist()
+            found = store.match_occupants(tokens, self.probe_stride, mask_bit(ns_id), ns_id,
+                                          claims.head, claims.slot_ns, claims.has_other_heads,
+                                          claims.next_slot, claims.slot_offset)
+            if found is None:  # some list of this namespace is not its content's first
+                heads = claims.heads_of(store.probed()[1], ns_id)
+                found = store.take_occupants(tokens, heads, claims.next_slot,
+                                             claims.slot_offset)
+            positions, slots, offsets = found.tolist()
             slot_chunk = claims.slot_chunk
-            return list(map(BlendMatch, [slot_chunk[s] for s in slots.tolist()], offsets,
-                            positions.tolist()))
+            return [slot_chunk[s] for s in slots], offsets, positions
 
     def candidates(self, query, namespace: Hashable, *,
                    spare_chunks: int = CANDIDATE_SPARE_CHUNKS) -> list[ContentCandidates]:
@@ -249,9 +259,7 @@ class ContentIndex:
                                                  repeat_cid)
             heads = claims.heads_of(first_cid, ns_id)
             limits = np.minimum(sizes + spare_chunks, MAX_CANDIDATE_CHUNKS)
-            next_slot = np.frombuffer(claims.next_slot, dtype=np.int32)
-            slots, counts = kernels.walk_lists(heads, limits, next_slot)
-            del next_slot
+            slots, counts = kernels.walk_lists(heads, limits, claims.next_slot)
             offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots].tolist()
             slot_chunk = claims.slot_chunk
             chunks = list(zip([slot_chunk[s] for s in slots.tolist()], offsets))

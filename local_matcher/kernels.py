@@ -104,61 +104,43 @@ def _same_tokens(query, start, stored):
 
 
 @njit(cache=True, inline="always")
-def _window_fingerprints(query, stride, salt, base, base_pow, width):
-    """The fingerprint of every window of `width` tokens starting at a multiple of
-    `stride` (pass 1 of `probe`: pure arithmetic, no memory but the query's)."""
+def _window_fingerprints(query, stride, salt, base, base_pow, width, scratch):
+    """Pass 1 of `probe` (pure arithmetic): the fingerprint of every window of `width`
+    tokens starting at a multiple of `stride`, into ``scratch[n:n + count]`` (the first
+    n hold the scrambled tokens); returns the count."""
     n = query.shape[0]
-    scrambled = np.empty(n, dtype=np.uint64)
     for i in range(n):
-        scrambled[i] = _scramble(query[i], salt)
+        scratch[i] = _scramble(query[i], salt)
     last = n - width
-    num_probes = last // stride + 1
-    fps = np.empty(num_probes, dtype=np.uint64)
     h = np.uint64(0)
     for j in range(width):
-        h = h * base + scrambled[j]
-    next_probe, k = 0, 0  # a counter, not p % stride: division would dominate the loop
+        h = h * base + scratch[j]
+    next_probe, k = 0, n  # a counter, not p % stride: division would dominate the loop
     for p in range(last + 1):
         if p == next_probe:
-            fps[k] = _mix(h ^ salt)
+            scratch[k] = _mix(h ^ salt)
             k += 1
             next_probe += stride
         if p < last:
             # h*B - s[p]*B**C + s[p+C]: only one multiply-add depends on the previous h.
-            h = h * base + (scrambled[p + width] - scrambled[p] * base_pow)
-    return fps
+            h = h * base + (scratch[p + width] - scratch[p] * base_pow)
+    return k - n
 
 
-@njit(cache=True, nogil=True)
-def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
-          table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch):
-    """Where stored contents occur in `query`: first occurrences verified, repeats not yet.
-
-    Windows start at multiples of `stride`. A candidate must pass the filter, have its
-    fingerprint in the table and carry `ns_bit` in its namespace mask (a cheap
-    over-approximation of "claimed by the requester"). The first candidate of a content
-    is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
-    its later candidates are returned unverified as repeats (`take_occupants` compares
-    only as many as the content has occupants to offer). Returns
-    (first positions, first cids, repeat positions, repeat cids), each ascending.
-    """
-    n = query.shape[0]
-    if n < width:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty, empty
-    fps = _window_fingerprints(query, stride, salt, base, base_pow, width)
-    num_probes = fps.shape[0]
+@njit(cache=True, inline="always")
+def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table_fp,
+                table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch,
+                found):
+    if query.shape[0] < width:
+        return 0, 0
+    num_probes = _window_fingerprints(query, stride, salt, base, base_pow, width, scratch)
     # Pass 2: filter, table, namespace pre-test, tokens. The filter loads are independent
     # of each other here, so the CPU overlaps their cache misses.
+    n = query.shape[0]
     table_mask = table_cid.shape[0] - 1
-    out_pos = np.empty(num_probes, dtype=np.int64)
-    out_cid = np.empty(num_probes, dtype=np.int64)
-    rep_pos = np.empty(num_probes, dtype=np.int64)
-    rep_cid = np.empty(num_probes, dtype=np.int64)
-    found = 0
-    repeats = 0
+    firsts = repeats = 0
     for k in range(num_probes):
-        fp = fps[k]
+        fp = scratch[n + k]
         if _filter_test(filter_words, fp >> filter_shift):
             p = k * stride
             s = np.int64(fp >> table_shift)
@@ -166,56 +148,110 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift,
                 cid = table_cid[s]
                 if table_fp[s] == fp and (ns_mask[cid] & ns_bit) != 0:
                     if seen[cid] == epoch:
-                        rep_pos[repeats] = p
-                        rep_cid[repeats] = cid
+                        found[2, repeats] = p
+                        found[3, repeats] = cid
                         repeats += 1
                     elif _same_tokens(query, p, _row(blocks, cid)):
                         seen[cid] = epoch
-                        out_pos[found] = p
-                        out_cid[found] = cid
-                        found += 1
+                        found[0, firsts] = p
+                        found[1, firsts] = cid
+                        firsts += 1
                 s = (s + 1) & table_mask
-    return out_pos[:found], out_cid[:found], rep_pos[:repeats], rep_cid[:repeats]
+    return firsts, repeats
 
 
 @njit(cache=True, nogil=True)
-def take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid, cursor, first,
-                   next_slot, blocks):
-    """Give each verified occurrence an occupant: the caller's lists, not the store's.
+def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table_fp,
+          table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
+    """Where stored contents occur in `query`: first occurrences verified, repeats not yet.
 
-    `probe`'s first occurrences and repeat candidates are merged in position order. A
-    first occurrence takes ``cursor[cid]``, the head of the requester's circular list on
-    that content (-1: none). A repeat candidate is compared token by token only while
-    the list has a slot left (``next_slot[cursor[cid]]`` is not back at the head,
-    ``first[cid]``); if equal it takes that slot. The caller sets `cursor` and `first`
-    to the head for every content among the first occurrences. Returns
-    (positions, slots), ascending.
+    Windows start at multiples of `stride`. A candidate must pass the filter, have its
+    fingerprint in the table and carry `ns_bit` in its namespace mask (a cheap
+    over-approximation of "claimed by the requester"). The first candidate of a content
+    is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
+    its later candidates are kept unverified as repeats (`take_occupants` compares only
+    as many as the content has occupants to offer). Writes, ascending by position, the
+    first occurrences' positions and ids to ``found[0]``, ``found[1]`` and the repeats'
+    to ``found[2]``, ``found[3]`` (each row at least as long as the number of probes;
+    `scratch` at least the query plus that); returns (firsts, repeats).
     """
-    num_first, num_repeat = first_pos.shape[0], repeat_pos.shape[0]
-    out_pos = np.empty(num_first + num_repeat, dtype=np.int64)
-    out_slot = np.empty(num_first + num_repeat, dtype=np.int64)
+    return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
+                       table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen,
+                       epoch, scratch, found)
+
+
+@njit(cache=True, inline="always")
+def _take_into(query, found, firsts, repeats, cursor, first, next_slot, slot_offset, blocks,
+               out):
     i = j = k = 0
-    while i < num_first or j < num_repeat:
-        if j == num_repeat or (i < num_first and first_pos[i] < repeat_pos[j]):
-            slot = cursor[first_cid[i]]
+    while i < firsts or j < repeats:
+        if j == repeats or (i < firsts and found[0, i] < found[2, j]):
+            slot = cursor[found[1, i]]
             if slot != -1:
-                out_pos[k] = first_pos[i]
-                out_slot[k] = slot
+                out[0, k] = found[0, i]
+                out[1, k] = slot
+                out[2, k] = slot_offset[slot]
                 k += 1
             i += 1
         else:
-            cid = repeat_cid[j]
+            cid = found[3, j]
             current = cursor[cid]
             if current != -1:
                 slot = next_slot[current]
-                if slot != first[cid] and _same_tokens(query, repeat_pos[j],
-                                                        _row(blocks, cid)):
+                if slot != first[cid] and _same_tokens(query, found[2, j], _row(blocks, cid)):
                     cursor[cid] = slot
-                    out_pos[k] = repeat_pos[j]
-                    out_slot[k] = slot
+                    out[0, k] = found[2, j]
+                    out[1, k] = slot
+                    out[2, k] = slot_offset[slot]
                     k += 1
             j += 1
-    return out_pos[:k], out_slot[:k]
+    return k
+
+
+@njit(cache=True, nogil=True)
+def take_occupants(query, found, firsts, repeats, cursor, first, next_slot, slot_offset,
+                   blocks, out):
+    """Give each occurrence `probe` found an occupant: the caller's lists, not the store's.
+
+    First occurrences and repeat candidates are merged in position order. A first
+    occurrence takes ``cursor[cid]``, the head of the requester's circular list on that
+    content (-1: none). A repeat candidate is compared token by token only while the list
+    has a slot left (``next_slot[cursor[cid]]`` is not back at the head, ``first[cid]``);
+    if equal it takes that slot. The caller sets `cursor` and `first` to the head for
+    every content among the first occurrences. Writes positions, slots and the slots'
+    `slot_offset` to ``out[0]``, ``out[1]``, ``out[2]``, ascending; returns how many.
+    """
+    return _take_into(query, found, firsts, repeats, cursor, first, next_slot, slot_offset,
+                      blocks, out)
+
+
+@njit(cache=True, nogil=True)
+def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift,
+                    table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen,
+                    epoch, scratch, found, head, slot_ns, ns_id, other_heads, next_slot,
+                    slot_offset, cursor, first, out):
+    """`probe`, the heads of the requester's lists, then `take_occupants`, in one call.
+
+    The head of namespace `ns_id`'s list on a content is ``head[cid]`` when that slot is
+    its (``slot_ns``); else, when `other_heads` (the caller keeps the heads of further
+    lists elsewhere), it is not known here: returns (firsts, repeats, -1) after the
+    probe, and the caller finds the heads and calls `take_occupants`. Without
+    `other_heads` that content has no list of `ns_id`. Returns (firsts, repeats,
+    matches)."""
+    firsts, repeats = _probe_into(query, stride, salt, base, base_pow, filter_words,
+                                  filter_shift, table_fp, table_cid, table_shift, blocks,
+                                  width, ns_mask, ns_bit, seen, epoch, scratch, found)
+    for i in range(firsts):
+        cid = found[1, i]
+        slot = head[cid]
+        if slot == -1 or slot_ns[slot] != ns_id:
+            if other_heads:
+                return firsts, repeats, -1
+            slot = -1
+        cursor[cid] = slot
+        first[cid] = slot
+    return firsts, repeats, _take_into(query, found, firsts, repeats, cursor, first,
+                                       next_slot, slot_offset, blocks, out)
 
 
 @njit(cache=True, nogil=True)

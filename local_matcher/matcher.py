@@ -20,6 +20,7 @@ import collections
 import logging
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
+from itertools import chain
 from threading import Lock
 from typing import Hashable, Iterable, Sequence
 
@@ -80,9 +81,10 @@ class LocalMatcher:
     def match(self, token_ids, *, namespace: Hashable = _LOCAL) -> list[CBMatchResult]:
         """Chunks registered under `namespace` found in `token_ids`, ascending by `cur_st`."""
         self.flush()
+        hashes, old_st, cur_st = self._index.match_columns(token_ids, namespace)
         size = self.chunk_size
-        return [CBMatchResult.from_match(m, size)
-                for m in self._index.match(token_ids, namespace)]
+        return list(map(CBMatchResult, old_st, [st + size for st in old_st], cur_st,
+                        [st + size for st in cur_st], hashes))
 
     def candidates(self, token_ids, *, namespace: Hashable = _LOCAL) -> list[ContentCandidates]:
         """Every position of `token_ids` where content registered under `namespace` occurs,
@@ -109,7 +111,7 @@ class LocalMatcher:
                 rows, hashes, offsets, _ = zip(*batch)
                 self._index.add_many(
                     np.frombuffer(b"".join(rows), dtype=np.uint32).reshape(-1, self.chunk_size),
-                    [h for hs in hashes for h in hs], [o for os_ in offsets for o in os_],
+                    list(chain.from_iterable(hashes)), list(chain.from_iterable(offsets)),
                     namespace)
 
     def stats(self) -> dict[str, int]:

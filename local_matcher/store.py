@@ -17,11 +17,15 @@ Sizing invariants:
 from __future__ import annotations
 
 import secrets
+from array import array
 
 import numpy as np
 from local_matcher import kernels
 
 _FILTER_BITS_PER_SLOT_LOG2 = 4
+# Probe buffers are kept for queries up to this many tokens (a few MB); longer ones
+# allocate their own, so one huge query does not hold its memory for good.
+_KEPT_BUFFER_TOKENS = 1 << 17
 _MASK64 = 2**64 - 1
 
 
@@ -42,11 +46,14 @@ class ContentStore:
         cids, _ = store.insert(np.arange(8, dtype=np.uint32).reshape(2, 4))
         store.ns_mask[cids] = 1
         query = np.arange(12, dtype=np.uint32)
+        head, slot_ns = array("i", [-1, -1]), array("i", [0, 0])  # no lists: no matches
+        next_slot, slot_offset = array("i", [0]), array("q", [0])
+        store.match_occupants(query, 1, 1, 0, head, slot_ns, True, next_slot, slot_offset)
         found = store.probe(query, 1, 1)
         heads = np.zeros(found[1].size, dtype=np.int64)
-        store.take_occupants(query, *found, heads, np.zeros(1, dtype=np.int32))
+        store.take_occupants(query, heads, next_slot, slot_offset)
         store.occurrences(query, *found)
-        kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), np.zeros(1, dtype=np.int32))
+        kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), next_slot)
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
         cls._warmed = True
@@ -70,17 +77,20 @@ class ContentStore:
         self._seen = np.zeros(0, dtype=np.int64)
         self._free_ids = np.zeros(0, dtype=np.int64)
         self._free_top = np.zeros(1, dtype=np.int64)
+        self._drop_buffers()
         self._allocate_table(4)
         self._reserve(1)
 
     def __getstate__(self) -> dict:
         """Picklable: the blocks travel as the plain list; the typed one is rebuilt."""
         state = dict(vars(self))
-        del state["_blocks"]
+        for name in ("_blocks", "_scratch", "_found", "_out", "_probed"):
+            del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
         vars(self).update(state)
+        self._drop_buffers()
         blocks = self._block_arrays
         self._blocks = kernels.new_blocks(blocks[0])
         for block in blocks[1:]:
@@ -174,26 +184,87 @@ class ContentStore:
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Occurrences of contents whose namespace mask has `ns_bit`: (positions, ids) of
         each content's first verified occurrence, then (positions, ids) of its later
-        candidates, not yet verified (`take_occupants`). Both ascending by position."""
+        candidates, not yet verified (`take_occupants`). Both ascending by position;
+        views of the store's buffers, valid until its next `probe` or `match_occupants`."""
+        self._probe_buffers(query.size)
         self._epoch += 1
-        return kernels.probe(query, stride, self._salt, self._base, self._base_pow, self._filter,
-                             self._filter_shift, self._table_fp, self._table_cid,
-                             self._table_shift, self._blocks, self.chunk_size, self.ns_mask,
-                             np.uint64(ns_bit), self._seen, self._epoch)
+        self._probed = kernels.probe(
+            query, stride, self._salt, self._base, self._base_pow, self._filter,
+            self._filter_shift, self._table_fp, self._table_cid, self._table_shift,
+            self._blocks, self.chunk_size, self.ns_mask, np.uint64(ns_bit), self._seen,
+            self._epoch, self._scratch, self._found)
+        return self._probed_views()
 
-    def take_occupants(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
-                       repeat_pos: np.ndarray, repeat_cid: np.ndarray, heads: np.ndarray,
-                       next_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, slots) of the occurrences `probe` found, each given an occupant.
+    def match_occupants(self, query: np.ndarray, stride: int, ns_bit: int, ns_id: int,
+                        head, slot_ns, other_heads: bool, next_slot, slot_offset
+                        ) -> np.ndarray | None:
+        """`probe`, then `take_occupants` with the heads of namespace `ns_id`'s lists, in
+        one kernel call: a (3, matches) view of (positions, slots, offsets), valid until
+        the next probe. The lists are the caller's (`local_matcher.claims`): `head[cid]`
+        the first list on a content, its namespace `slot_ns[head[cid]]`; None when some
+        content's list of `ns_id` is not its first and `other_heads` says the caller
+        keeps such heads: then find them and call `take_occupants` for this probe."""
+        self._probe_buffers(query.size)
+        self._epoch += 1
+        firsts, repeats, matches = kernels.match_occupants(
+            query, stride, self._salt, self._base, self._base_pow, self._filter,
+            self._filter_shift, self._table_fp, self._table_cid, self._table_shift,
+            self._blocks, self.chunk_size, self.ns_mask, np.uint64(ns_bit), self._seen,
+            self._epoch, self._scratch, self._found, head, slot_ns, ns_id, other_heads,
+            next_slot, slot_offset, self._cursor, self._first, self._out)
+        self._probed = firsts, repeats
+        return None if matches < 0 else self._out[:, :matches]
+
+    def probed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What the last `probe` or `match_occupants` found, as `probe` returns it."""
+        return self._probed_views()
+
+    def take_occupants(self, query: np.ndarray, heads: np.ndarray, next_slot, slot_offset
+                       ) -> np.ndarray:
+        """A (3, matches) view of (positions, slots, offsets): the occurrences the last
+        probe of `query` found, each given an occupant.
 
         The occupants are the caller's: per first-found content, the head slot of the
         requester's circular list (`heads`, -1: none); `next_slot` links each slot to the
-        next of its list. The first occurrence of a content takes the head, each verified
-        repeat the next slot, until the list comes back round to its head."""
+        next of its list, `slot_offset` is each slot's stored offset. The first occurrence
+        of a content takes the head, each verified repeat the next slot, until the list
+        comes back round to its head."""
+        firsts, repeats = self._probed
+        first_cid = self._found[1, :firsts]
         self._cursor[first_cid] = heads
         self._first[first_cid] = heads
-        return kernels.take_occupants(query, first_pos, first_cid, repeat_pos, repeat_cid,
-                                      self._cursor, self._first, next_slot, self._blocks)
+        matches = kernels.take_occupants(query, self._found, firsts, repeats, self._cursor,
+                                         self._first, next_slot, slot_offset, self._blocks,
+                                         self._out)
+        return self._out[:, :matches]
+
+    def _probed_views(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        firsts, repeats = self._probed
+        found = self._found
+        return found[0, :firsts], found[1, :firsts], found[2, :repeats], found[3, :repeats]
+
+    def _probe_buffers(self, n: int) -> None:
+        """Buffers for a probe of `n` tokens: kept (grown in powers of two) up to
+        `_KEPT_BUFFER_TOKENS`; a longer query gets buffers of its exact size, which the
+        next query replaces."""
+        held = self._found.shape[1]
+        if n <= _KEPT_BUFFER_TOKENS:
+            if n <= held <= _KEPT_BUFFER_TOKENS:
+                return
+            size = 1 << max(n - 1, 1).bit_length()
+        elif held == n:
+            return
+        else:
+            size = n
+        self._scratch = np.empty(2 * size, dtype=np.uint64)
+        self._found = np.empty((4, size), dtype=np.int64)
+        self._out = np.empty((3, size), dtype=np.int64)
+
+    def _drop_buffers(self) -> None:
+        self._scratch = np.empty(0, dtype=np.uint64)
+        self._found = np.empty((4, 0), dtype=np.int64)
+        self._out = np.empty((3, 0), dtype=np.int64)
+        self._probed = (0, 0)
 
     def occurrences(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
                     repeat_pos: np.ndarray, repeat_cid: np.ndarray

@@ -10,6 +10,7 @@ occupants per content, spread over namespaces)."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +37,12 @@ operation = st.one_of(
     st.tuples(st.just("remove_chunk"), st.sampled_from(HASHES),
               st.one_of(st.just("stored"), st.none(), tokens)),
     st.tuples(st.just("match"), query, st.sampled_from(NAMESPACES)),
+    # A batch of one namespace (`add_many`): new, distinct chunks on new contents take the
+    # vectorised path; any other batch the per-chunk one. Either must equal adding in order.
+    st.tuples(st.just("add_many"),
+              st.lists(st.tuples(tokens, st.sampled_from(HASHES), st.integers(0, 50)),
+                       min_size=1, max_size=6),
+              st.sampled_from(NAMESPACES)),
 )
 
 
@@ -151,6 +158,11 @@ def run_against_model(operations, stride) -> None:
         if kind == "add":
             index.add(op[1], op[2], op[3], op[4])
             model.add(*op[1:])
+        elif kind == "add_many":
+            rows, hashes, offsets = zip(*op[1])
+            index.add_many(np.array(rows, dtype=np.uint32), list(hashes), list(offsets), op[2])
+            for content, chunk_hash, offset in op[1]:
+                model.add(content, chunk_hash, offset, op[2])
         elif kind == "remove_claim":
             content = model.stored(op[1], op[2]) if op[3] == "stored" else op[3]
             index.remove_claim(content, op[1], op[2])
