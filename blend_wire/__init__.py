@@ -157,6 +157,7 @@ from blend_wire.tokens import (  # noqa: E402
     encode_tokens,
     token_ids_of,
     token_lists_from_json,
+    token_lists_to_json,
 )
 
 

@@ -58,7 +58,7 @@ import numpy as np
 from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                         CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
                         EventsRequest, TokenIds, WireError, check_token_offset, decode, encode,
-                        pack_kv_rank, token_ids_of)
+                        pack_kv_rank, token_ids_of, token_lists_to_json)
 from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig
 from plugin.http import coordinator_http
 
@@ -300,6 +300,7 @@ class CacheEventReporter:
         built = []
         try:
             built = [((e.event_type, e.tier, e.backend), self._entry(e)) for e in events]
+            _encode_token_lists([entry for (kind, _, _), entry in built if kind == "store"])
         finally:
             with self._lock:
                 built = built[self._building_dropped:]  # overflowed meanwhile: the oldest go
@@ -317,11 +318,13 @@ class CacheEventReporter:
         for (event_type, tier, backend), run in itertools.groupby(built, key=lambda b: b[0]):
             entries = [entry for _, entry in run]
             for start in range(0, len(entries), self.max_entries_per_batch):
-                batches.append(CacheEventBatch(
+                batch = CacheEventBatch(
                     instance_id=self.instance_id, incarnation=self.incarnation,
                     seq=next(self._seq), event_type=event_type, tier=tier,
-                    backend=backend, entries=entries[start:start + self.max_entries_per_batch],
-                    ts=now, dropped_events=self._stats.dropped_events))
+                    backend=backend, ts=now, dropped_events=self._stats.dropped_events)
+                # Given after construction, which would parse their encoded token lists.
+                batch.entries = entries[start:start + self.max_entries_per_batch]
+                batches.append(batch)
         return batches
 
     @staticmethod
@@ -439,6 +442,15 @@ class CacheEventReporter:
                 self._executor.shutdown(wait=True)
             for client in self._clients:
                 client.close()
+
+
+def _encode_token_lists(entries: list[CacheEventEntry]) -> None:
+    """Each entry's token array replaced by its JSON list (`msgspec.Raw`), all written in
+    one kernel call, so encoding a batch builds no Python int per token; the body's bytes
+    are the same as from the arrays. A list of ints (ids outside uint32) stays as it is."""
+    held = [entry for entry in entries if type(entry.token_ids) is np.ndarray]
+    for entry, raw in zip(held, token_lists_to_json([entry.token_ids for entry in held])):
+        entry.token_ids = raw
 
 
 def _retry_after_s(value: str | None) -> float:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from blend_wire import EventsRequest, WireError, decode, pack_kv_rank
+from blend_wire import EventsRequest, WireError, decode, encode, pack_kv_rank
 from helpers import (HangingServer, LoopbackServer, Reply, TricklingServer, closed_port_url,
                      ok_reply, wait_until)
 from plugin import BlendNamespace, CacheEventReporter
@@ -331,3 +331,32 @@ def test_a_trickling_coordinator_cannot_hold_flush_or_close_past_the_timeout(par
         started = time.monotonic()
         reporter.close()  # its last flush is bounded the same way
         assert time.monotonic() - started < budget + 1.0
+
+
+def test_event_bodies_are_byte_for_byte_what_encoding_the_arrays_gives():
+    # The reporter writes token lists with a kernel; the coordinator (ours or LMCache's)
+    # must read exactly what encoding the entries' arrays with msgspec writes.
+    rng = np.random.default_rng(7)
+    with LoopbackServer() as server:
+        reporter = reporter_for(server.url, max_entries_per_batch=5)
+        reported = []
+        for round_ in range(6):
+            count = int(rng.integers(1, 9))
+            hashes = [bytes([round_, i]) for i in range(count)]
+            high = int(rng.choice([10, 130_000, 2**32]))
+            chunks = [rng.integers(0, high, int(rng.integers(0, 300)), dtype=np.uint64)
+                      .astype(np.uint32) for _ in hashes]
+            chunks[0] = None if round_ == 3 else chunks[0]
+            reporter.report_store(NS, hashes, chunks, [256 * i for i in range(count)])
+            reported += [np.zeros(0, dtype=np.uint32) if c is None else c for c in chunks]
+            if round_ % 2:
+                reporter.report_delete(NS, hashes[:2])
+        assert reporter.flush()
+        reporter.close()
+        sent = []
+        for _, body in server.requests:
+            request = decode(body, EventsRequest)  # token lists back as uint32 arrays
+            assert encode(request) == body
+            sent += [e.token_ids for b in request.batches if b.event_type == "store"
+                     for e in b.entries]
+        assert [s.tolist() for s in sent] == [r.tolist() for r in reported]

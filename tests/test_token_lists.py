@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blend_wire import (CacheEventEntry, EncodedObjectKey, EventsRequest,
-                        WireError, decode, encode, token_ids_of, token_lists_from_json)
+                        WireError, decode, encode, token_ids_of, token_lists_from_json,
+                        token_lists_to_json)
 from blend_wire.tokens import (LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE, BadTokenList,
                                _parse_lists)
 
@@ -236,3 +237,27 @@ def test_a_batch_parses_all_its_lists_in_one_kernel_call_without_the_gil(monkeyp
     decode(_body([_entry(f"[{i}, 1, 2, 3]") for i in range(50)]), EventsRequest)
     assert calls == [50]
     assert _parse_lists.targetoptions.get("nogil") is True
+
+
+# --- token_lists_to_json: the way back, byte for byte -------------------------------------
+
+_ID_LISTS = st.lists(
+    st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 130_000),
+                       st.sampled_from([0, 9, 10, 99, 100, 99999, 100000, 10**9 - 1, 10**9,
+                                        2**32 - 1])), max_size=40),
+    max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ID_LISTS)
+def test_token_lists_to_json_writes_what_msgspec_writes_for_the_ints(lists):
+    arrays = [np.array(ids, dtype=np.uint32) for ids in lists]
+    raws = token_lists_to_json(arrays)
+    assert msgspec.json.encode(raws) == msgspec.json.encode(lists)
+    # And an entry holding it encodes as one holding the array does.
+    key = EncodedObjectKey(chunk_hash_hex="ab", model_name="m", kv_rank=0, cache_salt="")
+    for array, raw in zip(arrays, raws):
+        with_array = CacheEventEntry(key=key, token_ids=array, token_offset=0)
+        with_raw = CacheEventEntry(key=key, token_ids=array, token_offset=0)
+        with_raw.token_ids = raw
+        assert encode(with_raw) == encode(with_array)
