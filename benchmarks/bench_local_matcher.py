@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import numpy as np
@@ -50,19 +51,28 @@ def lmcache_matcher_class():
 def measure_lmcache(matcher_class, sequences: np.ndarray, queries) -> dict:
     """LMCache's matcher on the same stored sequences and queries: recall and latency."""
     lmcache = matcher_class(chunk_size=CHUNK)
-    for s, tokens in enumerate(sequences):
-        first = s * CHUNKS_PER_SEQUENCE
-        lmcache.on_new_token_hashes(
-            tokens, [i.to_bytes(8, "little") for i in range(first, first + CHUNKS_PER_SEQUENCE)])
+    lmcache.on_new_token_hashes(sequences[0][:CHUNK], [b"warm-up"])  # compiles its kernels
+    lmcache.remove_chunks([b"warm-up"])
+    hashes = [[i.to_bytes(8, "little") for i in range(s * CHUNKS_PER_SEQUENCE,
+                                                      (s + 1) * CHUNKS_PER_SEQUENCE)]
+              for s in range(len(sequences))]  # its keys are bytes: made before timing
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for tokens, sequence_hashes in zip(sequences, hashes):
+        lmcache.on_new_token_hashes(tokens, sequence_hashes)
+    reg_wall, reg_cpu = time.perf_counter() - started, time.process_time() - cpu_started
     lmcache.match_sub_sequence(queries[0][0])  # warm-up: its kernels compile on first use
-    latencies, hits = [], 0
+    latencies, hits, cpu = [], 0, 0.0
     for query, planted in queries:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         results = lmcache.match_sub_sequence(query)
         latencies.append(time.perf_counter() - t0)
+        cpu += time.process_time() - c0
         found = {(int.from_bytes(r.hash, "little"), r.cur_st) for r in results}
         hits += sum((chunk_id, position) in found for chunk_id, position in planted)
-    return {"recall": hits / (PLANTED * len(queries)), "p50": percentile_ms(latencies, 50)}
+    n = len(sequences) * CHUNKS_PER_SEQUENCE
+    return {"recall": hits / (PLANTED * len(queries)), "p50": percentile_ms(latencies, 50),
+            "cpu_ms": cpu / len(queries) * 1e3, "reg_rate": n / reg_wall,
+            "reg_cpu_rate": n / reg_cpu}
 
 
 def make_queries(rng, stored: np.ndarray, count: int):
@@ -103,22 +113,23 @@ def run(n: int, num_queries: int, reference_queries: int, seed: int, lmcache_cla
     release_free_memory()
     matcher = LocalMatcher(CHUNK)
     rss_before = rss_bytes()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for s, tokens in enumerate(sequences):
         first = s * CHUNKS_PER_SEQUENCE
         matcher.register(tokens, range(first, first + CHUNKS_PER_SEQUENCE), position_offset=0)
     enqueued = time.perf_counter()
     matcher.flush()
-    registered = time.perf_counter()
+    registered, cpu_registered = time.perf_counter(), time.process_time()
     release_free_memory()
     rss_growth = rss_bytes() - rss_before
     stats = matcher.stats()
 
-    latencies, hits = [], 0
+    latencies, hits, cpu = [], 0, 0.0
     for query, planted in queries:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         results = matcher.match(query)
         latencies.append(time.perf_counter() - t0)
+        cpu += time.process_time() - c0
         found = {(r.hash, r.cur_st) for r in results}
         hits += sum((chunk_id, position) in found for chunk_id, position in planted)
 
@@ -142,14 +153,28 @@ def run(n: int, num_queries: int, reference_queries: int, seed: int, lmcache_cla
         "recall": hits / (PLANTED * len(queries)),
         "p50": percentile_ms(latencies, 50),
         "p99": percentile_ms(latencies, 99),
+        "cpu_ms": cpu / len(queries) * 1e3,
         "ref_p50": percentile_ms(reference_latencies, 50),
         "agree": agree,
         "reg_rate": n / (registered - started),
+        "reg_cpu_rate": n / (cpu_registered - cpu_started),
         "enqueue_us": (enqueued - started) / len(sequences) * 1e6,
         "bytes_per_chunk": stats["bytes"] / n,
         "rss_per_chunk": rss_growth / n,
         "query_tokens": int(np.mean([q.size for q, _ in queries])),
     }
+
+
+def _versus_lmcache(ours: dict, theirs: dict) -> str:
+    """One line of ours against LMCache's, measured in the same run: wall and CPU time."""
+    return (f"{'':>8} vs LMCache, same run (load {os.getloadavg()[0]:.1f}): "
+            f"match p50 {ours['p50']:.3f} vs {theirs['p50']:.3f} ms "
+            f"= {theirs['p50'] / ours['p50']:.1f}x; CPU per match {ours['cpu_ms']:.3f} vs "
+            f"{theirs['cpu_ms']:.3f} ms = {theirs['cpu_ms'] / ours['cpu_ms']:.1f}x; "
+            f"registration {ours['reg_rate']:,.0f} vs {theirs['reg_rate']:,.0f} chunks/s "
+            f"= {ours['reg_rate'] / theirs['reg_rate']:.1f}x (per CPU second "
+            f"{ours['reg_cpu_rate']:,.0f} vs {theirs['reg_cpu_rate']:,.0f} "
+            f"= {ours['reg_cpu_rate'] / theirs['reg_cpu_rate']:.1f}x)")
 
 
 def main() -> None:
@@ -188,6 +213,8 @@ def main() -> None:
               f"{r['reg_rate']:>13,.0f} {r['enqueue_us']:>11.1f} {r['bytes_per_chunk']:>8.0f} "
               f"{r['rss_per_chunk']:>12.0f} {lmcache_cell:>14} {lmcache_recall:>7} "
               f"{versus:>10}", flush=True)
+        if r["lmcache"] is not None:
+            print(_versus_lmcache(r, r["lmcache"]), flush=True)
     print(f"(query ~{r['query_tokens']} tokens; 'scan' is the brute-force dict scan and "
           "'LMCache' LMCache's own matcher, both run here on the same chunks and queries; "
           "'vs LMCache' is its p50 over ours)")
