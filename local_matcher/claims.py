@@ -68,11 +68,7 @@ class ClaimLists:
         self.num_chunks = array("i")
         self._more_heads: dict[int, int] = {}
         self.num_occupants = 0
-        # Namespaces.
-        self.ns_ids: dict[Hashable, int] = {}
-        self._ns_names: list[Hashable] = []
-        self._ns_claim_counts: list[int] = []
-        self._free_ns_ids: list[int] = []
+        self._namespaces = _NamespaceIds()
         self.num_claims = 0
 
     # --- adding -------------------------------------------------------------------------
@@ -84,19 +80,14 @@ class ClaimLists:
             self.head.extend(array("i", [NONE]) * missing)
             self.num_chunks.extend(array("i", [0]) * missing)
 
+    @property
+    def ns_ids(self) -> dict[Hashable, int]:
+        """{namespace: id} of every namespace with a claim (read only)."""
+        return self._namespaces.ids
+
     def namespace_id(self, namespace: Hashable) -> int:
         """The id of `namespace`, given one if it has none."""
-        ns_id = self.ns_ids.get(namespace)
-        if ns_id is None:
-            if self._free_ns_ids:
-                ns_id = self._free_ns_ids.pop()
-                self._ns_names[ns_id] = namespace
-            else:
-                ns_id = len(self._ns_names)
-                self._ns_names.append(namespace)
-                self._ns_claim_counts.append(0)
-            self.ns_ids[namespace] = ns_id
-        return ns_id
+        return self._namespaces.id_of(namespace)
 
     def claim_all(self, chunk_hashes: Sequence[Hashable], cids: list[int], offsets: list[int],
                   namespaces: Sequence[Hashable], ns_bits: np.ndarray) -> list[int]:
@@ -235,21 +226,15 @@ class ClaimLists:
         """Whether some content has lists of more than one namespace (`_more_heads`)."""
         return bool(self._more_heads)
 
-    def more_heads_of(self, cids: np.ndarray, ns_id: int, heads: np.ndarray,
-                      missing: np.ndarray) -> None:
-        """Fill `heads[i]` for each index i in `missing` (contents whose `head` is another
-        namespace's list) from the lists of second and later namespaces (-1: none)."""
-        more = self._more_heads
-        for i in missing.tolist():
-            heads[i] = more.get(ns_id << _NS_SHIFT | int(cids[i]), NONE) if more else NONE
-
     def heads_of(self, cids: np.ndarray, ns_id: int) -> np.ndarray:
         """Per content, the head slot of `ns_id`'s list (-1: none)."""
         heads = np.frombuffer(self.head, dtype=np.int32)[cids].astype(np.int64)
         own = heads != NONE
         own[own] = np.frombuffer(self.slot_ns, dtype=np.int32)[heads[own]] == ns_id
         if not own.all():
-            self.more_heads_of(cids, ns_id, heads, np.flatnonzero(~own))
+            more = self._more_heads
+            for i in np.flatnonzero(~own).tolist():
+                heads[i] = more.get(ns_id << _NS_SHIFT | int(cids[i]), NONE) if more else NONE
         return heads
 
     def python_bytes(self) -> int:
@@ -289,15 +274,9 @@ class ClaimLists:
         if type(claim) is tuple:
             if len(claim) < _FEW_CLAIMS:
                 return claim + (slot,)
-            many = _ManyClaims()  # many namespaces: O(1) per claim from now on
-            for held in claim + (slot,):
-                many.slots[self.slot_ns[held]] = held
-                occupant = many.occupants.get(self.slot_cid[held])
-                if occupant is None:
-                    many.occupants[self.slot_cid[held]] = [self._slot_order[held], 1]
-                else:
-                    occupant[1] += 1
-            return many
+            # Many namespaces: O(1) per claim from now on.
+            return _ManyClaims.of(claim + (slot,), self.slot_ns, self.slot_cid,
+                                  self._slot_order)
         claim.slots[self.slot_ns[slot]] = slot
         return claim
 
@@ -439,20 +418,14 @@ class ClaimLists:
             self._set_head(cid, ns_id, slot, following)
 
     def _count_claims(self, ns_id: int, claimed: int) -> None:
-        self._ns_claim_counts[ns_id] += claimed
+        self._namespaces.count(ns_id, claimed)
         self.num_claims += claimed
 
     def _free(self, slot: int) -> None:
-        """Free an unlinked slot; retire the namespace's id with its last claim."""
-        ns_id = self.slot_ns[slot]
+        """Free an unlinked slot (the namespace's id retires with its last claim)."""
         self.slot_chunk[slot] = None
         self._free_slots.append(slot)
-        self.num_claims -= 1
-        self._ns_claim_counts[ns_id] -= 1
-        if self._ns_claim_counts[ns_id] == 0:
-            del self.ns_ids[self._ns_names[ns_id]]
-            self._ns_names[ns_id] = None
-            self._free_ns_ids.append(ns_id)
+        self._count_claims(self.slot_ns[slot], -1)
 
     def _remove_slot(self, chunk_hash: Hashable, claim, slot: int):
         """Drop one claim of a chunk; what is left of its claims (None: the chunk went)."""
@@ -474,6 +447,39 @@ class ClaimLists:
         return rest
 
 
+class _NamespaceIds:
+    """Small integer ids for namespaces (a bit of the store's masks, a key of
+    `_more_heads`), each recycled once nothing claims its namespace, so they stay small."""
+
+    def __init__(self) -> None:
+        self.ids: dict[Hashable, int] = {}
+        self._names: list[Hashable] = []
+        self._claims: list[int] = []
+        self._free: list[int] = []
+
+    def id_of(self, namespace: Hashable) -> int:
+        """The id of `namespace`, given one if it has none."""
+        ns_id = self.ids.get(namespace)
+        if ns_id is None:
+            if self._free:
+                ns_id = self._free.pop()
+                self._names[ns_id] = namespace
+            else:
+                ns_id = len(self._names)
+                self._names.append(namespace)
+                self._claims.append(0)
+            self.ids[namespace] = ns_id
+        return ns_id
+
+    def count(self, ns_id: int, claimed: int) -> None:
+        """`claimed` more claims (or fewer) of a namespace; its id retires at none."""
+        self._claims[ns_id] += claimed
+        if self._claims[ns_id] == 0:
+            del self.ids[self._names[ns_id]]
+            self._names[ns_id] = None
+            self._free.append(ns_id)
+
+
 class _ManyClaims:
     """The claims on a chunk past `_FEW_CLAIMS` namespaces: `slots` {namespace id: slot}
     and `occupants` {content id: [order number, claims on it]}, so that adding or
@@ -485,6 +491,20 @@ class _ManyClaims:
     def __init__(self) -> None:
         self.slots: dict[int, int] = {}
         self.occupants: dict[int, list[int]] = {}
+
+    @classmethod
+    def of(cls, slots, slot_ns, slot_cid, slot_order) -> "_ManyClaims":
+        """The record of a chunk's claims `slots`, from their namespaces, contents and
+        occupants' order numbers."""
+        many = cls()
+        for held in slots:
+            many.slots[slot_ns[held]] = held
+            occupant = many.occupants.get(slot_cid[held])
+            if occupant is None:
+                many.occupants[slot_cid[held]] = [slot_order[held], 1]
+            else:
+                occupant[1] += 1
+        return many
 
     def __getstate__(self) -> tuple:
         return self.slots, self.occupants
