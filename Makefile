@@ -15,7 +15,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test bench bench-local bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test bench bench-local bench-store bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
@@ -50,6 +50,9 @@ test: $(STAMP) $(LMCACHE_057_STAMP)
 
 bench-local: $(STAMP)
 	$(PY) -m benchmarks.bench_local_matcher $(ARGS)
+
+bench-store: $(STAMP)
+	$(PY) -m benchmarks.bench_store_path $(ARGS)
 
 bench-coordinator: $(STAMP)
 	$(PY) -m benchmarks.bench_coordinator $(ARGS)
