@@ -255,7 +255,8 @@ def token_lists_to_json(arrays: Sequence[np.ndarray]) -> list[msgspec.Raw]:
     tokens = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
     out = np.empty(11 * tokens.size + 2 * len(arrays), dtype=np.uint8)  # ids of <= 10 digits
     list_ends = _write_lists(tokens, ends, out, _DIGIT_PAIRS)
-    text = out[:list_ends[-1]].tobytes()
+    # One bytes object for the batch; each list a view of it (no copy per list).
+    text = memoryview(out[:list_ends[-1]].tobytes())
     bounds = [0, *list_ends.tolist()]
     return [msgspec.Raw(text[bounds[k]:bounds[k + 1]]) for k in range(len(arrays))]
 
