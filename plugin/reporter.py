@@ -15,6 +15,8 @@ Contract:
   config's `event_timeout`, not the lookup budget: delivery is background work) bounds the
   whole round-trip, so a coordinator trickling bytes cannot hold `flush()` or `close()`.
 - STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
+  A flush writes the token lists of the batches it forms in one kernel call
+  (`token_lists_to_json`): the body's bytes are those of the arrays, no Python int per token.
   Keys come from the namespace: `kv_rank` packs the world size in its top byte.
 - Every event has a tier and a backend: the reporter's own unless the call names others (a
   tier-aware host reports L1 and L2 placements separately). Consecutive events of one
