@@ -31,10 +31,9 @@ import ssl
 import sys
 from typing import Sequence
 
-from aiohttp import web
-
 from coordinator_stub.aio import cancel_until_done
-from coordinator_stub.http.app import CONNECTIONS, REPLICA, create_app
+from coordinator_stub.http.app import CONNECTIONS, WRITES, create_app
+from coordinator_stub.http.server import listen, runner_for
 from coordinator_stub.config import CoordinatorConfig, parse_args
 
 log = logging.getLogger("coordinator_stub")
@@ -62,11 +61,6 @@ def _tune_runtime() -> None:
     gc.collect()
     gc.freeze()
     sys.setswitchinterval(0.001)
-
-
-#: Pending connections the kernel queues before accept (aiohttp's default is 128): a burst
-#: of clients connecting at once is accepted, not reset.
-_BACKLOG = 1024
 
 
 def _url(host: str, port: int, scheme: str = "http") -> str:
@@ -105,64 +99,25 @@ async def serve(config: CoordinatorConfig) -> int:
     log unreachable — or a replica that had to stop). A signal at any stage stops it: while
     kernels compile (once they are done), while a replica waits for its event log or
     replays it, and while serving."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop = _stop_on_signals()
     _tune_collector()
     # Building the app compiles every kernel first (seconds on a cold numba cache), so the
     # socket opens, and /healthz answers, only once the coordinator is ready.
     app = create_app(config)
-    # No access log: a line per request would cost more than serving a lookup.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                           keepalive_timeout=config.idle_timeout_s)
+    runner = runner_for(app, config.idle_timeout_s)
     server = None
     started = False
     try:
         if stop.is_set():  # a signal while the kernels compiled
             raise _Stopped()
-        # A replica connects to its event log, restores and replays here: a signal
-        # cancels that, and what it opened is closed (`_replica_lifecycle`).
-        try:
-            await _unless_stopped(runner.setup(), stop)
-        except RuntimeError as exc:  # the event log unreachable, or records it needs gone
-            log.critical("cannot start: %s", exc)
-            log.debug("start-up failed", exc_info=True)
+        if not await _set_up(runner, stop):
             return 1
         started = True
         _tune_runtime()
-        # Our own listening server rather than a TCPSite: every connection goes through
-        # the guard, which counts them and makes room at the cap.
-        guard = app[CONNECTIONS]
-        try:
-            server = await loop.create_server(guard.protocol_factory(runner.server),
-                                              config.host, config.port, backlog=_BACKLOG,
-                                              ssl=_tls_context(config))
-        except OSError as exc:
-            log.critical("cannot listen on %s: %s%s", _url(config.host, config.port),
-                         exc.strerror or exc,
-                         " (another process holds the port: stop it, or choose another "
-                         "with --port; --port 0 picks a free one)"
-                         if exc.errno == errno.EADDRINUSE else "")
+        server = await _listen(runner, config)
+        if server is None:
             return 1
-        host, port = server.sockets[0].getsockname()[:2]
-        scheme = "https" if config.tls_cert_file else "http"
-        print(f"listening on {_url(host, port, scheme)}", flush=True)
-        log.info("access control %s, TLS %s",
-                 f"on ({len(config.access_tokens)} tokens)" if config.access_tokens else "off",
-                 "on" if config.tls_cert_file else "off")
-        for warning in config.warnings():
-            log.warning("%s", warning)
-        log.info("at most %d connections; idle timeout %g s, body timeout %g s",
-                 guard.max_connections, config.idle_timeout_s, config.body_timeout_s)
-        log.info("blend lookup %s, chunk size %d, probe stride %d, %s; reaper %s; metrics %s",
-                 "on" if config.enable_blend_lookup else "off", config.chunk_size,
-                 config.blend_probe_stride,
-                 "shared chunk hashes trusted (LMCache's rules)" if config.trust_shared_hashes
-                 else "content per namespace",
-                 f"every {config.health_check_interval:g} s, timeout "
-                 f"{config.instance_timeout:g} s" if config.health_check_interval else "off",
-                 "on" if config.enable_metrics else "off")
+        _announce(config, server, app[CONNECTIONS].max_connections)
         await stop.wait()
         log.info("shutting down")
     except _Stopped:
@@ -175,11 +130,68 @@ async def serve(config: CoordinatorConfig) -> int:
             await runner.cleanup()
         else:  # setup did not finish: close the contexts it entered (worker pools, ...)
             await app.cleanup()
-    replica = app[REPLICA]
-    if replica is not None and replica.failure:
-        log.critical("exiting: %s", replica.failure)
+    failure = app[WRITES].failure
+    if failure:
+        log.critical("exiting: %s", failure)
         return 1
     return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event set by the first SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
+async def _set_up(runner, stop: asyncio.Event) -> bool:
+    """Start the app (a replica connects to its event log, restores and replays here: a
+    signal cancels that, and what it opened is closed). False: it could not start."""
+    try:
+        await _unless_stopped(runner.setup(), stop)
+    except RuntimeError as exc:  # the event log unreachable, or records it needs gone
+        log.critical("cannot start: %s", exc)
+        log.debug("start-up failed", exc_info=True)
+        return False
+    return True
+
+
+async def _listen(runner, config: CoordinatorConfig) -> asyncio.Server | None:
+    """The listening server, or None (said why) when the address cannot be bound."""
+    try:
+        return await listen(runner, config.host, config.port, _tls_context(config))
+    except OSError as exc:
+        log.critical("cannot listen on %s: %s%s", _url(config.host, config.port),
+                     exc.strerror or exc,
+                     " (another process holds the port: stop it, or choose another "
+                     "with --port; --port 0 picks a free one)"
+                     if exc.errno == errno.EADDRINUSE else "")
+        return None
+
+
+def _announce(config: CoordinatorConfig, server: asyncio.Server, max_connections: int
+              ) -> None:
+    """The one `listening on` line on stdout (the start-up contract), then the set-up."""
+    host, port = server.sockets[0].getsockname()[:2]
+    scheme = "https" if config.tls_cert_file else "http"
+    print(f"listening on {_url(host, port, scheme)}", flush=True)
+    log.info("access control %s, TLS %s",
+             f"on ({len(config.access_tokens)} tokens)" if config.access_tokens else "off",
+             "on" if config.tls_cert_file else "off")
+    for warning in config.warnings():
+        log.warning("%s", warning)
+    log.info("at most %d connections; idle timeout %g s, body timeout %g s",
+             max_connections, config.idle_timeout_s, config.body_timeout_s)
+    log.info("blend lookup %s, chunk size %d, probe stride %d, %s; reaper %s; metrics %s",
+             "on" if config.enable_blend_lookup else "off", config.chunk_size,
+             config.blend_probe_stride,
+             "shared chunk hashes trusted (LMCache's rules)" if config.trust_shared_hashes
+             else "content per namespace",
+             f"every {config.health_check_interval:g} s, timeout "
+             f"{config.instance_timeout:g} s" if config.health_check_interval else "off",
+             "on" if config.enable_metrics else "off")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

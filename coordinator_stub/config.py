@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from blend_wire import is_loopback_host
-from coordinator_stub.http.access import tokens_from
+from coordinator_stub.scopes import tokens_from
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9300
@@ -63,7 +63,7 @@ class CoordinatorConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    # Opt-in access control (coordinator_stub.http.access): (role, token[, scope]); empty = off.
+    # Opt-in access control (coordinator_stub.scopes): (role, token[, scope]); empty = off.
     access_tokens: tuple[tuple, ...] = ()
     # TLS: both or neither (PEM files); off = plain HTTP.
     tls_cert_file: str | None = None

@@ -13,6 +13,7 @@ import numba.core.registry
 import numpy as np
 
 from coordinator_stub import COORDINATOR, CoordinatorConfig, create_app
+from coordinator_stub.http.app import WRITES
 from blend_wire import encode, encode_tokens, pack_kv_rank
 
 
@@ -30,11 +31,12 @@ C = 256
 app = create_app(CoordinatorConfig(enable_blend_lookup=True, chunk_size=C))
 ready = compiled()
 coordinator = app[COORDINATOR]
-coordinator.ingest_queue.start()  # what the running app does (its cleanup context)
+writes = app[WRITES]
+writes.ingest_queue.start()  # what the running app does (its cleanup context)
 
 
 def ingest(body):
-    return coordinator.submit_events(body).result(60)
+    return writes.submit(body).result(60)
 rng = np.random.default_rng(0)
 docs = [rng.integers(0, 128_000, C, dtype=np.uint32) for _ in range(3)]
 
@@ -66,7 +68,7 @@ ingest(events(1, "store", [{"key": key("05"), "token_ids": docs[0].tolist(),
                                         "token_offset": 0}], incarnation=1))
 coordinator.drop_instance("s0")
 coordinator.stats()
-coordinator.ingest_queue.close()
+writes.ingest_queue.close()
 print(json.dumps({"ready": ready, "after": compiled()}))
 '''
 

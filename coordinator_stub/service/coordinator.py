@@ -1,49 +1,20 @@
-"""The coordinator's request logic, free of HTTP: request in, reply body out.
+"""The coordinator's request logic, free of HTTP: request bodies in, reply values or bodies
+out (endpoints: docs/WIRE.md; structure: docs/DESIGN.md, "Coordinator layout").
 
 Contract:
-- `submit_events(body)`: queue an `/events` body with the fair ingest scheduler
-  (`coordinator_stub.writes.local`); the future resolves to the reply body. Every batch is
-  validated before the first is applied: a body that fails raises `WireError` (-> 422)
-  and nothing of it is applied. Then the directory gates and applies the batches in
-  order, one at a time, taking turns with other emitters. `ingest_budget` bounds the
-  request bytes in flight (the HTTP layer reserves before reading a body).
-- Scopes (`coordinator_stub.http.access`): `submit_events`, `lookup`/`parse_lookup` and
-  `parse_register` take the token's `Scope` and raise `Forbidden` (-> 403) for anything
-  outside it, before anything is applied.
-- `lookup(body)`: validate, refuse queries over `max_query_tokens` with `TooLarge`
-  (-> 413) before decoding them, and match in the caller's namespace. With blend lookup
-  off, or a query shorter than one chunk, the answer has no matches. It returns the
-  reply value (the HTTP layer counts its matches, then encodes it).
-- `score(body)`: WIRE.md's `/directory/blend-score`, the same validation and namespace as
-  `lookup`, then per registered instance what its unified lookup would reuse
-  (`coordinator_stub.service.score`); `scores(parse_lookup(body, BlendScoreRequest))`, split
-  alike.
-- `directory_lookup(body)`: WIRE.md's `/directory/lookup`, keys form or tokens form
-  (hashed as LMCache's prefix chain, fanned out per rank, copies in other object groups
-  following); names a key could not carry and oversized sequences raise `BadRequest`
-  (-> 400). `directory_keys(query)`: a filtered page of the directory.
-- `bind_chunk_size(body)` (`PUT /config/chunk-size`, LMCache 0.5.7) and a registration
-  carrying `chunk_size`: LMCache 0.5.7's rules against `--chunk-size`, the configured
-  minimum. The first binding at or above it fixes the size (the directory and the blend
-  index work at it from then on, token lookups hash at it); the same size again is
-  answered as before; a different one, or one below the minimum, raises
-  `ChunkSizeConflict` (-> 409) and changes nothing. With `--event-log` the size cannot
-  move (every replica must agree without a log record for it): only `--chunk-size`
-  itself binds. Both take the directory lock: the HTTP layer runs them off the loop.
-- `parse_register(body, scope)` (validation, and the token's scope: off the loop), then
-  `register(request)` (binds the size it carries first, and takes the instance's L1
-  batches again: gate.py), `heartbeat`, `deregister`, `instances`: the instance registry. Deregistering (or reaping) an instance also needs `drop_instance(id)`, which
-  fences its L1 placements and forgets its ingest cursor (under the directory lock, so
-  between two batches); the HTTP layer runs it off the event loop. `release_ghosts(timeout)`
-  (the reaper, every sweep): ids never registered (or gone) that hold nothing and sent
-  nothing for `timeout` lose their gate cursor and capacity rows.
-- `stats()`: the directory's stats object, JSON-encoded.
-
-`lookup` is `matches(parse_lookup(body))`, split so the HTTP layer can validate a small
-body's shape on the event loop and hand the token decoding (a GIL-free kernel) and the
-matching to a worker thread. Everything that blocks (locks, CPU-bound work) runs on
-worker threads, never on the loop. All reply bodies are encoded with
-`blend_wire.encode`, the one owner of the wire shapes.
+- Reads: `parse_lookup(body, shape, scope)` validates a blend-lookup (or blend-score) body
+  once (shape, salt against the reader's `Scope`, size from the text: `TooLarge`) and
+  `matches` / `scores` take the parsed request (`lookup` / `score` do both, for large
+  bodies parsed off the loop). `directory_lookup(body)`, `directory_keys(query)`,
+  `stats()`: the operators' queries, reply bodies.
+- Registry: `parse_register(body, scope)`, `check_registration` (binds the chunk size a
+  registration carries), `register`, `heartbeat`, `deregister`, `drop_instance` (fences an
+  instance's L1 under the directory lock), `release_ghosts(timeout)`, `instances_listing`.
+  The write paths (`coordinator_stub.writes`) call these.
+- `bind_chunk_size(body)` / `bind(size)`: LMCache 0.5.7's rules against `--chunk-size`
+  (`ChunkSizeConflict` otherwise; replicas keep their `--chunk-size`).
+- Refusals are `coordinator_stub.errors`' and `blend_wire.WireError`; none changes state.
+  Everything here may block (locks, CPU): the HTTP layer runs it off the event loop.
 
 Ready means compiled: with blend lookup on, `Coordinator(config)` rehearses every
 directory and index operation on a scratch directory, so each numba kernel the
@@ -52,7 +23,6 @@ coordinator uses is compiled (or loaded from numba's cache) before the first req
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -67,7 +37,6 @@ from blend_wire import (
     BlendQuery,
     BlendScoreReply,
     BlendScoreRequest,
-    CacheEventBatch,
     ChunkSizeBindReply,
     ChunkSizeBindRequest,
     DirectoryKeyInfo,
@@ -83,7 +52,6 @@ from blend_wire import (
     RegisterReply,
     RegisterRequest,
     WireBlendMatch,
-    WireError,
     WirePlacement,
     check_cache_salt,
     check_model_name,
@@ -96,33 +64,15 @@ from blend_wire import (
     pack_kv_rank,
     prefix_chunk_hashes,
 )
-from coordinator_stub.http.access import ANY, Forbidden, Scope
 from coordinator_stub.config import CoordinatorConfig
+from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, TooLarge
+from coordinator_stub.scopes import ANY, Scope
 from coordinator_stub.directory import KeyDirectory
-from coordinator_stub.writes.local import ByteBudget, FairIngest
 from coordinator_stub.service.instances import InstanceRegistry
 from coordinator_stub.service.score import PlacedContent, score_instances
 
 
 log = logging.getLogger(__name__)
-
-
-class TooLarge(Exception):
-    """A request beyond a configured limit (-> 413). The message says which limit."""
-
-
-class BadRequest(Exception):
-    """A well-formed request the coordinator cannot serve (-> 400), as LMCache answers
-    a token lookup whose names could not form a key. The message says why."""
-
-
-class ChunkSizeConflict(Exception):
-    """A chunk size the coordinator cannot bind (-> 409). The message says why."""
-
-
-class ServiceUnavailable(Exception):
-    """A write the coordinator cannot take right now, e.g. its event log has no quorum
-    (-> 503 with Retry-After). The message says why."""
 
 
 _EMPTY_DIRECTORY_LOOKUP = encode(DirectoryLookupReply(chunks=0, results=[]))
@@ -135,8 +85,6 @@ class Coordinator:
                                       probe_stride=config.blend_probe_stride,
                                       enable_blend_lookup=config.enable_blend_lookup,
                                       trust_shared_hashes=config.trust_shared_hashes)
-        self.ingest_queue = FairIngest(self._apply_batch)
-        self.ingest_budget = ByteBudget(config.max_ingest_bytes)
         self.instances = InstanceRegistry()
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
@@ -145,25 +93,6 @@ class Coordinator:
             _rehearse(config)
 
     # --- events and blend lookups ---------------------------------------------------------
-
-    def submit_events(self, body: bytes, scope: Scope = ANY) -> concurrent.futures.Future:
-        """Queue an `/events` body; the future's result is the reply body (`bytes`), or
-        `Forbidden` when a batch is outside `scope` (nothing of the body applied)."""
-        reply: concurrent.futures.Future = concurrent.futures.Future()
-
-        def done(job: concurrent.futures.Future) -> None:
-            error = job.exception()
-            if error is not None:
-                reply.set_exception(error)
-            else:
-                reply.set_result(encode(job.result()))
-        self.ingest_queue.submit(body, None if scope.unrestricted else scope
-                                 ).add_done_callback(done)
-        return reply
-
-    def _apply_batch(self, batch: CacheEventBatch) -> str:
-        reply = self.directory.ingest([batch])
-        return "applied" if reply.applied else "duplicate" if reply.duplicates else "stale"
 
     def lookup(self, body: bytes, scope: Scope = ANY) -> BlendLookupReply:
         return self.matches(self.parse_lookup(body, scope=scope))
@@ -433,6 +362,5 @@ def _rehearse(config: CoordinatorConfig) -> None:
         raise RuntimeError("coordinator self-test failed: the scratch directory kept keys")
 
 
-__all__ = ["BadRequest", "ChunkSizeConflict", "Coordinator", "ServiceUnavailable", "TooLarge",
-           "WireError"]
+__all__ = ["Coordinator"]
 

@@ -44,18 +44,15 @@ Contract:
   decoded objects per busy emitter is alive. Scheduler state is per flow with work
   queued, plus the finish tags of idle emitters still ahead of the clock (forgotten once
   it passes them, and all of them whenever no work is queued).
-- `ByteBudget` bounds request bytes in flight (the HTTP layer reserves before reading a
-  body and answers 503 + Retry-After when it cannot); bodies up to `small_body_bytes`
-  draw on a reserve of their own, so large bodies cannot crowd out ordinary batches.
-  When a burst is over (nothing in flight after `TRIM_AFTER_BYTES` came and went), the
-  HTTP layer calls `give_back_memory`, so the burst's peak does not stay in the RSS.
+- `LocalWrites(coordinator)`: the `WritePath` of one process (`coordinator_stub.writes`),
+  its `/events` bodies through this scheduler (docs/DESIGN.md, "Coordinator layout").
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
-import ctypes
 import heapq
 import itertools
 import logging
@@ -65,8 +62,9 @@ from typing import Callable
 
 import msgspec
 
-from blend_wire import CacheEventBatch, EventsReply, WireError, decode
-from coordinator_stub.http.access import Forbidden, Scope
+from blend_wire import CacheEventBatch, EventsReply, WireError, decode, encode
+from coordinator_stub.errors import Forbidden
+from coordinator_stub.scopes import Scope
 
 log = logging.getLogger(__name__)
 
@@ -340,16 +338,20 @@ def _decode_batch(raw: msgspec.Raw, index: int) -> CacheEventBatch:
                         kind=exc.kind, input=exc.input) from None
 
 
-def validated_batches(body: bytes, scope: Scope | None = None) -> list[msgspec.Raw]:
-    """Every batch of an `/events` body as raw JSON, each validated (`WireError` names
-    the first that is not, `Forbidden` the first outside `scope`, as `FairIngest` would).
-    For callers that forward the batches rather than apply them here (the event log)."""
+def validated_batches(body: bytes, scope: Scope | None = None
+                      ) -> tuple[list[msgspec.Raw], list[CacheEventBatch]]:
+    """Every batch of an `/events` body as raw JSON and decoded, each validated
+    (`WireError` names the first that is not, `Forbidden` the first outside `scope`, as
+    `FairIngest` would). For the event log: it forwards the raw JSON, and the replica that
+    took the body applies the decoded batches."""
     raws = decode(body, _Outline).batches
+    batches = []
     for i, raw in enumerate(raws):
         batch = _decode_batch(raw, i)
         if scope is not None:
             scope.check_batch(batch, i)
-    return raws
+        batches.append(batch)
+    return raws, batches
 
 
 def _reply(job: _Job) -> EventsReply:
@@ -368,67 +370,76 @@ def _settle(job: _Job, outcome: EventsReply | BaseException) -> None:
         job.future.set_result(outcome)
 
 
+class LocalWrites:
+    """The `WritePath` of one coordinator process holding everything in memory: `/events`
+    bodies go through the coordinator's `FairIngest`, the registry changes in place, and
+    what takes the directory lock (registering, fencing, releasing) runs off the loop."""
 
-class ByteBudget:
-    """Request bytes in flight, bounded. Used from the event loop only (no lock).
+    failure: str | None = None  # one process never stops on its own
 
-    `try_reserve(size)` returns a release callable, or None when `size` does not fit.
-    `burst_over()` is True once nothing is in flight after at least `TRIM_AFTER_BYTES`
-    came and went since it last said so: the moment to `give_back_memory`.
-    """
+    def __init__(self, coordinator, on_reaped: Callable[[int], None] | None = None) -> None:
+        self.coordinator = coordinator  # a coordinator_stub.service.coordinator.Coordinator
+        self.ingest_queue = FairIngest(self._apply_batch)
+        self._on_reaped = on_reaped or (lambda count: None)
 
-    def __init__(self, limit: int, *, small_body_bytes: int = 1 << 20,
-                 small_reserve: int = 32 << 20) -> None:
-        self.limit = limit
-        self.small_body_bytes = small_body_bytes
-        self.small_reserve = small_reserve
-        self.in_flight = 0
-        self.small_in_flight = 0
-        self.refused = 0
-        self._released = 0  # bytes released since burst_over() last said True
+    async def start(self) -> None:
+        self.ingest_queue.start()
 
-    def try_reserve(self, size: int) -> Callable[[], None] | None:
-        if self.in_flight + size <= self.limit:
-            self.in_flight += size
-            return lambda: self._release(size, small=False)
-        if size <= self.small_body_bytes and self.small_in_flight + size <= self.small_reserve:
-            self.small_in_flight += size
-            return lambda: self._release(size, small=True)
-        self.refused += 1
+    async def stop(self) -> None:
+        self.ingest_queue.close()
+
+    async def events(self, body: bytes, scope: Scope) -> bytes:
+        return await asyncio.wrap_future(self.submit(body, scope))
+
+    def submit(self, body: bytes, scope: Scope | None = None) -> concurrent.futures.Future:
+        """Queue an `/events` body; the future's result is the reply body (`bytes`), or
+        the refusal (`WireError`, `Forbidden` for a batch outside `scope`): nothing of the
+        body applied."""
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(job: concurrent.futures.Future) -> None:
+            error = job.exception()
+            if error is not None:
+                reply.set_exception(error)
+            else:
+                reply.set_result(encode(job.result()))
+        self.ingest_queue.submit(body, None if scope is None or scope.unrestricted else scope
+                                 ).add_done_callback(done)
+        return reply
+
+    def _apply_batch(self, batch: CacheEventBatch) -> str:
+        reply = self.coordinator.directory.ingest([batch])
+        return "applied" if reply.applied else "duplicate" if reply.duplicates else "stale"
+
+    async def register(self, request) -> bytes:
+        # A chunk size it carries is bound, and its L1 readmitted, under the directory lock.
+        return await _off_loop(self.coordinator.register, request)
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        return self.coordinator.heartbeat(instance_id)
+
+    async def drop(self, instance_id: str) -> None:
+        """Deregister, then fence the instance's L1 and forget its cursor (off the loop: it
+        takes the directory lock, between two batches). A client that waits for its last
+        `/events` reply before deregistering (LMCache's servers do) has it applied first."""
+        self.coordinator.deregister(instance_id)
+        await _off_loop(self.coordinator.drop_instance, instance_id)
+
+    async def reap(self, timeout: float) -> None:
+        for instance_id in self.coordinator.instances.silent(timeout):
+            log.info("instance %s silent for over %.0f s: deregistered, L1 fenced",
+                     instance_id, timeout)
+            await self.drop(instance_id)
+            self._on_reaped(1)
+        released = await _off_loop(self.coordinator.release_ghosts, timeout)
+        if released:
+            log.info("%d unregistered ids holding nothing, silent for over %.0f s: their "
+                     "ingest cursors and capacity rows released", len(released), timeout)
+
+    def stats(self) -> None:
         return None
 
-    def burst_over(self) -> bool:
-        if self.in_flight or self.small_in_flight or self._released < TRIM_AFTER_BYTES:
-            return False
-        self._released = 0
-        return True
 
-    def _release(self, size: int, *, small: bool) -> None:
-        self._released += size
-        if small:
-            self.small_in_flight -= size
-        else:
-            self.in_flight -= size
-
-
-#: Request bytes that come and go before an idle coordinator gives memory back.
-TRIM_AFTER_BYTES = 64 << 20
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc's, in this process
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def give_back_memory() -> None:
-    """Hand the C heap's free pages back to the OS. glibc keeps freed blocks of up to
-    32 MiB (request bodies) in its heap for reuse, so without this a burst's peak could
-    stay in the RSS for good. `malloc_trim(0)` (it takes a few ms; run it off the event
-    loop); nothing without glibc."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+def _off_loop(work: Callable, *args):
+    """`work(*args)` on asyncio's default pool."""
+    return asyncio.get_running_loop().run_in_executor(None, work, *args)

@@ -98,10 +98,10 @@ from blend_wire import (EventsReply, EventsRequest, RegisterReply, RegisterReque
                         decode, encode)
 from coordinator_stub.config import ClusterConfig
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.errors import ServiceUnavailable, TooLarge
 from coordinator_stub.durability.eventlog import EventLog, LogGap, LogRecord, LogSettings, LogUnavailable
 from coordinator_stub.writes.local import validated_batches
 from coordinator_stub.service.instances import InstanceRegistry, with_instance_id
-from coordinator_stub.service.coordinator import ServiceUnavailable, TooLarge
 from coordinator_stub.durability.snapshot_format import layout_of
 from coordinator_stub.durability.snapshot_stores import SnapshotBucket, Snapshots
 
@@ -166,6 +166,9 @@ class LogReplica:
         self._validate = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="validate")
         self._waiters: dict[str, asyncio.Future] = {}
+        # The batches of `events` records this replica appended, decoded when it validated
+        # them, until it applies them (a record from a peer is decoded from the log).
+        self._decoded: dict[str, list] = {}
         self._progress = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._broken = False  # missed records: never snapshot this state
@@ -175,6 +178,15 @@ class LogReplica:
     # --- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Restore and catch up before serving (module doc). A start that does not finish
+        (a signal during start-up, or it failed) is undone: nothing is left open."""
+        try:
+            await self._start()
+        except BaseException:
+            await asyncio.shield(self.stop(snapshot=False))
+            raise
+
+    async def _start(self) -> None:
         await self.log.open()
         cluster = self.cluster
         if cluster.snapshot_dir or cluster.snapshot_bucket:
@@ -371,7 +383,10 @@ class LogReplica:
         directory = self.coordinator.directory
         instances = self.coordinator.instances
         if record.kind == EVENTS:
-            return directory.ingest(decode(record.payload, EventsRequest).batches)
+            batches = self._decoded.pop(record.record_id, None)
+            if batches is None:
+                batches = decode(record.payload, EventsRequest).batches
+            return directory.ingest(batches)
         if record.kind == REGISTER:
             instance_id, re_registered = instances.register(
                 decode(record.payload, RegisterRequest), at=self.log_time)
@@ -430,17 +445,21 @@ class LogReplica:
             self._waiters.pop(record_id, None)
             waiter.cancel()
 
-    async def submit_events(self, body: bytes, scope=None) -> bytes:
+    async def events(self, body: bytes, scope=None) -> bytes:
         loop = asyncio.get_running_loop()
-        raws = await loop.run_in_executor(self._validate, validated_batches, body, scope)
+        raws, batches = await loop.run_in_executor(self._validate, validated_batches, body,
+                                                   scope)
         if not raws:
             return encode(EventsReply(applied=0, duplicates=0, stale=0))
         replies: list[asyncio.Future] = []
+        record_ids: list[str] = []
         try:
-            for payload in _records(raws, self.log.max_record_bytes):
+            for payload, decoded in _records(raws, batches, self.log.max_record_bytes):
                 record_id = uuid.uuid4().hex
+                record_ids.append(record_id)
                 waiter = self._waiters[record_id] = loop.create_future()
                 replies.append(waiter)
+                self._decoded[record_id] = decoded  # applied from these, not decoded again
                 try:
                     await self.log.append(EVENTS, payload, record_id)
                 except LogUnavailable as exc:
@@ -451,6 +470,9 @@ class LogReplica:
             for waiter in replies:
                 waiter.cancel()
             raise
+        finally:  # applied by now, or left to be decoded from the log when it comes
+            for record_id in record_ids:
+                self._decoded.pop(record_id, None)
         applied = duplicates = stale = 0
         for waiter in done:
             reply = waiter.result()
@@ -468,9 +490,11 @@ class LogReplica:
 
     # --- the instance registry --------------------------------------------------------------
 
-    async def submit_register(self, request: RegisterRequest) -> bytes:
+    async def register(self, request: RegisterRequest) -> bytes:
         """`POST /instances` (its body decoded) through the log: the reply body once
-        applied here."""
+        applied here. A chunk size it carries is checked first (`ChunkSizeConflict`)."""
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.coordinator.check_registration, request)
         request = with_instance_id(request)
         reply = await self._append_and_wait(REGISTER, encode(request))
         if reply is _PENDING:
@@ -495,7 +519,7 @@ class LogReplica:
             self._beats.add(instance_id)
         return True
 
-    async def submit_drop(self, instance_id: str) -> None:
+    async def drop(self, instance_id: str) -> None:
         """Append an instance's departure; return once applied here (or the timeout)."""
         await self._append_and_wait(DROP, instance_id.encode())
 
@@ -594,11 +618,13 @@ class LogReplica:
 _UNKNOWN = object()
 
 
-def _records(raws: list[msgspec.Raw], limit: int):
-    """`{"batches": [...]}` payloads of at most `limit` bytes, batches in order."""
+def _records(raws: list[msgspec.Raw], batches: list, limit: int):
+    """`({"batches": [...]}` payload, its decoded batches) of at most `limit` bytes each,
+    batches in order."""
     group: list[bytes] = []
+    decoded: list = []
     size = 0
-    for raw in raws:
+    for raw, batch in zip(raws, batches):
         raw = bytes(raw)
         if len(raw) + 16 > limit:
             raise TooLarge(
@@ -606,12 +632,13 @@ def _records(raws: list[msgspec.Raw], limit: int):
                 f"({limit} bytes: the NATS server's max_payload); send smaller batches or "
                 "raise max_payload")
         if group and size + len(raw) + 16 > limit:
-            yield b'{"batches":[' + b",".join(group) + b"]}"
-            group, size = [], 0
+            yield b'{"batches":[' + b",".join(group) + b"]}", decoded
+            group, decoded, size = [], [], 0
         group.append(raw)
+        decoded.append(batch)
         size += len(raw) + 1
     if group:
-        yield b'{"batches":[' + b",".join(group) + b"]}"
+        yield b'{"batches":[' + b",".join(group) + b"]}", decoded
 
 
 _layouts: dict[tuple, str] = {}

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, EVENTS_PATH, HEALTH_PATH, STATS_PATH, encode, encode_tokens
-from coordinator_stub.http.access import ANY, AccessConfigError, tokens_from
+from coordinator_stub.scopes import ANY, AccessConfigError, tokens_from
 from coordinator_stub.config import parse_args
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import poll_lookup, wait_until

@@ -21,8 +21,9 @@ import pytest
 
 from blend_wire import EVENTS_PATH, BlendNamespace, encode
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.writes.local import (STEP_BYTES, TRIM_AFTER_BYTES, TURN_BYTES, ByteBudget,
-                                     FairIngest)
+from coordinator_stub.http.app import WRITES
+from coordinator_stub.http.budget import TRIM_AFTER_BYTES, ByteBudget
+from coordinator_stub.writes.local import STEP_BYTES, TURN_BYTES, FairIngest, LocalWrites
 from coordinator_stub.launch.process import launch_coordinator
 from coordinator_stub.service.coordinator import Coordinator
 from helpers import wait_until
@@ -46,11 +47,11 @@ def _flood_body(batches: int, entries: int, instance: str = "flood", seq0: int =
 
 def test_a_small_batch_waits_for_at_most_a_step_of_another_emitters_flood():
     applied: list[tuple[str, int]] = []
-    coordinator = Coordinator(CoordinatorConfig(chunk_size=4, enable_blend_lookup=True))
+    writes = LocalWrites(Coordinator(CoordinatorConfig(chunk_size=4, enable_blend_lookup=True)))
 
     def apply(b):
         applied.append((b.instance_id, b.seq))
-        return coordinator._apply_batch(b)
+        return writes._apply_batch(b)
 
     ingest = FairIngest(apply)
     flood = ingest.submit(_flood_body(50, 20))
@@ -235,7 +236,7 @@ async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
     coord = await start()
     flood = [_flood_body(40, 1000, instance=f"flood{k}") for k in range(3)]
     posts = [asyncio.create_task(coord.client.post(EVENTS_PATH, data=body)) for body in flood]
-    queue = coord.coordinator.ingest_queue
+    queue = coord.app[WRITES].ingest_queue
     while queue.pending < 3:  # every flood body received and queued
         await asyncio.sleep(0.005)
     started = time.perf_counter()

@@ -17,7 +17,7 @@ import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, CHUNK_SIZE_PATH, EVENTS_PATH, INSTANCES_PATH, STATS_PATH, encode, \
     encode_tokens
-from coordinator_stub.http.access import ANY, AccessConfigError, Scope, tokens_from
+from coordinator_stub.scopes import ANY, AccessConfigError, Scope, tokens_from
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import poll_lookup, wait_until
 from hostile_helpers import A, B, batch, entry

@@ -1,0 +1,77 @@
+"""Request bytes in flight, bounded, for both write paths: the HTTP layer reserves a body's
+bytes before reading it and answers 503 + Retry-After when it cannot (docs/DESIGN.md,
+"Coordinator"). Bodies up to `small_body_bytes` draw on a reserve of their own, so large
+bodies cannot crowd out ordinary batches. When a burst is over (nothing in flight after
+`TRIM_AFTER_BYTES` came and went), the HTTP layer calls `give_back_memory`, so the burst's
+peak does not stay in the RSS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+
+class ByteBudget:
+    """Request bytes in flight, bounded. Used from the event loop only (no lock).
+
+    `try_reserve(size)` returns a release callable, or None when `size` does not fit.
+    `burst_over()` is True once nothing is in flight after at least `TRIM_AFTER_BYTES`
+    came and went since it last said so: the moment to `give_back_memory`.
+    """
+
+    def __init__(self, limit: int, *, small_body_bytes: int = 1 << 20,
+                 small_reserve: int = 32 << 20) -> None:
+        self.limit = limit
+        self.small_body_bytes = small_body_bytes
+        self.small_reserve = small_reserve
+        self.in_flight = 0
+        self.small_in_flight = 0
+        self.refused = 0
+        self._released = 0  # bytes released since burst_over() last said True
+
+    def try_reserve(self, size: int) -> Callable[[], None] | None:
+        if self.in_flight + size <= self.limit:
+            self.in_flight += size
+            return lambda: self._release(size, small=False)
+        if size <= self.small_body_bytes and self.small_in_flight + size <= self.small_reserve:
+            self.small_in_flight += size
+            return lambda: self._release(size, small=True)
+        self.refused += 1
+        return None
+
+    def burst_over(self) -> bool:
+        if self.in_flight or self.small_in_flight or self._released < TRIM_AFTER_BYTES:
+            return False
+        self._released = 0
+        return True
+
+    def _release(self, size: int, *, small: bool) -> None:
+        self._released += size
+        if small:
+            self.small_in_flight -= size
+        else:
+            self.in_flight -= size
+
+
+#: Request bytes that come and go before an idle coordinator gives memory back.
+TRIM_AFTER_BYTES = 64 << 20
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's, in this process
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def give_back_memory() -> None:
+    """Hand the C heap's free pages back to the OS. glibc keeps freed blocks of up to
+    32 MiB (request bodies) in its heap for reuse, so without this a burst's peak could
+    stay in the RSS for good. `malloc_trim(0)` (it takes a few ms; run it off the event
+    loop); nothing without glibc."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
