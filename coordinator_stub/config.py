@@ -205,98 +205,125 @@ def build_parser() -> argparse.ArgumentParser:
             "CacheBlend lookups (POST /directory/blend-lookup). Prints one line "
             "'listening on http://HOST:PORT' once bound; exits 0 on SIGINT/SIGTERM."),
     )
-    parser.add_argument("--host", default=DEFAULT_HOST,
-                        help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help="TCP port to bind; 0 picks a free port and prints it "
-                             "(default: %(default)s)")
-    parser.add_argument("--enable-blend-lookup", action="store_true",
-                        help="index the content of stored chunks and answer blend lookups. "
-                             "Off by default: no content is hashed and every lookup answers "
-                             "{\"matches\": []}")
-    parser.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
-                        help="tokens per chunk; only stored content of exactly this many "
-                             "tokens is indexed. The minimum an LMCache 0.5.7 fleet may "
-                             "bind with PUT /config/chunk-size (default: %(default)s)")
-    parser.add_argument("--blend-probe-stride", type=_positive_int, default=1,
-                        help="probe the query every N positions; 1 finds every stored chunk "
-                             "at any offset (full recall), larger values trade recall for "
-                             "speed (default: %(default)s)")
-    parser.add_argument("--trust-shared-hashes", action="store_true",
-                        help="LMCache's rules for a chunk hash stored in several namespaces: "
-                             "one content and offset per hash, set by whichever namespace "
-                             "stored it last, and claimed by a token-less STORE of any "
-                             "namespace. Only for fleets whose namespaces trust each other "
-                             "(one tenant): a namespace's report then changes what the others "
-                             "match. Off by default: each namespace keeps its own content and "
-                             "offset for a hash (WIRE.md)")
-    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="largest request body accepted; larger ones are answered 413 "
-                             "(default: %(default)s = 64 MiB)")
-    parser.add_argument("--max-ingest-bytes", type=_positive_int,
-                        default=DEFAULT_MAX_INGEST_BYTES,
-                        help="/events request bytes in flight (being read or waiting to be "
-                             "applied), all clients together; beyond it a body is answered "
-                             "503 with Retry-After, without being read. Bodies up to 1 MiB "
-                             "have a reserve of their own (default: %(default)s = 128 MiB)")
-    parser.add_argument("--max-query-tokens", type=_positive_int,
-                        default=DEFAULT_MAX_QUERY_TOKENS,
-                        help="longest blend-lookup query in tokens; longer ones are answered "
-                             "413 (default: %(default)s)")
-    parser.add_argument("--match-workers", type=_positive_int, default=1,
-                        help="worker threads that run blend matching off the event loop; "
-                             "the index serialises matches, so more than one only helps "
-                             "when large queries are parsed while others match "
-                             "(default: %(default)s)")
-    parser.add_argument("--idle-timeout", type=_positive_seconds,
-                        default=DEFAULT_IDLE_TIMEOUT_S,
-                        help="close a connection that sends no complete request head within "
-                             "this many seconds of opening or of its last response "
-                             "(default: %(default)s)")
-    parser.add_argument("--body-timeout", type=_positive_seconds,
-                        default=DEFAULT_BODY_TIMEOUT_S,
-                        help="answer 408 to a request whose body has not fully arrived this "
-                             "many seconds after its head (default: %(default)s)")
-    parser.add_argument("--max-connections", type=_positive_int,
-                        default=DEFAULT_MAX_CONNECTIONS,
-                        help="open connections at most; a new one beyond it closes the "
-                             "longest-idle connection, or is refused when every connection "
-                             "has a request in progress. Also kept below the process's "
-                             "descriptor limit (default: %(default)s)")
-    parser.add_argument("--auth-token-file", metavar="PATH",
-                        help="turn access control on: a file of 'ROLE TOKEN "
-                             "[instances=P,...] [salts=S,...]' lines (roles: emitter, reader, "
-                             "admin; P an instance id or a prefix ending in '*', S a cache "
-                             "salt, \"\" the empty one; a scope left out is any). The "
-                             "variables COORDINATOR_EMITTER_TOKEN, "
-                             "COORDINATOR_READER_TOKEN and COORDINATOR_ADMIN_TOKEN add tokens "
-                             "(and turn it on) too. Off by default: LMCache servers send no "
-                             "token")
-    parser.add_argument("--tls-cert", metavar="PEM",
-                        help="serve HTTPS with this certificate (chain); needs --tls-key")
-    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    parser.add_argument("--instance-timeout", type=_positive_seconds,
-                        default=DEFAULT_INSTANCE_TIMEOUT,
-                        help="seconds without a heartbeat after which a registered instance "
-                             "is deregistered and its L1 placements fenced "
-                             "(default: %(default)s)")
-    parser.add_argument("--health-check-interval", type=_seconds_or_zero,
-                        default=DEFAULT_HEALTH_CHECK_INTERVAL,
-                        help="seconds between checks for silent instances; 0 turns the "
-                             "check off (default: %(default)s)")
-    parser.add_argument("--score-shared-weight", type=float,
-                        default=DEFAULT_SCORE_SHARED_WEIGHT,
-                        help="POST /directory/blend-score: weight of a reused token read from "
-                             "a shared tier, where one in the instance's own L1 weighs 1 "
-                             "and one recomputed 0 (default: %(default)s)")
-    parser.add_argument("--score-peer-weight", type=float, default=DEFAULT_SCORE_PEER_WEIGHT,
-                        help="POST /directory/blend-score: weight of a reused token only "
-                             "another instance holds (default: %(default)s)")
-    parser.add_argument("--disable-metrics", action="store_true",
-                        help="do not serve Prometheus metrics: GET /metrics answers 404")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="logging level on stderr (default: %(default)s)")
+    _listening_flags(parser)
+    _lookup_flags(parser)
+    _limit_flags(parser)
+    _instance_flags(parser)
+    parser.set_defaults(_event_log_only=_event_log_flags(parser))
+    return parser
+
+
+def _listening_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("listening and access")
+    group.add_argument("--host", default=DEFAULT_HOST,
+                       help="address to bind (default: %(default)s)")
+    group.add_argument("--port", type=int, default=DEFAULT_PORT,
+                       help="TCP port to bind; 0 picks a free port and prints it "
+                            "(default: %(default)s)")
+    group.add_argument("--auth-token-file", metavar="PATH",
+                       help="turn access control on: a file of 'ROLE TOKEN "
+                            "[instances=P,...] [salts=S,...]' lines (roles: emitter, reader, "
+                            "admin; P an instance id or a prefix ending in '*', S a cache "
+                            "salt, \"\" the empty one; a scope left out is any). The "
+                            "variables COORDINATOR_EMITTER_TOKEN, "
+                            "COORDINATOR_READER_TOKEN and COORDINATOR_ADMIN_TOKEN add tokens "
+                            "(and turn it on) too. Off by default: LMCache servers send no "
+                            "token")
+    group.add_argument("--tls-cert", metavar="PEM",
+                       help="serve HTTPS with this certificate (chain); needs --tls-key")
+    group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+
+
+def _lookup_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("content index and lookups")
+    group.add_argument("--enable-blend-lookup", action="store_true",
+                       help="index the content of stored chunks and answer blend lookups. "
+                            "Off by default: no content is hashed and every lookup answers "
+                            "{\"matches\": []}")
+    group.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
+                       help="tokens per chunk; only stored content of exactly this many "
+                            "tokens is indexed. The minimum an LMCache 0.5.7 fleet may "
+                            "bind with PUT /config/chunk-size (default: %(default)s)")
+    group.add_argument("--blend-probe-stride", type=_positive_int, default=1,
+                       help="probe the query every N positions; 1 finds every stored chunk "
+                            "at any offset (full recall), larger values trade recall for "
+                            "speed (default: %(default)s)")
+    group.add_argument("--trust-shared-hashes", action="store_true",
+                       help="LMCache's rules for a chunk hash stored in several namespaces: "
+                            "one content and offset per hash, set by whichever namespace "
+                            "stored it last, and claimed by a token-less STORE of any "
+                            "namespace. Only for fleets whose namespaces trust each other "
+                            "(one tenant): a namespace's report then changes what the others "
+                            "match. Off by default: each namespace keeps its own content and "
+                            "offset for a hash (WIRE.md)")
+    group.add_argument("--max-query-tokens", type=_positive_int,
+                       default=DEFAULT_MAX_QUERY_TOKENS,
+                       help="longest blend-lookup query in tokens; longer ones are answered "
+                            "413 (default: %(default)s)")
+    group.add_argument("--match-workers", type=_positive_int, default=1,
+                       help="worker threads that run blend matching off the event loop; "
+                            "the index serialises matches, so more than one only helps "
+                            "when large queries are parsed while others match "
+                            "(default: %(default)s)")
+
+
+def _limit_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("limits on clients")
+    group.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest request body accepted; larger ones are answered 413 "
+                            "(default: %(default)s = 64 MiB)")
+    group.add_argument("--max-ingest-bytes", type=_positive_int,
+                       default=DEFAULT_MAX_INGEST_BYTES,
+                       help="/events request bytes in flight (being read or waiting to be "
+                            "applied), all clients together; beyond it a body is answered "
+                            "503 with Retry-After, without being read. Bodies up to 1 MiB "
+                            "have a reserve of their own (default: %(default)s = 128 MiB)")
+    group.add_argument("--idle-timeout", type=_positive_seconds,
+                       default=DEFAULT_IDLE_TIMEOUT_S,
+                       help="close a connection that sends no complete request head within "
+                            "this many seconds of opening or of its last response "
+                            "(default: %(default)s)")
+    group.add_argument("--body-timeout", type=_positive_seconds,
+                       default=DEFAULT_BODY_TIMEOUT_S,
+                       help="answer 408 to a request whose body has not fully arrived this "
+                            "many seconds after its head (default: %(default)s)")
+    group.add_argument("--max-connections", type=_positive_int,
+                       default=DEFAULT_MAX_CONNECTIONS,
+                       help="open connections at most; a new one beyond it closes the "
+                            "longest-idle connection, or is refused when every connection "
+                            "has a request in progress. Also kept below the process's "
+                            "descriptor limit (default: %(default)s)")
+
+
+def _instance_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("instances, scoring and logs")
+    group.add_argument("--instance-timeout", type=_positive_seconds,
+                       default=DEFAULT_INSTANCE_TIMEOUT,
+                       help="seconds without a heartbeat after which a registered instance "
+                            "is deregistered and its L1 placements fenced "
+                            "(default: %(default)s)")
+    group.add_argument("--health-check-interval", type=_seconds_or_zero,
+                       default=DEFAULT_HEALTH_CHECK_INTERVAL,
+                       help="seconds between checks for silent instances; 0 turns the "
+                            "check off (default: %(default)s)")
+    group.add_argument("--score-shared-weight", type=float,
+                       default=DEFAULT_SCORE_SHARED_WEIGHT,
+                       help="POST /directory/blend-score: weight of a reused token read from "
+                            "a shared tier, where one in the instance's own L1 weighs 1 "
+                            "and one recomputed 0 (default: %(default)s)")
+    group.add_argument("--score-peer-weight", type=float, default=DEFAULT_SCORE_PEER_WEIGHT,
+                       help="POST /directory/blend-score: weight of a reused token only "
+                            "another instance holds (default: %(default)s)")
+    group.add_argument("--disable-metrics", action="store_true",
+                       help="do not serve Prometheus metrics: GET /metrics answers 404")
+    group.add_argument("--log-level", default="INFO",
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="logging level on stderr (default: %(default)s)")
+
+
+def _event_log_flags(parser: argparse.ArgumentParser) -> tuple[argparse.Action, ...]:
+    """The replicas' group; returns the flags that mean something only with --event-log
+    (parse_args refuses them alone)."""
     cluster = parser.add_argument_group(
         "replicas over an event log",
         "Several coordinator processes share one NATS JetStream stream: /events taken by "
@@ -304,7 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
         "answer alike. Without --event-log, one process holds everything in memory.")
     cluster.add_argument("--event-log", metavar="nats://HOST:PORT[,...]", default="",
                          help="NATS servers of the JetStream event log, comma-separated")
-    # Each flag below means something only with --event-log: parse_args refuses them alone.
     event_log_only: list[argparse.Action] = []
 
     def only(*names: str, **options) -> None:
@@ -347,8 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     only("--replica-name", default="",
          help="names this replica in logs and snapshot files (default: host "
               "name and port)")
-    parser.set_defaults(_event_log_only=tuple(event_log_only))
-    return parser
+    return tuple(event_log_only)
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
