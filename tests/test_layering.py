@@ -6,9 +6,11 @@ Each check runs in a fresh interpreter, so what an earlier test imported cannot 
 dependency.
 """
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +61,69 @@ def test_no_product_module_imports_the_harness():
                 if any(n == "plugin.harness" or n.startswith("plugin.harness.") for n in names):
                     offenders.append(str(path.relative_to(root)))
     assert offenders == []
+
+
+# --- inside the coordinator (DESIGN.md, "Coordinator layout") -------------------------------
+
+_COORDINATOR = Path(__file__).resolve().parents[1] / "coordinator_stub"
+#: Layer -> the coordinator_stub layers it must never import (statically, lazy imports too).
+_NEVER_IMPORTS = {
+    "http": {"launch"},
+    "writes": {"http", "launch"},
+    "service": {"http", "writes", "durability", "launch"},
+    "durability": {"http", "writes", "service", "launch"},
+    "directory": {"http", "writes", "service", "durability", "launch"},
+}
+
+
+def _layer_of(path: Path) -> str:
+    """`http`, `service`, ... for a module of the coordinator ("" for the package root's
+    own modules; the directory's modules whether flat or a package)."""
+    relative = path.relative_to(_COORDINATOR).parts
+    if len(relative) > 1:
+        return relative[0]
+    return "directory" if relative[0] in ("directory.py", "gate.py", "journal.py") else ""
+
+
+def _imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _coordinator_modules() -> list[Path]:
+    modules = sorted(_COORDINATOR.rglob("*.py"))
+    assert {_layer_of(m) for m in modules} >= set(_NEVER_IMPORTS) | {"launch"}, modules
+    return modules
+
+
+def test_coordinator_layers_import_downwards_and_never_the_launchers():
+    wrong = []
+    for module in _coordinator_modules():
+        banned = _NEVER_IMPORTS.get(_layer_of(module), {"launch"} if _layer_of(module) != "launch"
+                                    else set())
+        for name in _imported_modules(module):
+            parts = name.split(".")
+            if parts[0] == "coordinator_stub" and len(parts) > 1 and parts[1] in banned:
+                wrong.append(f"{module.relative_to(_COORDINATOR.parent)} imports {name}")
+    assert not wrong, wrong
+
+
+def test_only_the_http_layer_imports_aiohttp():
+    wrong = [f"{module.relative_to(_COORDINATOR.parent)} imports {name}"
+             for module in _coordinator_modules() if _layer_of(module) != "http"
+             for name in _imported_modules(module) if name.split(".")[0] == "aiohttp"]
+    assert not wrong, wrong
+
+
+def test_the_service_and_the_local_write_path_load_no_aiohttp():
+    # (The replicated path loads it through nats-py, whose client imports aiohttp for its
+    # websocket transport; the static rule above still holds for our own modules.)
+    loaded = _top_level(_modules_after_import(
+        "coordinator_stub.service.coordinator, coordinator_stub.writes.local"))
+    assert "aiohttp" not in loaded

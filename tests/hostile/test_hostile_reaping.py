@@ -42,12 +42,12 @@ async def test_a_forward_step_of_the_log_hosts_clock_reaps_only_the_silent():
     config = CoordinatorConfig(instance_timeout=TIMEOUT, cluster=cluster)
     replica = LogReplica(Coordinator(config), cluster, port=0)
     clock = FakeClock(0.0)
-    replica._clock = clock  # the replica's monotonic clock
+    replica.liveness.clock = clock  # the replica's monotonic clock
     replica.log = captured = _CapturedLog()
     seqs = itertools.count(1)
 
     def stream(kind: str, payload: bytes, at: float) -> None:
-        replica._apply_records([LogRecord(seq=next(seqs), kind=kind, record_id="r",
+        replica.applier.apply([LogRecord(seq=next(seqs), kind=kind, record_id="r",
                                           payload=payload, time=at)])
 
     try:
