@@ -1,4 +1,5 @@
-"""The event log: a NATS JetStream stream every coordinator replica appends to and applies.
+"""The event log: a NATS JetStream stream every coordinator replica appends to and applies
+(docs/DESIGN.md, "Coordinator replicas").
 
 Contract:
 - `EventLog(settings)`; `await open()` connects to any of the NATS servers (it follows

@@ -1,4 +1,5 @@
-"""Versioned snapshots of a replica's state: the file format, and a directory of them.
+"""Versioned snapshots of a replica's state: the file format, and a directory of them
+(docs/DESIGN.md, "Coordinator replicas").
 
 Contract:
 - `SnapshotDir(path, keep).save(state, meta)` writes one file atomically (a temporary
@@ -9,7 +10,7 @@ Contract:
   matches `expect` (a dict of meta fields, e.g. chunk size and stream), or None. Every
   snapshot it passes over is logged with the reason: `SnapshotRefused` says which.
   `read(path, expect)` reads one file or raises `SnapshotRefused`; `write(path, ...)`
-  writes one (`coordinator_stub.snapshot_bucket` moves such files to and from a NATS
+  writes one (`coordinator_stub.durability.snapshot_stores` moves such files to and from a NATS
   object store, byte for byte).
 - Partial files (`.writing-*`, `.fetching-*`) are locked (flock) by their writer while
   open; `SnapshotDir(...)` removes, at start, every one no live process holds (a writer
@@ -25,8 +26,7 @@ Contract:
   state classes have other fields); one whose meta does not match `expect` (another
   chunk size, another stream).
 
-File format (FORMAT 3; 2 had no instance registry in the state, 1 no out-of-band arrays):
-the line ``BLENDSNAP 3``, one line of JSON header (the meta, plus
+File format (FORMAT 3): the line ``BLENDSNAP 3``, one line of JSON header (the meta, plus
 `pickle_bytes`, `buffers`: the length of each raw buffer, and `blake3` of everything that
 follows the header), then the state pickled (protocol 5) with its large arrays taken out
 of band, then those arrays' bytes, one after the other. Why: an array is written from its

@@ -1,4 +1,5 @@
-"""Where a replica keeps its snapshots: a local directory, a JetStream object store, or both.
+"""Where a replica keeps its snapshots: a local directory, a JetStream object store, or both
+(docs/DESIGN.md, "Coordinator replicas").
 
 Contract:
 - `Snapshots(directory, bucket, keep)`: `directory` a `SnapshotDir` path (or "": none),

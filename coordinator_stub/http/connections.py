@@ -1,4 +1,5 @@
-"""Connection hygiene: a cap on open connections, enforced in front of aiohttp's handler.
+"""Connection hygiene: a cap on open connections, enforced in front of aiohttp's handler
+(docs/DESIGN.md, "Coordinator layout").
 
 Contract:
 - `ConnectionGuard(max_connections).protocol_factory(server)` wraps aiohttp's protocol

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the coordinator (`GET /metrics`), on `prometheus_client`.
+"""Prometheus metrics of the coordinator (`GET /metrics`, docs/WIRE.md), on `prometheus_client`.
 
 Contract:
 - LMCache's key-directory gauges, by tier: `lmcache_coordinator_key_directory_placements`

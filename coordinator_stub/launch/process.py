@@ -1,4 +1,5 @@
-"""Run the bundled coordinator as a child process (tests, the demo, benchmarks).
+"""Run the bundled coordinator as a child process (tests, the demo, benchmarks; never
+imported by the service: docs/DESIGN.md, "Coordinator layout").
 
 Builds on the start-up contract of `python -m coordinator_stub` (see `__main__`): once
 bound (and, with blend lookup on, every kernel compiled: ready) it prints one line

@@ -1,8 +1,7 @@
-"""The match workers, shared fairly between readers: start-time fair queuing by query size.
+"""The match workers, shared fairly between readers: start-time fair queuing by query size
+(docs/DESIGN.md, "Coordinator").
 
-One reader's huge queries must not hold the matcher from everyone else (issue 19): with a
-FIFO pool, four clients sending 2^20-token lookups pushed another client's p99 from 25 ms
-to 550 ms. Here every reader (`flow`: the bearer token with access control on, else the
+One reader's huge queries must not hold the matcher from everyone else. Every reader (`flow`: the bearer token with access control on, else the
 client's address) has its own FIFO of lookups, and the workers take the next lookup by
 start-time fair queuing (the same discipline as ingest, `coordinator_stub.writes.local`, for
 whole jobs): a waiting flow carries a start tag in virtual cost units (a lookup's cost is

@@ -38,7 +38,7 @@ REAP = "reap"
 class Reap(msgspec.Struct):
     timeout: float
     # The ids the proposing replica found silent by its own monotonic clock; None (a
-    # record written before issue 19): every id silent by log time, as then.
+    # record from an older build): every id silent by log time.
     ids: list[str] | None = None
 
 
