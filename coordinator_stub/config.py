@@ -130,7 +130,7 @@ class CoordinatorConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Replication over a NATS JetStream event log (README, "Replicas")."""
+    """Replication over a NATS JetStream event log (docs/DESIGN.md, "Coordinator replicas")."""
 
     servers: tuple[str, ...]
     stream: str = "blend-events"
