@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# Two stamps: the project with its own dependencies (what `make demo` needs, tens of MB), then
+# the test and lmcache extras and LMCache itself on top (`make test`, ~1.4 GB).
+BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 # The LMCache MP server the plugin loads into (plugin/lmcache/ is written for it).
 # --no-deps: its declared dependencies include CUDA-only packages; the CPU stack it imports
@@ -15,17 +18,22 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test bench bench-local bench-store bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
 
-$(STAMP): pyproject.toml Makefile
-	@echo "Setting up $(VENV)/ (first use, or pyproject.toml/Makefile changed): the project, its test extras and LMCache $(LMCACHE_VERSION)'s CPU stack, about 1.4 GB to download; minutes on a fresh machine, mostly torch."
-	@$(call STEP,[1/4] creating the virtual environment,$(PYTHON) -m venv $(VENV))
-	@$(call STEP,[2/4] upgrading pip,$(PY) -m pip install --quiet --upgrade pip)
-	@$(call STEP,[3/4] installing the project with its test and lmcache extras (numpy / numba / aiohttp / torch CPU / ...: the long step),$(PY) -m pip install --quiet -e '.[test$(COMMA)lmcache]')
-	@$(call STEP,[4/4] installing lmcache==$(LMCACHE_VERSION) (--no-deps),$(PY) -m pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION))
+$(BASE_STAMP): pyproject.toml Makefile
+	@echo "Setting up $(VENV)/ (first use, or pyproject.toml/Makefile changed): the project and its own dependencies (numpy, numba, aiohttp, httpx, ...)."
+	@test -x $(PY) || { $(call STEP,[1/2] creating the virtual environment,$(PYTHON) -m venv $(VENV)); }
+	@$(call STEP,[2/2] installing the project (-e .),$(PY) -m pip install --quiet -e .)
+	@touch $(BASE_STAMP)
+
+$(STAMP): $(BASE_STAMP)
+	@echo "Adding to $(VENV)/ what the tests use: the test extras and LMCache $(LMCACHE_VERSION)'s CPU stack, about 1.4 GB to download; minutes on a fresh machine, mostly torch."
+	@$(call STEP,[1/3] upgrading pip,$(PY) -m pip install --quiet --upgrade pip)
+	@$(call STEP,[2/3] installing the test and lmcache extras (pytest / hypothesis / nats / torch CPU / ...: the long step),$(PY) -m pip install --quiet -e '.[test$(COMMA)lmcache]')
+	@$(call STEP,[3/3] installing lmcache==$(LMCACHE_VERSION) (--no-deps),$(PY) -m pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION))
 	@touch $(STAMP)
 
 $(LMCACHE_057_STAMP): Makefile | $(STAMP)
@@ -35,7 +43,7 @@ $(LMCACHE_057_STAMP): Makefile | $(STAMP)
 
 lmcache-057: $(LMCACHE_057_STAMP)
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(PY) examples/fleet_demo.py
 
 demo-lmcache: $(STAMP)
@@ -47,6 +55,11 @@ demo-cluster: $(STAMP)
 
 test: $(STAMP) $(LMCACHE_057_STAMP)
 	$(PY) -m pytest -q
+
+# The unit lane alone (in-process tests: no child process, no NATS, no LMCache); the lanes
+# are the markers in tests/conftest.py.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m unit
 
 bench-local: $(STAMP)
 	$(PY) -m benchmarks.bench_local_matcher $(ARGS)
