@@ -18,7 +18,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile bench-memory soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
@@ -94,6 +94,10 @@ bench-rag: $(STAMP)
 # ~19k hostile sockets from two processes: needs `ulimit -n` of about 10k or more.
 bench-hostile: $(STAMP)
 	$(PY) -m benchmarks.bench_hostile_sockets $(ARGS)
+
+# The coordinator's RSS through bursts of large /events bodies: peak and what comes back.
+bench-memory: $(STAMP)
+	$(PY) -m benchmarks.bench_memory_burst $(ARGS)
 
 # 10 minutes of constant live set against the coordinator: RSS slope and latency per interval.
 soak: $(STAMP)

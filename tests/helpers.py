@@ -12,7 +12,9 @@
 - `store(plugin, host, key, hashes, start)`: what the engine does after saving a range: keep
   it in the host, then tell the plugin.
 - `FakeClock`: a clock that moves only when the test says so (inject it instead of editing
-  private deadlines).
+  private deadlines). Tests assert no wall-clock bound; `NOT_HUNG_S` is the one deadline for
+  "returned at all" where a bounded call takes a fraction of a second and an unbounded one
+  hours (a trickling server).
 - `python_lines(action, *packages)`: how many Python lines of `packages` run during
   `action()`, a deterministic measure of work for "cost does not grow with N" tests.
 """
@@ -233,6 +235,9 @@ def store(plugin, host, key, hashes, start: int = 0) -> list[bytes]:
     host.store(key, hashes, start)
     plugin.on_store(key, hashes, start)
     return list(hashes)
+
+
+NOT_HUNG_S = 30.0
 
 
 class FakeClock:

@@ -23,6 +23,8 @@ from helpers import wait_until
 from plugin.harness.lmcache_process import ServerFleet
 from test_lmcache_e2e import HTTP_TIMEOUT, found, tokens
 
+LANE = "lmcache"
+
 NEGOTIATED = 288  # 256 rounded up to a multiple of 48
 settled = functools.partial(wait_until, timeout=60.0, interval=0.05)
 

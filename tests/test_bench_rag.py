@@ -7,6 +7,8 @@ import numpy as np
 
 from benchmarks.bench_rag import lmcache_selection, reusable_tokens, stored_contents
 
+LANE = "unit"
+
 C = 2
 
 

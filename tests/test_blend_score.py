@@ -26,6 +26,8 @@ from coordinator_client import entry as wire_entry
 from plugin.lookup import select
 from plugin.types import FoundContent, Place
 
+LANE = "unit"
+
 rng = np.random.default_rng(23)
 
 

@@ -21,6 +21,8 @@ from coordinator_stub.launch.process import launch_coordinator
 from helpers import poll_lookup, store
 from plugin import BlendPlugin, CBMatchResult, InMemoryHost, LookupKey, PluginConfig
 
+LANE = "coordinator"
+
 C = 256
 rng = np.random.default_rng(18)
 _ids = itertools.count()
@@ -122,6 +124,7 @@ def test_candidates_reply_names_every_position_and_where_chunks_are_held(servers
         assert other_tenant.json() == {"chunk_size": C, "candidates": []}
 
 
+@pytest.mark.lmcache
 def test_against_lmcache_coordinator_the_default_form_is_detected_once(servers, caplog):
     reference = pytest.importorskip("benchmarks.lmcache_reference")
     if reference.lmcache_version() is None:

@@ -15,6 +15,8 @@ import pytest
 
 from blend_wire import lookup_kv_ranks, prefix_chunk_hashes
 
+LANE = "unit"
+
 VECTORS = [
     (256, list(range(600)), [
         "084547b6c40ed5b05ba8cd0305db5bf74d5617673948d9ed193ab7d6cbc484d4",

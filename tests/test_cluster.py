@@ -40,6 +40,8 @@ from coordinator_stub.launch.nats_process import launch_nats_cluster
 from coordinator_stub.launch.process import launch_coordinator, start_coordinator
 from helpers import wait_until
 
+LANE = "nats"
+
 CHUNK = 16
 MODELS = ("m", "n")
 # Outcomes across processes (replicas, NATS): generous deadlines for a loaded machine.
@@ -394,6 +396,7 @@ def test_a_replica_paused_past_the_retention_reloads_a_shared_snapshot_or_stops(
             running.stop()
 
 
+@pytest.mark.coordinator
 def test_bad_event_log_flags_are_refused_at_start():
     result = subprocess.run([sys.executable, "-m", "coordinator_stub", "--event-log",
                              "http://127.0.0.1:4222"], capture_output=True, text=True,

@@ -9,6 +9,8 @@ import pytest
 
 from local_matcher import BlendMatch, ContentIndex, kernels
 
+LANE = "unit"
+
 C = 4
 A, B = "tenant-a", "tenant-b"
 

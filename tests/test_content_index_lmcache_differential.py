@@ -20,6 +20,8 @@ from lmcache.v1.mp_coordinator.blend_index import BlendIndex
 
 from local_matcher import ContentIndex
 
+LANE = "lmcache"
+
 C = 3
 NAMESPACES = ("a", "b", "c")
 HASHES = [bytes([i]) for i in range(5)]

@@ -13,6 +13,8 @@ import pytest
 from helpers import python_lines
 from local_matcher import BlendMatch, ContentIndex
 
+LANE = "unit"
+
 C = 4
 A, B = "tenant-a", "tenant-b"
 X = [1, 2, 3, 4]

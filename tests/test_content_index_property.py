@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from local_matcher import ContentIndex
 from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS
 
+LANE = "unit"
+
 C = 3
 NAMESPACES = ("a", "b", "c")
 HASHES = [bytes([i]) for i in range(8)]

@@ -14,6 +14,8 @@ import pytest
 from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, encode, encode_tokens
 from coordinator_client import C, batch, entry, refusal
 
+LANE = "unit"
+
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
 D = [31, 32, 33, 34]

@@ -23,6 +23,8 @@ from blend_wire import (
     pack_kv_rank,
 )
 
+LANE = "unit"
+
 C = 4
 HASHES = ["a1", "a2", "a3", "a4", "a5", "a6"]
 CONTENTS = [(1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)]

@@ -8,6 +8,8 @@ import pytest
 from blend_wire import HEALTH_PATH, encode, pack_kv_rank, prefix_chunk_hashes
 from coordinator_client import C, batch, entry, key, refusal
 
+LANE = "unit"
+
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
 

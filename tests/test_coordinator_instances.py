@@ -11,6 +11,10 @@ import pytest
 
 from blend_wire import INSTANCES_PATH, encode
 from coordinator_client import batch, entry, refusal
+from coordinator_stub.instances import InstanceRegistry
+from helpers import FakeClock
+
+LANE = "unit"
 
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
@@ -149,18 +153,35 @@ async def test_deregistering_an_instance_leaves_others_placements(coord):
     assert [p["instance_id"] for p in result["results"][0]["placements"]] == ["i2"]
 
 
+def _on_a_fake_clock(coord) -> FakeClock:
+    """The coordinator's registry on a clock the test moves (the reaper still sweeps every
+    `health_check_interval` of real time, each sweep reading this clock)."""
+    clock = FakeClock()
+    coord.coordinator.instances = InstanceRegistry(clock=clock)
+    return clock
+
+
+async def _until_listed(coord, ids: list[str], timeout: float = 30.0) -> list[str]:
+    """Wait (a generous deadline: the reaper runs on this loaded loop) until the listing is
+    `ids`; the listing then."""
+    deadline = time.monotonic() + timeout
+    while (listed := [i["instance_id"] for i in await coord.instances()]) != ids:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    return listed
+
+
 async def test_the_reaper_deregisters_a_silent_instance_and_fences_its_l1(start):
     coord = await start(health_check_interval=0.05, instance_timeout=0.3)
+    clock = _on_a_fake_clock(coord)
     await coord.register("silent")
     await coord.register("alive")
     await _l1_and_l2_of(coord, "silent")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        await coord.call("PUT", f"{INSTANCES_PATH}/alive/heartbeat")
-        if [i["instance_id"] for i in await coord.instances()] == ["alive"]:
-            break
-        await asyncio.sleep(0.05)
-    assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
+    clock.advance(0.2)
+    await coord.call("PUT", f"{INSTANCES_PATH}/alive/heartbeat")
+    clock.advance(0.2)  # silent 0.4 s, past the timeout; alive 0.2 s
+    assert await _until_listed(coord, ["alive"]) == ["alive"]
     stats = await coord.stats()
     assert (stats["l1_count"], stats["l2_count"]) == (0, 1)
     assert "silent" not in stats["l1_keys_by_instance"]
@@ -170,27 +191,27 @@ async def test_the_reaper_deregisters_a_silent_instance_and_fences_its_l1(start)
     await coord.call("PUT", f"{INSTANCES_PATH}/silent/heartbeat", expect=404)
 
 
-async def test_a_heartbeating_instance_is_never_reaped(start):
-    # The timeout leaves room for a loaded machine to stall this loop between beats.
+@pytest.mark.parametrize("beat", ["heartbeat", "re-register"])
+async def test_an_instance_that_keeps_speaking_is_never_reaped(start, beat):
+    # Registered with a silent one; 3 s go by on the registry's clock in steps of 0.6 s,
+    # each followed by a beat: the silent one is reaped, the speaking one never is.
     coord = await start(health_check_interval=0.05, instance_timeout=1.0)
+    clock = _on_a_fake_clock(coord)
+    await coord.register("silent")
     await coord.register("alive")
-    for _ in range(30):  # 1.5 s: longer than the timeout
-        await coord.call("PUT", f"{INSTANCES_PATH}/alive/heartbeat")
-        await asyncio.sleep(0.05)
-    assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
-
-
-async def test_reregistering_counts_as_a_heartbeat(start):
-    coord = await start(health_check_interval=0.05, instance_timeout=1.0)
-    await coord.register("alive")
-    for _ in range(30):  # 1.5 s: longer than the timeout, re-registering only
-        await coord.register("alive")
-        await asyncio.sleep(0.05)
-    assert [i["instance_id"] for i in await coord.instances()] == ["alive"]
+    for _ in range(5):
+        clock.advance(0.6)
+        if beat == "heartbeat":
+            await coord.call("PUT", f"{INSTANCES_PATH}/alive/heartbeat")
+        else:
+            await coord.register("alive")
+    assert await _until_listed(coord, ["alive"]) == ["alive"]
 
 
 async def test_interval_0_never_reaps(start):
     coord = await start(health_check_interval=0.0, instance_timeout=0.05)
+    clock = _on_a_fake_clock(coord)
     await coord.register("silent")
-    await asyncio.sleep(0.3)
+    clock.advance(60.0)
+    await asyncio.sleep(0.3)  # what would be six sweeps at the smallest interval here
     assert [i["instance_id"] for i in await coord.instances()] == ["silent"]

@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from blend_wire import DIRECTORY_LOOKUP_PATH, METRICS_PATH, encode
 from coordinator_client import batch, entry, key
 
+LANE = "unit"
+
 A = [11, 12, 13, 14]
 
 

@@ -18,6 +18,8 @@ from blend_wire import CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_
 from helpers import python_lines
 from coordinator_stub.directory import KeyDirectory
 
+LANE = "unit"
+
 C = 4
 HASHES = ["a1", "a2", "a3"]
 KEYS = [(salt, rank, group) for salt in ("", "t1") for rank in (0, 1) for group in range(4)]

@@ -23,6 +23,8 @@ from blend_wire import (
     pack_kv_rank,
 )
 
+LANE = "coordinator"
+
 
 def _store_body(chunk_hash: str, tokens: list[int], offset: int) -> bytes:
     key = {"chunk_hash_hex": chunk_hash, "model_name": "m", "kv_rank": pack_kv_rank(1)}

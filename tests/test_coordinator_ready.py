@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+LANE = "coordinator"
+
 _PROBE = r'''
 import asyncio, json, sys
 import numba.core.registry

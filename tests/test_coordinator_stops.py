@@ -17,6 +17,8 @@ import pytest
 
 from helpers import closed_port_url
 
+LANE = "coordinator"
+
 
 def _coordinator(*flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "coordinator_stub", "--port", "0", *flags],

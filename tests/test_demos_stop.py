@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+LANE = "coordinator"
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -87,6 +89,7 @@ def test_fleet_demo_stops_its_coordinator_on_a_signal(tmp_path, signum):
     _assert_nothing_left(process, children, tmp, _coordinator_port(lines))
 
 
+@pytest.mark.lmcache
 def test_lmcache_demo_stops_everything_on_sigterm(tmp_path):
     process, tmp = _run_demo("lmcache_demo.py", tmp_path)
     lines = _read_until(process, "lmcache server B: ")
@@ -102,6 +105,7 @@ def test_lmcache_demo_stops_everything_on_sigterm(tmp_path):
     assert f"logs: {tmp_path / 'logs'}" in rest
 
 
+@pytest.mark.lmcache
 def test_launcher_stops_a_server_that_fails_and_removes_its_log_dir(tmp_path, monkeypatch):
     from plugin.harness.lmcache_process import start_lmcache_server
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+LANE = "coordinator"
+
 
 def _modules_after_import(module: str) -> set[str]:
     code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"

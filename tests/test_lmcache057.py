@@ -20,6 +20,8 @@ import pytest
 
 from plugin.harness.lmcache_process import LMCACHE_057, lmcache_env
 
+LANE = "lmcache"
+
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("tests/test_lmcache_adapter.py", "tests/test_lmcache_e2e.py",
          "tests/lmcache057_negotiation_e2e.py")

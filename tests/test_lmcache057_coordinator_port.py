@@ -26,6 +26,8 @@ from blend_wire import CHUNK_SIZE_PATH, INSTANCES_PATH, encode, pack_kv_rank
 from coordinator_client import C, batch, entry, refusal
 from test_coordinator_metrics import scrape
 
+LANE = "unit"
+
 A = [11, 12, 13, 14]
 A8 = list(range(100, 108))  # one chunk at a bound size of 8
 

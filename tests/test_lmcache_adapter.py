@@ -31,6 +31,8 @@ from plugin.lmcache.module import FleetBlendModule
 from plugin.lmcache.rpc import make_key
 from plugin.lmcache.tiers import TierWatcher
 
+LANE = "lmcache"
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -26,6 +26,8 @@ from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
 from plugin.harness.lmcache_process import lmcache_command, quiet_lmcache_env, start_lmcache_server
 
+LANE = "lmcache"
+
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
                     "project's Makefile); this test needs its server and CLI")
 

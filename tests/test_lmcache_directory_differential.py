@@ -33,6 +33,8 @@ from blend_wire import (
 )
 from coordinator_stub.directory import KeyDirectory
 
+LANE = "lmcache"
+
 C = 4
 HASHES = ["a1", "a2", "a3", "a4", "a5"]
 CONTENTS = [(1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)]

@@ -17,6 +17,8 @@ import pytest
 from blend_wire import INSTANCES_PATH
 from coordinator_client import batch, key
 
+LANE = "unit"
+
 CHUNK = 256
 
 

@@ -30,6 +30,8 @@ from coordinator_stub.launch.process import start_coordinator
 from helpers import wait_until
 from plugin.harness.lmcache_process import ServerFleet
 
+LANE = "lmcache"
+
 C = 256
 MODEL = "fleet-model"  # EngineClient's default model
 BUDGET = 0.5

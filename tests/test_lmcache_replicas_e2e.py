@@ -27,6 +27,8 @@ from coordinator_stub.launch.nats_process import launch_nats_cluster
 from coordinator_stub.launch.process import start_coordinator
 from helpers import wait_until
 
+LANE = "lmcache"
+
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by `make test` (the "
                     "project's Makefile); this test needs its server")
 

@@ -25,6 +25,8 @@ from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
 from plugin.harness.lmcache_process import ServerFleet
 
+LANE = "lmcache"
+
 C = 256
 MODEL = "fleet-model"
 TOKEN_C, ADMIN = "c" * 24, "z" * 24

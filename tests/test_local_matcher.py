@@ -8,6 +8,8 @@ import numpy as np
 
 from local_matcher import CBMatchResult, LocalMatcher
 
+LANE = "unit"
+
 C = 16
 
 

@@ -23,6 +23,8 @@ from plugin import (BlendPlugin, CBMatchResult, CBUnifiedLookupResult, InMemoryH
 from plugin.lookup import Candidate, select
 from plugin.types import FoundContent, Place
 
+LANE = "unit"
+
 LOCAL, FLEET, BOTH = Source.LOCAL, Source.FLEET, Source.BOTH
 
 C = 16
@@ -192,17 +194,32 @@ def test_pending_prefetch_returns_none(plugins):
     assert len(host.prefetch_requests) == 1  # polled, not re-submitted
 
 
+def held_reply(*matches):
+    """A `behave` that holds each reply until the test sets the event it returns with it."""
+    released, reply = threading.Event(), fleet_reply(*matches)
+
+    def behave(path, body):
+        released.wait(60)
+        return reply(path, body)
+    return behave, released
+
+
 def test_pending_coordinator_before_the_deadline_returns_none(plugins):
     l2 = {}
     fleet_chunk = b"\xf1" * 4
     l2[fleet_chunk] = np.zeros(C, dtype=np.uint32)
-    with LoopbackServer(fleet_reply((fleet_chunk, 64, 2 * C), delay_s=0.1)) as server:
-        plugin = plugins(InMemoryHost(C, shared_l2=l2), server.url, blend_timeout=2.0)
+    behave, released = held_reply((fleet_chunk, 64, 2 * C))
+    with LoopbackServer(behave) as server:
+        plugin = plugins(InMemoryHost(C, shared_l2=l2), server.url, FakeClock(),
+                         blend_timeout=2.0)
         key = LookupKey("r1", fresh(4 * C), MODEL)
         assert plugin.cb_unified_lookup(key) is None
-        result, elapsed, calls = poll_lookup(plugin, key)
-        assert elapsed >= 0.08 and calls > 1
+        assert wait_until(lambda: server.active == 1)  # the query waits at the coordinator
+        assert plugin.cb_unified_lookup(key) is None  # pending, within the budget
+        released.set()
+        result, _, _ = poll_lookup(plugin, key, timeout=30.0)
         assert result.non_prefix_segments == [seg(64, 2 * C, fleet_chunk)]
+        assert plugin.trace("r1").fleet_status == "ok"
 
 
 def test_union_of_local_and_fleet_rides_one_prefetch(plugins):
@@ -287,45 +304,31 @@ def test_only_chunks_the_prefetch_found_are_returned(plugins):
 
 
 def test_past_the_deadline_the_lookup_goes_local_only(plugins):
+    # The coordinator holds its reply until the test lets it go; the budget is 5 s on the
+    # plugin's clock, which moves only when the test says: pending within the budget, then
+    # local-only at it, while the reply is still held (so not waited for).
     l2 = {b"\x0f": np.zeros(C, dtype=np.uint32)}
     host = InMemoryHost(C, shared_l2=l2)
     doc = fresh(C)
-    # The reply would come 3 s in, far past the 0.2 s budget: finishing well before it shows
-    # the lookup did not wait for it, with room for a loaded machine.
-    with LoopbackServer(fleet_reply((b"\x0f", 0, 2 * C), delay_s=3.0)) as server:
-        plugin = plugins(host, server.url, blend_timeout=0.2)
-        local_hash, = save(plugin, host, doc)
-        query = np.concatenate([doc, fresh(2 * C)])
-        result, elapsed, _ = poll_lookup(plugin, LookupKey("r1", query, MODEL))
-        assert 0.18 <= elapsed < 0.2 + 1.0
-        assert result.non_prefix_segments == [seg(0, 0, local_hash)]
-        # The HTTP timeout is the same budget, so the client may give up a hair before the
-        # lookup's own deadline check: either way the lookup went local-only on time.
-        assert plugin.trace("r1").fleet_status in ("timeout", "failed")
-        # Whatever arrives later is discarded, not kept for anyone.
-        assert wait_until(lambda: plugin.client.stats().late_discarded
-                          + plugin.client.stats().failed >= 1, 2.0)
-        assert plugin.client.take("r1").state is MatchState.UNKNOWN
-        assert plugin.client.stats().tracked == 0
-
-
-def test_a_late_coordinator_reply_is_discarded(plugins):
-    # The budget is 5 s and the reply comes 1 s in; the plugin's clock jumps past the budget
-    # first, so the lookup completes local-only and the reply reaches a client that no longer
-    # tracks the request.
     clock = FakeClock()
-    with LoopbackServer(fleet_reply((b"\x0f", 0, 0), delay_s=1.0)) as server:
-        plugin = plugins(InMemoryHost(C), server.url, clock, blend_timeout=5.0)
-        key = LookupKey("r1", fresh(2 * C), MODEL)
+    behave, released = held_reply((b"\x0f", 0, 2 * C))
+    with LoopbackServer(behave) as server:
+        plugin = plugins(host, server.url, clock, blend_timeout=5.0)
+        local_hash, = save(plugin, host, doc)
+        key = LookupKey("r1", np.concatenate([doc, fresh(2 * C)]), MODEL)
         assert plugin.cb_unified_lookup(key) is None
-        assert wait_until(lambda: plugin.client.stats().in_flight == 1)
+        assert wait_until(lambda: server.active == 1)  # the query waits at the coordinator
+        clock.advance(4.9)
         assert plugin.cb_unified_lookup(key) is None  # pending, within the budget
-        clock.advance(5.0)
-        started = time.monotonic()
-        assert plugin.cb_unified_lookup(key) == CBUnifiedLookupResult(0, [])
-        assert time.monotonic() - started < 1.0
+        clock.advance(0.1)
+        result = plugin.cb_unified_lookup(key)
+        assert result.non_prefix_segments == [seg(0, 0, local_hash)]
+        assert server.active == 1  # completed with the reply still held at the coordinator
         assert plugin.trace("r1").fleet_status == "timeout"
-        assert wait_until(lambda: plugin.client.stats().late_discarded == 1, 5.0)
+        # Whatever arrives later is discarded, not kept for anyone.
+        released.set()
+        assert wait_until(lambda: plugin.client.stats().late_discarded == 1, 30.0)
+        assert plugin.client.take("r1").state is MatchState.UNKNOWN
         assert plugin.client.stats().tracked == 0
 
 
@@ -345,13 +348,12 @@ def test_a_slow_coordinator_gets_each_event_batch_once_while_lookups_keep_their_
         with BlendPlugin(config, host) as plugin:
             doc = fresh(3 * C)
             hashes = save(plugin, host, doc)
-            result, elapsed, _ = poll_lookup(plugin, LookupKey("r1", np.concatenate(
-                [fresh(5), doc]), MODEL))
+            result, _, _ = poll_lookup(plugin, LookupKey("r1", np.concatenate(
+                [fresh(5), doc]), MODEL), timeout=30.0)
             # The lookup did not wait for the coordinator's answer: local only, on its budget
-            # (the bound is "not hung", with room for a loaded machine).
+            # (a lookup that waited would say "ok").
             assert plugin.trace("r1").fleet_status in ("timeout", "failed")
             assert [s.cur_st for s in result.non_prefix_segments] == [5, 5 + C, 5 + 2 * C]
-            assert elapsed < config.blend_timeout + 1.5
             plugin.on_evict(hashes[:1])
             # Both POSTs (the stores, then the delete) were answered: each batch went once.
             assert wait_until(lambda: plugin.reporter.stats().sent_batches == 2, 15.0)

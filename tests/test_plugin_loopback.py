@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from helpers import HangingServer, LoopbackServer, Reply
+
+LANE = "unit"
 
 
 # --- the helpers work -----------------------------------------------------------------------
@@ -21,11 +21,9 @@ def test_loopback_server_answers_as_told_and_records():
 
 def test_hanging_server_never_answers():
     with HangingServer() as server:
-        started = time.monotonic()
         try:
             httpx.post(server.url + "/x", content=b"{}", timeout=0.2)
         except httpx.ReadTimeout:
             pass
         else:
             raise AssertionError("the hanging server answered")
-        assert time.monotonic() - started < 1.0

@@ -15,6 +15,8 @@ from coordinator_stub.launch.process import launch_coordinator, start_coordinato
 from helpers import wait_until
 from plugin.registrar import InstanceRegistrar
 
+LANE = "coordinator"
+
 settled = functools.partial(wait_until, timeout=60.0, interval=0.05)
 
 

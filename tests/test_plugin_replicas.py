@@ -16,6 +16,8 @@ from plugin import BlendCoordinatorClient, BlendNamespace, FleetReply, MatchStat
 from plugin.config import ConfigError
 from plugin.reporter import CacheEventReporter
 
+LANE = "unit"
+
 C = 16
 NS = BlendNamespace("model", "", 1)
 TOKENS = np.arange(4 * C, dtype=np.uint32)

@@ -21,6 +21,8 @@ from local_matcher import ContentIndex
 from plugin.lookup import select
 from plugin.types import FoundContent, Place
 
+LANE = "unit"
+
 C = 4
 NS = "ns"
 CONTENTS = [(0, 1, 2, 3), (1, 2, 3, 0), (2, 2, 2, 2), (0, 0, 1, 1), (3, 1, 3, 1)]

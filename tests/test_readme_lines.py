@@ -45,6 +45,8 @@ import pytest
 from coordinator_stub.config import parse_args
 from plugin.harness.lmcache_process import free_port, quiet_lmcache_env
 
+LANE = "unit"
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = (README, ROOT / "docs" / "OPERATIONS.md")  # where marked blocks are looked for
@@ -284,6 +286,7 @@ def _start_coordinator(ports: Ports, tmp_path: Path) -> tuple[subprocess.Popen, 
     return coordinator, url
 
 
+@pytest.mark.lmcache
 def test_run_lines_work_as_written(tmp_path):
     """The coordinator line, then each LMCache line against it (the README's order)."""
     run = [c for b in BLOCKS if b.kind == "run" for c in b.commands]
@@ -319,6 +322,7 @@ def test_run_lines_work_as_written(tmp_path):
         assert _stop(coordinator) == 0
 
 
+@pytest.mark.coordinator
 def test_python_example_prints_what_the_readme_says(tmp_path):
     """The usage example, run as written against the README's coordinator line."""
     examples = [i for i, b in enumerate(BLOCKS) if b.kind == "python"]

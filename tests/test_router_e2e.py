@@ -25,6 +25,8 @@ from blend_wire import EVENTS_PATH, INSTANCES_PATH, encode, pack_kv_rank
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import LoopbackServer, Reply, closed_port_url, wait_until
 
+LANE = "coordinator"
+
 C = 16
 MODEL = "m"
 rng = np.random.default_rng(230)

@@ -21,6 +21,8 @@ from blend_wire import BlendNamespace, EventsRequest, decode, encode, pack_kv_ra
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.durability.snapshot_format import FORMAT, SnapshotDir, SnapshotRefused, layout_of, read
 
+LANE = "unit"
+
 C = 16
 NS = BlendNamespace("m", "", 1)
 CONTENT = list(range(100, 100 + C))
@@ -38,6 +40,7 @@ def first_named(directory: KeyDirectory) -> bytes:
     return directory.match(np.array(CONTENT, dtype=np.uint32), NS)[0].chunk_hash
 
 
+@pytest.mark.coordinator
 def test_a_snapshot_written_by_another_process_restores_the_same_directory(tmp_path):
     # Two chunks hold one content: "aa" was claimed first, so a lookup names it first.
     tests_dir = str(Path(__file__).resolve().parent)

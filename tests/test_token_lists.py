@@ -19,6 +19,8 @@ from blend_wire import (CacheEventEntry, EncodedObjectKey, EventsRequest,
 from blend_wire.tokens import (LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE, BadTokenList,
                                _parse_lists)
 
+LANE = "unit"
+
 _REFERENCE = msgspec.json.Decoder(list[int])
 
 # --- generated lists ---------------------------------------------------------------------

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from blend_wire import (BlendLookupRequest, CacheEventBatch, EventsRequest, WireError, decode,
                          decode_tokens, encode_tokens, pack_kv_rank, world_size_of)
 
+LANE = "unit"
+
 
 def test_wire_md_example():
     assert encode_tokens([1, 2]) == "AQAAAAIAAAA="

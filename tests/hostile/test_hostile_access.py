@@ -27,6 +27,8 @@ from helpers import poll_lookup, wait_until
 from hostile_helpers import A, batch, entry
 from plugin import BlendPlugin, CacheEventReporter, InMemoryHost, LookupKey, PluginConfig
 
+LANE = "unit"
+
 EMIT, READ, ADMIN, BOTH = ("e" * 20, "r" * 20, "a" * 20, "b" * 20)
 TOKENS = (("emitter", EMIT), ("reader", READ), ("admin", ADMIN),
           ("emitter", BOTH), ("reader", BOTH))
@@ -140,6 +142,7 @@ def _server(url: str, name: str, l2: dict, **overrides):
     return host, BlendPlugin(config, host)
 
 
+@pytest.mark.coordinator
 def test_plugins_with_their_token_find_each_other_over_tls(certificate, tmp_path):
     cert, key = certificate
     tokens = tmp_path / "tokens"
@@ -181,6 +184,7 @@ def test_plugins_with_their_token_find_each_other_over_tls(certificate, tmp_path
                 plugin.close()
 
 
+@pytest.mark.coordinator
 def test_a_reporter_built_from_the_config_sends_its_token_and_trusts_its_ca(certificate,
                                                                            tmp_path):
     # The LMCache adapter builds its reporter apart from the plugin's; both go through

@@ -18,6 +18,8 @@ from blend_wire import BlendNamespace, CacheEventBatch, CacheEventEntry, Encoded
 from coordinator_stub.directory import KeyDirectory
 from local_matcher import ContentIndex
 
+LANE = "unit"
+
 C = 4
 NS = BlendNamespace("m", "", 1)
 rng = np.random.default_rng(3)

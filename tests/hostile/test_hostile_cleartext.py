@@ -17,6 +17,8 @@ from blend_wire import is_loopback_host
 from coordinator_stub.config import parse_args
 from plugin.http import coordinator_http
 
+LANE = "unit"
+
 TOKEN = "t" * 20
 
 

@@ -18,13 +18,22 @@ import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, HEALTH_PATH, encode, encode_tokens
 from coordinator_stub.launch.process import launch_coordinator
+from helpers import NOT_HUNG_S
 from hostile_helpers import A, batch, entry
 
+LANE = "coordinator"
 
-def _open_sockets(host: str, port: int, count: int, first_bytes: bytes = b"") -> list:
+
+def _open_sockets(host: str, port: int, count: int, first_bytes: bytes = b"",
+                  opened_at: list[float] | None = None) -> list:
+    """`count` connections that send `first_bytes` and nothing more; with `opened_at`, the
+    monotonic time before each connect is appended to it (no earlier than the server's
+    accept, which starts its idle timer)."""
     sockets = []
     for _ in range(count):
-        sock = socket.create_connection((host, port), timeout=5)
+        if opened_at is not None:
+            opened_at.append(time.monotonic())
+        sock = socket.create_connection((host, port), timeout=NOT_HUNG_S)
         if first_bytes:
             sock.sendall(first_bytes)
         sockets.append(sock)
@@ -40,45 +49,43 @@ def _closed_by_server(sock: socket.socket) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
-def _wait_until_closed(sockets: list, within: float) -> int:
-    deadline = time.monotonic() + within
-    closed: set[int] = set()
-    while time.monotonic() < deadline and len(closed) < len(sockets):
+def _wait_until_closed(sockets: list, at_least: int | None = None) -> dict[int, float]:
+    """Wait (up to NOT_HUNG_S) until the server closed `at_least` of `sockets` (default:
+    all); {index: monotonic time it was seen closed} of those it closed."""
+    deadline = time.monotonic() + NOT_HUNG_S
+    target = len(sockets) if at_least is None else at_least
+    closed: dict[int, float] = {}
+    while time.monotonic() < deadline and len(closed) < target:
         for i, sock in enumerate(sockets):
             if i not in closed and _closed_by_server(sock):
-                closed.add(i)
+                closed[i] = time.monotonic()
         time.sleep(0.05)
-    return len(closed)
-
-
-def _timed(http: httpx.Client, method: str, path: str, **kwargs) -> tuple[int, float]:
-    started = time.perf_counter()
-    response = http.request(method, path, **kwargs)
-    return response.status_code, time.perf_counter() - started
+    return closed
 
 
 def test_idle_and_trickling_connections_are_closed_after_the_idle_timeout():
     with launch_coordinator("--idle-timeout", "1", "--chunk-size", "4") as running:
-        silent = _open_sockets(running.host, running.port, 50)
+        opened_at: list[float] = []
+        silent = _open_sockets(running.host, running.port, 50, opened_at=opened_at)
         partial = _open_sockets(running.host, running.port, 50,
-                                b"POST /events HTTP/1.1\r\nHost: x\r\n")
-        # Nobody is closed early (well within the timeout) ...
-        assert _wait_until_closed(silent + partial, within=0.3) == 0
-        # ... and every one is closed soon after it.
-        assert _wait_until_closed(silent + partial, within=5.0) == 100
+                                b"POST /events HTTP/1.1\r\nHost: x\r\n", opened_at)
+        closed = _wait_until_closed(silent + partial)
+        assert len(closed) == 100  # every one is closed ...
+        # ... and none before its idle timeout (a loaded machine only closes them later).
+        assert min(closed[i] - opened_at[i] for i in closed) >= 1.0
         for sock in silent + partial:
             sock.close()
 
 
 def test_a_body_that_never_completes_is_answered_408():
     with launch_coordinator("--body-timeout", "1", "--chunk-size", "4") as running:
-        with socket.create_connection((running.host, running.port), timeout=10) as sock:
+        # The reply comes after the body timeout (1 s); without it, never (the socket's
+        # timeout, NOT_HUNG_S, would fail the test).
+        with socket.create_connection((running.host, running.port), timeout=NOT_HUNG_S) as sock:
             sock.sendall(b"POST /events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                          b"\r\nContent-Length: 1000\r\n\r\n{\"batches\": [")
-            started = time.monotonic()
             reply = sock.recv(4096)
             assert reply.startswith(b"HTTP/1.1 408"), reply
-            assert time.monotonic() - started < 5
 
 
 def test_keeps_answering_under_hundreds_of_hostile_sockets_and_caps_them():
@@ -92,23 +99,21 @@ def test_keeps_answering_under_hundreds_of_hostile_sockets_and_caps_them():
         hostile = _open_sockets(running.host, running.port, 200)
         hostile += _open_sockets(running.host, running.port, 200, b"GET /healthz HTTP/1.1\r\n")
         # At most the cap stays open: the longest-idle make room for newcomers.
-        assert _wait_until_closed(hostile, within=3.0) >= len(hostile) - 100
+        assert len(_wait_until_closed(hostile, at_least=len(hostile) - 100)) >= len(hostile) - 100
         query = encode({"tokens_b64": encode_tokens([9] + A), "model_name": "m"})
-        latencies = []
-        # Fresh connections (no keep-alive), each of which must get in past the hostile ones.
+        # Fresh connections (no keep-alive), each of which must get in past the hostile ones
+        # (their latencies under ~19k such sockets: benchmarks/bench_hostile_sockets.py).
         for _ in range(20):
-            with httpx.Client(base_url=running.url, timeout=5) as http:
-                status, took = _timed(http, "GET", HEALTH_PATH)
-                assert status == 200
-                latencies.append(took)
+            with httpx.Client(base_url=running.url, timeout=NOT_HUNG_S) as http:
+                assert http.get(HEALTH_PATH).status_code == 200
                 response = http.post(BLEND_LOOKUP_PATH, content=query)
                 assert response.status_code == 200
                 assert [m["chunk_hash"] for m in response.json()["matches"]] == ["aa01"]
-        assert max(latencies) < 2.0, latencies
         for sock in hostile:
             sock.close()
 
 
+@pytest.mark.unit
 def test_connection_cap_is_kept_below_the_descriptor_limit():
     from coordinator_stub.http.connections import connection_cap
     import resource

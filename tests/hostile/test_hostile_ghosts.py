@@ -19,6 +19,8 @@ from blend_wire import (INSTANCES_PATH, MAX_METADATA_CHARS, MAX_REGISTRATION_BOD
                         encode)
 from hostile_helpers import A, batch, entry
 
+LANE = "unit"
+
 GHOSTS = 2000
 
 

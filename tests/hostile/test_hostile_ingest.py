@@ -1,6 +1,7 @@
 """Fair, bounded ingest (issue 11, point 2): one client's flood of `/events` bodies cannot
-stall another emitter's batch, request bytes in flight are bounded (503 + Retry-After,
-which the plugin's reporter honours), and memory comes back after a burst.
+stall another emitter's batch, and request bytes in flight are bounded (503 + Retry-After,
+which the plugin's reporter honours). That memory comes back after a burst is measured by
+`benchmarks/bench_memory_burst.py`, not asserted here (an RSS threshold flakes under load).
 
 Before: one FIFO ingest thread applied whole bodies in arrival order, with no bound on how
 many were buffered: eight parallel 62 MiB bodies delayed another instance's small batch by
@@ -11,12 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
-import time
 
-import httpx
 import numpy as np
-import psutil
 import pytest
 
 from blend_wire import EVENTS_PATH, BlendNamespace, encode
@@ -29,6 +26,8 @@ from coordinator_stub.service.coordinator import Coordinator
 from helpers import wait_until
 from hostile_helpers import A, batch, entry
 from plugin.reporter import CacheEventReporter
+
+LANE = "unit"
 
 rng = np.random.default_rng(11)
 
@@ -234,20 +233,32 @@ def test_a_bad_last_batch_rejects_the_whole_body_naming_it():
 
 async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
     coord = await start()
-    flood = [_flood_body(40, 1000, instance=f"flood{k}") for k in range(3)]
+    service, queue = coord.coordinator, coord.app[WRITES].ingest_queue
+    applied: list[str] = []  # the emitter of every batch, in the order they were applied
+    ingest, submit = service.directory.ingest, queue.submit
+    service.directory.ingest = lambda batches: (
+        applied.extend(b.instance_id for b in batches) or ingest(batches))
+    queued_at: list[int] = []  # batches applied when the victim's body reached the queue
+
+    def recording_submit(body, *args):
+        if b'"victim"' in body[:100]:
+            queued_at.append(len(applied))
+        return submit(body, *args)
+    queue.submit = recording_submit
+    flood = [_flood_body(4, 1000, instance=f"flood{k}") for k in range(3)]
     posts = [asyncio.create_task(coord.client.post(EVENTS_PATH, data=body)) for body in flood]
-    queue = coord.app[WRITES].ingest_queue
     while queue.pending < 3:  # every flood body received and queued
         await asyncio.sleep(0.005)
-    started = time.perf_counter()
     await coord.post_events(batch(entry("aa01", A, offset=0), instance="victim"))
-    victim_s = time.perf_counter() - started
     for post in posts:
         assert (await post).status == 200
-    flood_s = time.perf_counter() - started
-    # FIFO would put the victim behind all 120 flood batches; fair turns, behind ~3 steps.
-    print(f"victim {victim_s:.3f} s, flood {flood_s:.3f} s")
-    assert victim_s < flood_s / 4, (victim_s, flood_s)
+    assert len(applied) == 13
+    [arrived] = queued_at
+    behind = applied.index("victim") - arrived
+    # FIFO would put the victim behind every flood batch still queued when it arrived (all
+    # but the first few of 12); fair turns, behind the step running then (one batch).
+    print(f"victim applied {behind} batches after it was queued; FIFO: {12 - arrived}")
+    assert behind <= 2, (behind, arrived)
     assert await coord.lookup(A) == [("aa01", 0, 0)]
 
 
@@ -295,6 +306,7 @@ def _hog(host: str, port: int, declared: int) -> socket.socket:
     return sock
 
 
+@pytest.mark.coordinator
 def test_bytes_in_flight_are_bounded_503_retry_after_and_the_reporter_honours_it():
     mib = 1 << 20
     # The hog holds the whole ingest budget until the test lets go of it (its body timeout is
@@ -325,46 +337,3 @@ def test_bytes_in_flight_are_bounded_503_retry_after_and_the_reporter_honours_it
         finally:
             reporter.close()
             hog.close()
-
-
-def test_memory_returns_after_a_burst():
-    mib = 1 << 20
-    body = _flood_body(16, 700, instance="burst", chunk=256)  # ~30 MiB of store entries
-    assert len(body) > 20 * mib
-    # Re-sent as duplicates: validated in full every time, but nothing new is stored, so
-    # the live set stays that of the first one.
-    with launch_coordinator("--enable-blend-lookup") as running:
-        process = psutil.Process(running.process.pid)
-        with httpx.Client(base_url=running.url, timeout=120) as http:
-            assert http.post(EVENTS_PATH, content=body).json()["applied"] == 16
-        settled = process.memory_info().rss
-        peak = settled
-
-        def send() -> None:
-            with httpx.Client(base_url=running.url, timeout=120) as http:
-                for _ in range(2):
-                    response = http.post(EVENTS_PATH, content=body)
-                    assert response.status_code in (200, 503), response.text
-
-        threads = [threading.Thread(target=send) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        while any(t.is_alive() for t in threads):
-            peak = max(peak, process.memory_info().rss)
-            time.sleep(0.02)
-        for thread in threads:
-            thread.join()
-        # Given back once the last bodies are freed: on a loaded machine that can take a
-        # while after the last reply (a fixed 0.5 s once read the peak), so wait for it.
-        deadline = time.monotonic() + 20
-        while True:
-            after = process.memory_info().rss
-            if after - settled < 128 * mib or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        print(f"rss settled {settled / mib:.0f} MiB, peak {peak / mib:.0f}, "
-              f"after {after / mib:.0f}")
-        # Bounded during the burst (bodies in flight are capped at 128 MiB) ...
-        assert peak - settled < 450 * mib
-        # ... and given back after it (before: all of the peak, +340 MiB, stayed).
-        assert after - settled < 128 * mib

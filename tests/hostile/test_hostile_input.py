@@ -17,6 +17,8 @@ import pytest
 from blend_wire import BLEND_LOOKUP_PATH, EVENTS_PATH, encode, encode_tokens
 from hostile_helpers import A, B, batch, entry
 
+LANE = "unit"
+
 BAD_EVENTS = {
     "hex with a space": (entry("ab cd"), "chunk_hash_hex"),
     "hex of spaces only": (entry("  "), "chunk_hash_hex"),

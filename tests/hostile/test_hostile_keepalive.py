@@ -17,6 +17,8 @@ import pytest
 from blend_wire import EVENTS_PATH, HEALTH_PATH, encode
 from hostile_helpers import batch, entry
 
+LANE = "unit"
+
 
 async def _exchange(reader, writer, head: bytes, body: bytes) -> tuple[int, dict, bytes]:
     writer.write(head + body)

@@ -21,6 +21,8 @@ from coordinator_stub.directory import KeyDirectory
 from helpers import python_lines
 from hostile_helpers import A, B, batch, entry
 
+LANE = "unit"
+
 DOCUMENT = [[31, 32, 33, 34], [41, 42, 43, 44], [51, 52, 53, 54]]
 HASHES = ["d001", "d002", "d003"]
 

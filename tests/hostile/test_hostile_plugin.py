@@ -21,6 +21,8 @@ from helpers import FakeClock, LoopbackServer, Reply, wait_until
 from plugin import (BlendPlugin, CBUnifiedLookupResult, InMemoryHost, LookupKey, MatchState,
                     PluginConfig)
 
+LANE = "unit"
+
 C = 16
 MODEL = "m"
 

@@ -18,6 +18,8 @@ import numpy as np
 
 from blend_wire import BLEND_LOOKUP_PATH, encode, encode_tokens
 
+LANE = "unit"
+
 FLOODERS, EACH = 4, 3
 TOKENS = {name: name[0].upper() * 4 + name.ljust(16, "-")
           for name in ["gate", "victim", *(f"flood{i}" for i in range(FLOODERS))]}

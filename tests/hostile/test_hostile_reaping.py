@@ -24,6 +24,8 @@ from coordinator_stub.writes.replicated import BEATS, REAP, REGISTER, LogReplica
 from coordinator_stub.service.coordinator import Coordinator
 from helpers import FakeClock
 
+LANE = "unit"
+
 TIMEOUT = 30.0
 
 

@@ -19,6 +19,8 @@ import numpy as np
 from helpers import HangingServer, LoopbackServer, Reply, take_when_done
 from plugin import BlendCoordinatorClient, BlendNamespace, MatchState
 
+LANE = "unit"
+
 C = 16
 NS = BlendNamespace("model", "", 1)
 TOKENS = np.arange(4 * C, dtype=np.uint32)

@@ -24,6 +24,8 @@ from hostile_helpers import A, B, batch, entry
 from plugin import BlendPlugin, CacheEventReporter, InMemoryHost, LookupKey, PluginConfig
 from plugin.registrar import InstanceRegistrar
 
+LANE = "unit"
+
 TOKEN_A, TOKEN_B, ADMIN, OPEN = "A" * 20, "B" * 20, "Z" * 20, "O" * 20
 SCOPE_A = Scope(instances=("inst-A",), salts=frozenset({"tenant-a"}))
 SCOPE_B = Scope(instances=("inst-B*",), salts=frozenset({"tenant-b", ""}))
@@ -175,6 +177,7 @@ def test_scoped_token_lines_and_variables(tmp_path):
 C = 256
 
 
+@pytest.mark.coordinator
 def test_plugins_with_scoped_tokens_work_and_stay_in_their_scope(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"emitter {TOKEN_A} instances=srv-a* salts=\"\",tenant\n"

@@ -22,6 +22,8 @@ import pytest
 
 from coordinator_stub.durability.snapshot_format import SnapshotDir, SnapshotRefused, read
 
+LANE = "unit"
+
 
 def _save(folder, seq: int):
     return SnapshotDir(folder).save({"seq": seq, "payload": list(range(1000))},
@@ -65,6 +67,7 @@ _BLOCKED_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.coordinator
 def test_partial_files_a_killed_writer_left_are_removed_at_start(tmp_path):
     _save(tmp_path, 1)
     writer = subprocess.Popen([sys.executable, "-c", _BLOCKED_WRITER, str(tmp_path)],
