@@ -10,7 +10,7 @@ stops falling, up to `--settle` s), each change as a ratio of the bytes the coor
 lets be in flight (`--max-ingest-bytes`, the bound on request bodies it buffers), what
 live objects hold after a garbage collection and `malloc_trim` (`memory_probe`), and the
 machine. A burst's peak is bounded by what is in flight, and what it took comes back
-after it (`coordinator_stub/ingest.py`, "Memory"). This was a test's RSS threshold, which
+after it (`coordinator_stub/writes/local.py`, "Memory"). This was a test's RSS threshold, which
 flaked under load.
 """
 

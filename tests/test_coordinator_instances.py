@@ -11,7 +11,7 @@ import pytest
 
 from blend_wire import INSTANCES_PATH, encode
 from coordinator_client import batch, entry, refusal
-from coordinator_stub.instances import InstanceRegistry
+from coordinator_stub.service.instances import InstanceRegistry
 from helpers import FakeClock
 
 LANE = "unit"
