@@ -50,6 +50,7 @@ def test_kv_rank_fan_out_packs_world_size_and_rank_twice():
                                   (2 << 24) | (1 << 16) | (2 << 8) | 1]
 
 
+@pytest.mark.lmcache
 def test_random_sequences_hash_as_lmcache_does():
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")

@@ -194,29 +194,40 @@ def test_pending_prefetch_returns_none(plugins):
     assert len(host.prefetch_requests) == 1  # polled, not re-submitted
 
 
-def held_reply(*matches):
-    """A `behave` that holds each reply until the test sets the event it returns with it."""
-    released, reply = threading.Event(), fleet_reply(*matches)
+class HeldReply:
+    """A `behave` that answers blend lookups with `matches`, each only once the test calls
+    `release()`; `waiting` is how many are held now. Other requests (the plugin's events)
+    are answered at once."""
 
-    def behave(path, body):
-        released.wait(60)
-        return reply(path, body)
-    return behave, released
+    def __init__(self, *matches) -> None:
+        self._reply, self._released = fleet_reply(*matches), threading.Event()
+        self.waiting = 0
+
+    def __call__(self, path: str, body: bytes) -> Reply:
+        if path != BLEND_LOOKUP_PATH:
+            return ok_reply(path, body)
+        self.waiting += 1
+        self._released.wait(60)
+        self.waiting -= 1
+        return self._reply(path, body)
+
+    def release(self) -> None:
+        self._released.set()
 
 
 def test_pending_coordinator_before_the_deadline_returns_none(plugins):
     l2 = {}
     fleet_chunk = b"\xf1" * 4
     l2[fleet_chunk] = np.zeros(C, dtype=np.uint32)
-    behave, released = held_reply((fleet_chunk, 64, 2 * C))
-    with LoopbackServer(behave) as server:
+    held = HeldReply((fleet_chunk, 64, 2 * C))
+    with LoopbackServer(held) as server:
         plugin = plugins(InMemoryHost(C, shared_l2=l2), server.url, FakeClock(),
                          blend_timeout=2.0)
         key = LookupKey("r1", fresh(4 * C), MODEL)
         assert plugin.cb_unified_lookup(key) is None
-        assert wait_until(lambda: server.active == 1)  # the query waits at the coordinator
+        assert wait_until(lambda: held.waiting == 1)  # the query waits at the coordinator
         assert plugin.cb_unified_lookup(key) is None  # pending, within the budget
-        released.set()
+        held.release()
         result, _, _ = poll_lookup(plugin, key, timeout=30.0)
         assert result.non_prefix_segments == [seg(64, 2 * C, fleet_chunk)]
         assert plugin.trace("r1").fleet_status == "ok"
@@ -311,22 +322,22 @@ def test_past_the_deadline_the_lookup_goes_local_only(plugins):
     host = InMemoryHost(C, shared_l2=l2)
     doc = fresh(C)
     clock = FakeClock()
-    behave, released = held_reply((b"\x0f", 0, 2 * C))
-    with LoopbackServer(behave) as server:
+    held = HeldReply((b"\x0f", 0, 2 * C))
+    with LoopbackServer(held) as server:
         plugin = plugins(host, server.url, clock, blend_timeout=5.0)
         local_hash, = save(plugin, host, doc)
         key = LookupKey("r1", np.concatenate([doc, fresh(2 * C)]), MODEL)
         assert plugin.cb_unified_lookup(key) is None
-        assert wait_until(lambda: server.active == 1)  # the query waits at the coordinator
+        assert wait_until(lambda: held.waiting == 1)  # the query waits at the coordinator
         clock.advance(4.9)
         assert plugin.cb_unified_lookup(key) is None  # pending, within the budget
         clock.advance(0.1)
         result = plugin.cb_unified_lookup(key)
         assert result.non_prefix_segments == [seg(0, 0, local_hash)]
-        assert server.active == 1  # completed with the reply still held at the coordinator
+        assert held.waiting == 1  # completed with the reply still held at the coordinator
         assert plugin.trace("r1").fleet_status == "timeout"
         # Whatever arrives later is discarded, not kept for anyone.
-        released.set()
+        held.release()
         assert wait_until(lambda: plugin.client.stats().late_discarded == 1, 30.0)
         assert plugin.client.take("r1").state is MatchState.UNKNOWN
         assert plugin.client.stats().tracked == 0
