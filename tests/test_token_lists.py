@@ -83,19 +83,19 @@ def _check_kernel(text: bytes) -> None:
             pytest.fail(f"kernel gave up on a plain list of integers: {text!r}")
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(_list_texts())
 def test_the_kernel_agrees_with_msgspec_on_generated_lists(text):
     _check_kernel(text)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(_SOUP)
 def test_the_kernel_agrees_with_msgspec_on_character_soup(text):
     _check_kernel(text)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(_VALID)
 def test_every_list_of_integers_takes_the_kernel_path(text):
     ids, status = _kernel(text)
@@ -106,7 +106,7 @@ def test_every_list_of_integers_takes_the_kernel_path(text):
         assert ids.dtype == np.uint32 and ids.tolist() == values
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(_list_texts(), _VALID), min_size=1, max_size=6))
 def test_lists_parsed_together_are_each_what_they_are_alone(texts):
     # One kernel call per batch: a list must not run into the next one.
@@ -135,7 +135,7 @@ def _assert_token_ids(got, values: list[int]) -> None:
         assert got == values and type(got) is list
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(_list_texts())
 def test_refusals_are_msgspecs_own_messages_under_token_ids(text):
     values, error = _reference(text)
