@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Two stamps: the project with its own dependencies (what `make demo` needs, tens of MB), then
-# the test and lmcache extras and LMCache itself on top (`make test`, ~1.4 GB).
+# Two stamps: the project and its own dependencies (what `make demo` needs: ~80 MB to
+# download), then the test and lmcache extras and LMCache on top (`make test`: ~1.4 GB).
 BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 # The LMCache MP server the plugin loads into (plugin/lmcache/ is written for it).
@@ -24,7 +24,7 @@ LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
 
 $(BASE_STAMP): pyproject.toml Makefile
-	@echo "Setting up $(VENV)/ (first use, or pyproject.toml/Makefile changed): the project and its own dependencies (numpy, numba, aiohttp, httpx, ...)."
+	@echo "Setting up $(VENV)/ (first use, or pyproject.toml/Makefile changed): the project and its own dependencies (numpy, numba, aiohttp, httpx, ...: about 80 MB to download)."
 	@test -x $(PY) || { $(call STEP,[1/2] creating the virtual environment,$(PYTHON) -m venv $(VENV)); }
 	@$(call STEP,[2/2] installing the project (-e .),$(PY) -m pip install --quiet -e .)
 	@touch $(BASE_STAMP)
