@@ -172,7 +172,7 @@ def test_indexed_tokens_are_kept_once_and_fetched_back_when_claiming():
     t0, t1 = SPACES[0], SPACES[1]
     directory.ingest([_batch("i0", 0, 1, "store", TIERS[0], [_entry("a1", t0, CONTENTS[0], 0)])])
     # The directory keeps a digest, not a second copy of the tokens the index holds.
-    assert all(type(b[0]) is int for b in directory._bindings.values())
+    assert all(type(b[0]) is int for b in directory._bindings.table.values())
     directory.ingest([_batch("i0", 0, 2, "store", TIERS[0], [_entry("a1", t1, (), 0)])])
     found = directory.match(np.array(CONTENTS[0], dtype=np.uint32), BlendNamespace("m", "t1", 1))
     assert [(m.chunk_hash, m.old_st) for m in found] == [(bytes.fromhex("a1"), 0)]

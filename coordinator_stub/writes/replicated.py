@@ -449,8 +449,8 @@ def _layout(config) -> str:
                                probe_stride=config.blend_probe_stride,
                                enable_blend_lookup=True)
         index = scratch._index  # noqa: SLF001 - same package; fingerprint only
-        _layouts[key] = layout_of(scratch, index, index._store, index._claims,
-                                  scratch._gate, InstanceRegistry())
+        _layouts[key] = layout_of(*scratch.state_parts(), index, index._store,
+                                  index._claims, InstanceRegistry())
     return _layouts[key]
 
 

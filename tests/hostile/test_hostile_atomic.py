@@ -16,6 +16,7 @@ import pytest
 
 from blend_wire import BlendNamespace, CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_kv_rank
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory.bindings import Bindings
 from local_matcher import ContentIndex
 
 LANE = "unit"
@@ -54,8 +55,8 @@ def _state(directory: KeyDirectory, contents: dict[str, list[int]]) -> dict:
     stats.pop("blend_bytes")  # an estimate of capacity, which a read may move
     return {"stats": stats, "found": found,
             "cursor": directory._gate.position("i0"),
-            "bindings": {h: _plain(b) for h, b in directory._bindings.items()},
-            "held": {i: frozenset(s) for i, s in directory._held_by.items()}}
+            "bindings": {h: _plain(b) for h, b in directory._bindings.table.items()},
+            "held": {i: frozenset(s) for i, s in directory._bindings.held_by.items()}}
 
 
 def _plain(binding: tuple) -> tuple:
@@ -87,7 +88,7 @@ def seeded(request):
 
 def _failing_batch(directory, contents, seq: int = 2, incarnation: int = 0
                    ) -> CacheEventBatch:
-    trust = directory._trust_shared_hashes
+    trust = directory._bindings.trust_shared_hashes
     t1 = ([_entry("aa", salt="t1")] if trust  # a claim for another tenant
           else [_entry("aa", contents["a"], offset=40, salt="t1"),
                 _entry("bb", contents["c"], offset=24, salt="t1")])  # t1's own changes
@@ -108,7 +109,7 @@ def test_failure_while_applying_changes_nothing_and_a_retry_applies(seeded, monk
     directory, contents = seeded
     before = _state(directory, contents)
     calls = {"n": 0}
-    real_store = KeyDirectory._store
+    real_store = Bindings._store
     last = len(_failing_batch(directory, contents).entries)
 
     def store_then_fail(self, *args):
@@ -117,12 +118,12 @@ def test_failure_while_applying_changes_nothing_and_a_retry_applies(seeded, monk
             raise _Boom("injected")
         return real_store(self, *args)
 
-    monkeypatch.setattr(KeyDirectory, "_store", store_then_fail)
+    monkeypatch.setattr(Bindings, "_store", store_then_fail)
     with pytest.raises(_Boom):
         directory.ingest([_failing_batch(directory, contents)])
     assert _state(directory, contents) == before
 
-    monkeypatch.setattr(KeyDirectory, "_store", real_store)
+    monkeypatch.setattr(Bindings, "_store", real_store)
     reply = directory.ingest([_failing_batch(directory, contents)])  # the same batch, same seq
     assert reply.applied == 1
     after = _state(directory, contents)
@@ -160,14 +161,16 @@ def test_failure_inside_the_index_changes_nothing_and_a_retry_applies(seeded, mo
 def test_an_instance_without_placements_costs_nothing(seeded):
     directory, contents = seeded
     directory.ingest([_batch(_entry("ff", _tokens(), offset=0), seq=1, instance="brief")])
-    assert "brief" in directory._held_by
+    assert "brief" in directory._bindings.held_by
     directory.ingest([_batch(_entry("ff"), seq=2, instance="brief", event_type="delete")])
-    assert "brief" not in directory._held_by
+    assert "brief" not in directory._bindings.held_by
 
 
 def _tables(directory: KeyDirectory) -> tuple[int, ...]:
-    return (len(directory._place_nos), len(directory._ident_nos), len(directory._held_by),
-            len(directory._l1_by_instance), len(directory._gate), len(directory._capacity))
+    placements = directory._placements
+    return (len(placements._place_nos), len(placements._ident_nos),
+            len(directory._bindings.held_by), len(placements.l1_by_instance),
+            len(directory._gate), len(directory._capacity))
 
 
 def test_instance_churn_does_not_grow_the_directorys_tables():
@@ -193,7 +196,7 @@ def test_instance_churn_does_not_grow_the_directorys_tables():
     # The steady instance's chunk is untouched and place numbers are reused, not grown.
     assert [m.chunk_hash for m in directory.match(np.array(tokens, dtype=np.uint32), NS)] \
         == [b"\xaa"]
-    assert len(directory._places) <= 4
+    assert len(directory._placements.places) <= 4
 
 
 def test_rollback_restores_access_counts_of_a_many_keys_chunk(monkeypatch):
@@ -203,7 +206,7 @@ def test_rollback_restores_access_counts_of_a_many_keys_chunk(monkeypatch):
     directory.ingest([_batch(*keys, seq=1)])
     directory.ingest([_batch(*keys, seq=2, event_type="access")])  # counts in a dict now
     before = _state(directory, {"e": tokens})
-    real_access = KeyDirectory._access
+    real_access = Bindings._access
     calls = {"n": 0}
 
     def access_then_fail(self, key):
@@ -212,7 +215,7 @@ def test_rollback_restores_access_counts_of_a_many_keys_chunk(monkeypatch):
             raise _Boom("injected")
         return real_access(self, key)
 
-    monkeypatch.setattr(KeyDirectory, "_access", access_then_fail)
+    monkeypatch.setattr(Bindings, "_access", access_then_fail)
     with pytest.raises(_Boom):
         directory.ingest([_batch(*keys, seq=3, event_type="access")])
     assert _state(directory, {"e": tokens}) == before
@@ -224,17 +227,18 @@ def test_made_up_keys_cost_nothing_once_deleted():
     directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
     tokens = _tokens()
     directory.ingest([_batch(_entry("aa", tokens, offset=0), seq=1, instance="steady")])
-    sizes = (len(directory._key_nos), len(directory._namespaces))
+    sizes = (len(directory._placements.key_nos), len(directory._placements._namespaces))
     junk = [_entry(f"{i:04x}", tokens, offset=0, salt=f"s{i}", group=i) for i in range(300)]
     directory.ingest([_batch(*junk, seq=1, instance="junk")])
-    assert len(directory._key_nos) == sizes[0] + 300
+    assert len(directory._placements.key_nos) == sizes[0] + 300
     directory.ingest([_batch(*junk[:150], seq=2, instance="junk", event_type="delete")])
     directory.ingest([_batch(_entry("ab", tokens, offset=4), seq=1, instance="junk",
                              incarnation=1)])  # a restart fences the other 150
     directory.drop_instance("junk")
-    assert (len(directory._key_nos), len(directory._namespaces)) == sizes
+    assert (len(directory._placements.key_nos),
+            len(directory._placements._namespaces)) == sizes
     assert [m.chunk_hash for m in directory.match(np.array(tokens, dtype=np.uint32), NS)] \
         == [b"\xaa"]
     # Numbers are reused, not grown.
     directory.ingest([_batch(*junk[:10], seq=1, instance="again")])
-    assert len(directory._key_raw) <= sizes[0] + 300
+    assert len(directory._placements.key_raw) <= sizes[0] + 300

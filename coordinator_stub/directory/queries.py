@@ -1,0 +1,172 @@
+"""Read-only answers from the directory's bindings and placements: where a namespace's
+chunks are held, a key's places, tokens and access count, the key listing (docs/WIRE.md,
+"POST /directory/lookup", "GET /directory/keys"). `KeyDirectory` calls these under its
+lock, except `places_of` (lookups never wait for ingest: see there) and the walk of a
+listing's copied rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blend_wire import BlendNamespace
+from coordinator_stub.directory.bindings import OwnContent, access_count
+from coordinator_stub.directory.placements import (
+    BACKEND,
+    INSTANCE,
+    SHARED,
+    TIER,
+    Placements,
+    place_order,
+    placements_in,
+)
+from coordinator_stub.directory.writer import IndexWriter
+
+# `places_of` answers for a chunk held nowhere the requester can see, or only in a shared
+# tier (shared by every answer: never mutated).
+_NOWHERE: tuple[list[str], bool] = ((), False)
+_SHARED_ONLY: tuple[list[str], bool] = ((), True)
+
+
+def places_of(table: dict, placements: Placements, chunk_hashes: list[bytes],
+              namespace: BlendNamespace) -> list[tuple[list[str], bool]]:
+    """Where `namespace`'s keys of each chunk are held: (instances whose L1 has one,
+    sorted; whether a shared tier has one).
+
+    A hint for the requester's choice among chunks of one content, read without the
+    directory lock so that lookups never wait for ingest: it is the state as of some
+    moment while batches apply (tuples are replaced whole; a many-keys record changed
+    under the read answers "nowhere known", which only makes a chunk look remote)."""
+    key_ns, places = placements.key_ns, placements.places
+    found = []
+    for chunk_hash in chunk_hashes:
+        binding = table.get(chunk_hash)
+        holds = None if binding is None else binding[2]
+        try:
+            if type(holds) is tuple and len(holds) == 2:  # one placement: nearly all
+                if key_ns[holds[0]] != namespace:
+                    found.append(_NOWHERE)
+                    continue
+                place = places[holds[1]]
+                found.append(_SHARED_ONLY if place[SHARED] else
+                             ([place[INSTANCE]], False) if place[TIER] == "l1"
+                             else _NOWHERE)
+                continue
+            if holds is None:
+                found.append(_NOWHERE)
+                continue
+            pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple else
+                     [(k, p) for k, ps in list(holds.places.items()) for p in ps])
+            l1, shared = set(), False
+            for key_no, place_no in pairs:
+                if key_ns[key_no] == namespace:
+                    place = places[place_no]
+                    if place[SHARED]:
+                        shared = True
+                    elif place[TIER] == "l1":
+                        l1.add(place[INSTANCE])
+            found.append((sorted(l1), shared))
+        except (RuntimeError, IndexError, TypeError):
+            found.append(_NOWHERE)
+    return found
+
+
+def placements_of(table: dict, placements: Placements, writer: IndexWriter | None,
+                  keys: list[tuple[bytes, tuple]]) -> list[tuple[list, list, int]]:
+    """`KeyDirectory.placements_of`, under the directory lock."""
+    results = []
+    tokens_of: dict[bytes, list[int]] = {}
+    for chunk_hash, raw_key in keys:
+        binding = table.get(chunk_hash)
+        if binding is None:
+            results.append(([], [], 0))
+            continue
+        tokens = tokens_of.get(chunk_hash)
+        if tokens is None:
+            tokens = tokens_of[chunk_hash] = shown_tokens(chunk_hash, binding, writer)
+        key_no = placements.key_nos.get(raw_key)
+        if key_no is None:
+            results.append(([], tokens, 0))
+            continue
+        holds = binding[2]
+        place_nos = ([holds[i + 1] for i in range(0, len(holds), 2)
+                      if holds[i] == key_no] if type(holds) is tuple
+                     else holds.places.get(key_no, ()))
+        places = sorted((placements.places[p] for p in place_nos), key=place_order)
+        results.append((places, tokens, access_count(binding[3], key_no)))
+    return results
+
+
+def with_other_groups(table: dict, placements: Placements,
+                      keys: list[tuple[bytes, tuple]]) -> list[tuple[bytes, tuple]]:
+    """`KeyDirectory.with_other_groups`, under the directory lock."""
+    expanded: list[tuple[bytes, tuple]] = []
+    by_chunk: dict[bytes, dict[tuple, list[tuple]]] = {}
+    for chunk_hash, raw_key in keys:
+        groups = by_chunk.get(chunk_hash)
+        if groups is None:
+            groups = by_chunk[chunk_hash] = {}
+            binding = table.get(chunk_hash)
+            holds = binding[2] if binding is not None else ()
+            key_nos = (dict.fromkeys(holds[0::2]) if type(holds) is tuple
+                       else holds.places)
+            for key_no in key_nos:
+                stored = placements.key_raw[key_no]
+                groups.setdefault(stored[:3], []).append(stored)
+        expanded.append((chunk_hash, raw_key))
+        expanded.extend((chunk_hash, stored) for stored in sorted(
+            (stored for stored in groups.get(raw_key[:3], ()) if stored != raw_key),
+            key=lambda stored: stored[3]))
+    return expanded
+
+
+def key_rows(table: dict, chunk_size: int) -> list[tuple]:
+    """A copy of the bindings for a listing, `(chunk_hash, num_tokens, holds, accesses)`
+    (under the directory lock: flat records are immutable tuples, the others copied)."""
+    return [(chunk_hash,
+             len(reported) // 4 if reported is not None
+             else 0 if content is None or type(content) is OwnContent
+             else chunk_size,
+             holds if type(holds) is tuple else placements_in(holds),
+             accesses if type(accesses) is tuple else dict(accesses))
+            for chunk_hash, (content, _, holds, accesses, reported) in table.items()]
+
+
+def key_page(rows: list[tuple], placements: Placements, tier: str, instance_id: str,
+             backend: str, offset: int, limit: int
+             ) -> tuple[int, list[tuple[bytes, tuple, list, int, int]]]:
+    """The listing of `key_rows` (`KeyDirectory.list_keys`), walked without the lock
+    (the rows are a copy, and the interning tables only grow)."""
+    places, key_raw = placements.places, placements.key_raw
+    total, page = 0, []
+    for chunk_hash, num_tokens, holds, accesses in rows:
+        pairs = zip(holds[0::2], holds[1::2]) if type(holds) is tuple else holds
+        by_key: dict[int, list] = {}
+        for key_no, place_no in pairs:
+            place = places[place_no]
+            if ((tier == "all" or place[TIER] == tier)
+                    and (not instance_id or place[INSTANCE] == instance_id)
+                    and (not backend or place[BACKEND] == backend)):
+                by_key.setdefault(key_no, []).append(place)
+        for key_no, matching in by_key.items():
+            if offset <= total < offset + limit:
+                matching.sort(key=place_order)
+                page.append((chunk_hash, key_raw[key_no], matching, num_tokens,
+                             access_count(accesses, key_no)))
+            total += 1
+    return total, page
+
+
+def shown_tokens(chunk_hash: bytes, binding: tuple, writer: IndexWriter | None
+                 ) -> list[int]:
+    """The tokens directory queries show for a chunk: those of the latest STORE that
+    carried any (DESIGN.md, "Key directory internals")."""
+    content, reported = binding[0], binding[4]
+    if reported is not None:
+        return np.frombuffer(reported, dtype=np.uint32).tolist()
+    if content is None or type(content) is OwnContent:
+        return []
+    if type(content) is bytes:
+        return np.frombuffer(content, dtype=np.uint32).tolist()
+    tokens = writer.tokens_of(chunk_hash) if writer is not None else None
+    return [] if tokens is None else np.frombuffer(tokens, dtype=np.uint32).tolist()

@@ -1,0 +1,123 @@
+"""The directory's only path to the blend index (`local_matcher.ContentIndex`): updates
+are queued while a batch applies and sent once it is done, so a failed batch sends
+nothing, or says what to repair (docs/DESIGN.md, "Key directory internals").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blend_wire import BlendNamespace
+
+_ALL = object()  # `IndexWriter._latest`: every claim of the chunk
+_ADD_MANY, _REMOVE_CLAIM, _REMOVE_CHUNK = "add_many", "remove_claim", "remove_chunk"
+
+
+class IndexWriter:
+    """The directory's only path to the index. Updates are queued and sent by `flush()`,
+    consecutive adds as one `add_many` (one lock acquisition, one kernel call, one
+    namespace per row) instead of one call per chunk; `discard()` drops what is queued.
+
+    Order is preserved: adds are sent in the order they were queued (the index numbers
+    occupants in the order they are first indexed, LMCache's match order), and every
+    removal closes the current run of adds first. While updates are queued, `tokens_of`
+    answers as the index will once they are sent.
+
+    `flush()` records, before each removal, the tokens the claims had (`replaced`, by
+    `(chunk_hash, namespace)`, or by chunk hash for a whole chunk), so a failure part-way
+    can be repaired; `sent` says how many updates reached the index. Called only under
+    the directory lock, and flushed before the lock is released.
+    """
+
+    def __init__(self, index, chunk_size: int) -> None:
+        self.index = index
+        self.chunk_size = chunk_size
+        self._ops: list[tuple] = []
+        # Per chunk hash, the content of each namespace's claim once queued updates land
+        # (None: no claim); `_ALL` present: the chunk was dropped, so unlisted ones too.
+        self._latest: dict[bytes, dict] = {}
+        self._adds: tuple[list, list, list, list] | None = None
+        self.sent = 0
+        self.replaced: dict = {}
+
+    def add(self, tokens: bytes, chunk_hash: bytes, offset: int,
+            namespace: BlendNamespace) -> None:
+        self._latest.setdefault(chunk_hash, {})[namespace] = tokens
+        adds = self._adds
+        if adds is None:
+            adds = self._adds = ([], [], [], [])
+        adds[0].append(tokens)
+        adds[1].append(chunk_hash)
+        adds[2].append(offset)
+        adds[3].append(namespace)
+
+    def remove_claim(self, chunk_hash: bytes, namespace: BlendNamespace) -> None:
+        self._close_adds()
+        self._ops.append((_REMOVE_CLAIM, chunk_hash, namespace))
+        self._latest.setdefault(chunk_hash, {})[namespace] = None
+
+    def remove_chunk(self, chunk_hash: bytes) -> None:
+        self._close_adds()
+        self._ops.append((_REMOVE_CHUNK, chunk_hash, None))
+        self._latest[chunk_hash] = {_ALL: None}
+
+    def tokens_of(self, chunk_hash: bytes, namespace: BlendNamespace | None = None
+                  ) -> bytes | None:
+        """The content of `namespace`'s claim (None: of any claim, for a chunk whose
+        claims all agree) as it will be once the queue is sent."""
+        latest = self._latest.get(chunk_hash)
+        if latest is not None:
+            if namespace is None:
+                for tokens in latest.values():
+                    if tokens is not None:
+                        return tokens
+            elif namespace in latest:
+                return latest[namespace]
+            if _ALL in latest:
+                return None
+        tokens = self.index.tokens_of(chunk_hash, namespace)
+        return None if tokens is None else np.asarray(tokens, dtype=np.uint32).tobytes()
+
+    def _close_adds(self) -> None:
+        if self._adds is not None:
+            self._ops.append((_ADD_MANY, None, self._adds))
+            self._adds = None
+
+    def flush(self) -> None:
+        """Send every queued update to the index, in order."""
+        self._close_adds()
+        ops, self._ops, self._latest = self._ops, [], {}
+        self.sent, self.replaced = 0, {}
+        index = self.index
+        for kind, first, second in ops:
+            if kind is _ADD_MANY:
+                contents, hashes, offsets, namespaces = second
+                # One row per distinct tokens object: a chunk claimed for every namespace on
+                # it queues the same bytes n times, hashed and looked up once here.
+                row_numbers: dict[int, int] = {}
+                distinct: list[bytes] = []
+                row_of = []
+                for tokens in contents:
+                    row = row_numbers.get(id(tokens))
+                    if row is None:
+                        row = row_numbers[id(tokens)] = len(distinct)
+                        distinct.append(tokens)
+                    row_of.append(row)
+                rows = np.frombuffer(b"".join(distinct), dtype=np.uint32).reshape(
+                    len(distinct), self.chunk_size)
+                index.add_many(rows, hashes, offsets, namespaces,
+                               row_of if len(distinct) < len(contents) else None)
+            elif kind is _REMOVE_CLAIM:
+                if (first, second) not in self.replaced:  # to restore should this fail
+                    self.replaced[(first, second)] = index.tokens_of(first, second)
+                index.remove_claim(None, first, second)
+            else:
+                if first not in self.replaced:
+                    self.replaced[first] = index.tokens_of(first)
+                index.remove_chunk(None, first)
+            self.sent += 1
+
+    def discard(self) -> None:
+        """Drop every queued update (the batch that queued them was rolled back)."""
+        self._ops, self._latest, self._adds = [], {}, None
+
