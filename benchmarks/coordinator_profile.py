@@ -172,10 +172,10 @@ def handoff_us(rounds: int = 3000) -> tuple[float, float]:
     async def through_pool() -> float:
         pool = FairPool(1, "profile-match")
         try:
-            await asyncio.wrap_future(pool.submit(("peer", "x"), 40_000, int))
+            await pool.submit_async(("peer", "x"), 40_000, int)
             started = cpu()
             for _ in range(rounds):
-                await asyncio.wrap_future(pool.submit(("peer", "x"), 40_000, int))
+                await pool.submit_async(("peer", "x"), 40_000, int)
             return (cpu() - started) * 1e6 / rounds
         finally:
             pool.shutdown()

@@ -226,13 +226,13 @@ async def _blend_lookup(request: web.Request) -> web.Response:
     # Readers take turns at the matcher, by query size (coordinator_stub.service.matchpool).
     pool, reader = request.app[_MATCH_POOL], _reader_of(request)
     if len(body) > _INLINE_PARSE_BYTES:
-        job = pool.submit(reader, len(body), coordinator.lookup, body, scope)
+        job = pool.submit_async(reader, len(body), coordinator.lookup, body, scope)
     else:
         # A small body's shape is validated right here (microseconds); the matcher thread
         # decodes its tokens without the GIL and matches, so the loop keeps serving.
-        job = pool.submit(reader, len(body), coordinator.matches,
-                          coordinator.parse_lookup(body, scope=scope))
-    reply = await asyncio.wrap_future(job)
+        job = pool.submit_async(reader, len(body), coordinator.matches,
+                                coordinator.parse_lookup(body, scope=scope))
+    reply = await job
     metrics = request.app.get(METRICS)
     if metrics is not None:
         found = (len(reply.matches) if type(reply) is BlendLookupReply
@@ -250,11 +250,11 @@ async def _blend_score(request: web.Request) -> web.Response:
     scope = scope_of(request)  # a router's token may be scoped to salts, as a reader's
     pool, reader = request.app[_MATCH_POOL], _reader_of(request)  # turns, as lookups
     if len(body) > _INLINE_PARSE_BYTES:
-        job = pool.submit(reader, len(body), coordinator.score, body, scope)
+        job = pool.submit_async(reader, len(body), coordinator.score, body, scope)
     else:
-        job = pool.submit(reader, len(body), coordinator.scores,
-                          coordinator.parse_lookup(body, BlendScoreRequest, scope))
-    reply = await asyncio.wrap_future(job)
+        job = pool.submit_async(reader, len(body), coordinator.scores,
+                                coordinator.parse_lookup(body, BlendScoreRequest, scope))
+    reply = await job
     metrics = request.app.get(METRICS)
     if metrics is not None:
         metrics.observe_lookup("blend-score", time.perf_counter() - started)

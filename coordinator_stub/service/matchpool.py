@@ -17,14 +17,18 @@ workers equally by bytes. A flow has at most one lookup running at a time, so on
 cannot occupy every worker either, and its lookups run in the order they came.
 
 Contract: `FairPool(workers, name)`; `submit(flow, cost, fn, *args)` returns a
-`concurrent.futures.Future` at once (cancelling it before it runs skips it);
-`shutdown(cancel_futures=True)` stops the threads (what has not started is cancelled).
+`concurrent.futures.Future` at once, `submit_async` (on an event loop) an `asyncio.Future`
+that the worker settles on that loop directly (one `call_soon_threadsafe`: no concurrent
+future and `wrap_future` chain in between, the HTTP layer's hand-off per lookup); either
+cancelled before it runs is skipped. `shutdown(cancel_futures=True)` stops the threads
+(what has not started is cancelled).
 State is per flow with lookups queued, plus the finish tags of idle flows still ahead of
 the clock (forgotten once it passes them, and all of them whenever nothing is queued).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import heapq
@@ -57,7 +61,14 @@ class FairPool:
 
     def submit(self, flow: Hashable, cost: int, fn: Callable[..., Any], *args
                ) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        return self._queue(concurrent.futures.Future(), flow, cost, fn, args)
+
+    def submit_async(self, flow: Hashable, cost: int, fn: Callable[..., Any], *args
+                     ) -> asyncio.Future:
+        """As `submit`, from a running event loop: await the future it returns there."""
+        return self._queue(asyncio.get_running_loop().create_future(), flow, cost, fn, args)
+
+    def _queue(self, future, flow: Hashable, cost: int, fn: Callable[..., Any], args: tuple):
         cost = JOB_COST + max(0, int(cost))
         with self._cond:
             if self._closed:
@@ -87,13 +98,7 @@ class FairPool:
                 self._clock = max(self._clock, start)
                 cost, fn, args, future = self._queues[flow].popleft()
                 self._running.add(flow)
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as exc:  # the caller's to answer (422, 413, ...)
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+            _run_job(future, fn, args)
             del fn, args, future  # nothing of a finished lookup stays with the thread
             with self._cond:
                 self._running.discard(flow)
@@ -119,10 +124,10 @@ class FairPool:
             self._queues.clear()
             self._waiting.clear()
         for _, _, _, future in pending:
-            if cancel_futures:
-                future.cancel()
-            if not future.done():
-                future.set_exception(PoolClosed("the coordinator is shutting down"))
+            if type(future) is concurrent.futures.Future:
+                _close(future, cancel_futures)
+            else:  # an asyncio future: settled on its own loop's thread
+                _on_loop_of(future, _close, future, cancel_futures)
         if wait:
             for thread in self._threads:
                 thread.join()
@@ -132,6 +137,57 @@ class FairPool:
         """Lookups queued, not yet started."""
         with self._cond:
             return sum(len(queue) for queue in self._queues.values())
+
+
+def _run_job(future, fn: Callable[..., Any], args: tuple) -> None:
+    """Run one job on a worker thread and settle its future (concurrent or asyncio)."""
+    if type(future) is concurrent.futures.Future:
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # the caller's to answer (422, 413, ...)
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        return
+    if future.cancelled():  # read off its loop: a cancel racing it only wastes the job
+        return
+    try:
+        outcome, failed = fn(*args), False
+    except BaseException as exc:  # the caller's to answer (422, 413, ...)
+        outcome, failed = exc, True
+    _on_loop_of(future, _settle, future, outcome, failed)
+
+
+def _on_loop_of(future: asyncio.Future, callback: Callable[..., None], *args) -> None:
+    loop = future.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        callback(*args)
+        return
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # its loop is closed: no one awaits the result any more
+        pass
+
+
+def _settle(future: asyncio.Future, outcome: Any, failed: bool) -> None:
+    if future.done():  # cancelled while it ran (the request went away)
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _close(future, cancel: bool) -> None:
+    if cancel:
+        future.cancel()
+    if not future.done():
+        future.set_exception(PoolClosed("the coordinator is shutting down"))
 
 
 __all__ = ["FairPool", "JOB_COST", "PoolClosed"]

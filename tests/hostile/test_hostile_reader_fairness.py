@@ -107,3 +107,40 @@ def test_the_pool_keeps_each_readers_order_skips_cancelled_and_settles_at_shutdo
         pool.shutdown(wait=True, cancel_futures=True)
     assert queued.cancelled() or queued.done()
     assert isinstance(pool.submit("a", 1, ran.append, "x").exception(1), PoolClosed)
+
+
+async def test_the_loop_side_hand_off_keeps_turns_results_and_errors():
+    """`submit_async` (what the HTTP layer awaits): the same turns as `submit`, the result
+    or the job's exception settled on the loop, a cancelled job skipped, and what is still
+    queued at shutdown settled (cancelled) on the loop too."""
+    from coordinator_stub.matchpool import FairPool
+
+    pool = FairPool(1, "test")
+    held, ran = threading.Event(), []
+    try:
+        first = pool.submit("a", 10, held.wait, 30)
+        jobs = [pool.submit_async("a", 10, ran.append, f"a{i}") for i in range(2)]
+        jobs += [pool.submit_async("b", 10, ran.append, f"b{i}") for i in range(2)]
+        failing = pool.submit_async("c", 1, lambda: 1 / 0)
+        skipped = pool.submit_async("c", 1, ran.append, "skipped")
+        skipped.cancel()
+        answer = pool.submit_async("d", 1, lambda: 42)
+        held.set()
+        assert await asyncio.wait_for(answer, 30) == 42
+        await asyncio.wait_for(asyncio.gather(*jobs), 30)
+        try:
+            await asyncio.wait_for(failing, 30)
+        except ZeroDivisionError:
+            pass
+        else:
+            raise AssertionError("the job's exception was not raised where it was awaited")
+        assert first.result(30) is True
+        assert "skipped" not in ran and ran.index("b0") < ran.index("a1")  # turns, not FIFO
+        held.clear()
+        pool.submit("a", 1, held.wait, 30)
+        queued = pool.submit_async("b", 1, ran.append, "late")
+    finally:
+        held.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+    await asyncio.sleep(0)
+    assert queued.cancelled() and "late" not in ran
