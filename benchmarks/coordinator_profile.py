@@ -42,11 +42,11 @@ from aiohttp.web_protocol import RequestPayloadError
 from blend_wire import (BlendLookupReply, EventsReply, WireBlendMatch, decode,
                         decode_tokens, encode)
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.ingest import FairIngest, _decode_batch, _Outline
-from coordinator_stub.matchpool import FairPool
-from coordinator_stub.metrics import CoordinatorMetrics
-from coordinator_stub.process import start_coordinator
-from coordinator_stub.service import Coordinator
+from coordinator_stub.writes.local import FairIngest, _decode_batch, _Outline
+from coordinator_stub.service.matchpool import FairPool
+from coordinator_stub.http.metrics import CoordinatorMetrics
+from coordinator_stub.launch.process import start_coordinator
+from coordinator_stub.service.coordinator import Coordinator
 
 
 @dataclass

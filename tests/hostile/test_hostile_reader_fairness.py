@@ -113,7 +113,7 @@ async def test_the_loop_side_hand_off_keeps_turns_results_and_errors():
     """`submit_async` (what the HTTP layer awaits): the same turns as `submit`, the result
     or the job's exception settled on the loop, a cancelled job skipped, and what is still
     queued at shutdown settled (cancelled) on the loop too."""
-    from coordinator_stub.matchpool import FairPool
+    from coordinator_stub.service.matchpool import FairPool
 
     pool = FairPool(1, "test")
     held, ran = threading.Event(), []
