@@ -25,7 +25,9 @@ neither competes with the other for the cores):
    bodies back to back ("flooded"): the victim's ingest and lookup p50/p99 in both
    windows, their flooded/quiet ratio, and what the flood got through;
 6. prints ours next to LMCache's with the ratios, and the load generator's own CPU use.
-   Both get the same corpus, the same requests in the same order. When LMCache is not
+   Both get the same corpus, the same requests in the same order;
+7. with `--profile`, breaks ours down: where one lookup's and one ingested chunk's CPU
+   goes, stage by stage, against the kernel alone (benchmarks/coordinator_profile.py). When LMCache is not
    importable (or `--reference stated`), the ratios are against LMCache's figures as
    stated in issue 3 instead, and the output says so on every line.
 
