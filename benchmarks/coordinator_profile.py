@@ -118,11 +118,13 @@ def ingest_stages(coordinator: Coordinator, per_instance: list[list[bytes]]) -> 
             for i, raw in enumerate(outline.batches):
                 took, batch = _cpu(_decode_batch, raw, i)
                 spent["decode"] += took
-                took, verdict = _cpu(coordinator._apply_batch, batch)
+                # What the local write path does with a validated batch.
+                took, reply = _cpu(coordinator.directory.ingest, [batch])
                 spent["apply"] += took
-                counts[("applied", "duplicate", "stale").index(verdict)] += 1
+                counts = [c + n for c, n in zip(counts, (reply.applied, reply.duplicates,
+                                                          reply.stale))]
                 chunks += len(batch.entries)
-                assert verdict == "applied", verdict
+                assert reply.applied == 1, reply
             took, _ = _cpu(encode, EventsReply(applied=counts[0], duplicates=counts[1],
                                                stale=counts[2]))
             spent["reply"] += took
