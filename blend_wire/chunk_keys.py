@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from blake3 import blake3
 
-from blend_wire import pack_kv_rank
+from blend_wire.values import pack_kv_rank
 
 #: LMCache's cap on the token ids of one token-addressed request.
 MAX_TOKEN_IDS = 1_000_000

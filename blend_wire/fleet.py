@@ -14,8 +14,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from blend_wire import MAX_WORLD_SIZE, EncodedObjectKey, Name, NonNegative
 from blend_wire.chunk_keys import MAX_TOKEN_IDS
+from blend_wire.events import EncodedObjectKey
+from blend_wire.values import MAX_WORLD_SIZE, Name, NonNegative
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]

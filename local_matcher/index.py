@@ -36,27 +36,14 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
+from blend_wire.tokens import as_tokens
 from local_matcher import kernels
 from local_matcher.claims import NONE, ClaimLists, mask_bit
 from local_matcher.store import ContentStore
-from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, MAX_TOKEN_ID,
-                                 BlendMatch, ContentCandidates)
+from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, BlendMatch,
+                                 ContentCandidates)
 
 log = logging.getLogger(__name__)
-
-
-def as_tokens(values) -> np.ndarray:
-    """A contiguous uint32 array of token ids; ValueError for ids outside uint32."""
-    array_ = np.asarray(values)
-    if array_.dtype == np.uint32:
-        return np.ascontiguousarray(array_)
-    if array_.size == 0:
-        return np.zeros(array_.shape, dtype=np.uint32)
-    if array_.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, not {array_.dtype}")
-    if array_.min() < 0 or array_.max() > MAX_TOKEN_ID:
-        raise ValueError("token ids must fit in uint32 (0 .. 2**32-1)")
-    return array_.astype(np.uint32)
 
 
 class ContentIndex:

@@ -26,7 +26,8 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from local_matcher.index import ContentIndex, as_tokens
+from blend_wire.tokens import as_tokens
+from local_matcher.index import ContentIndex
 from local_matcher.types import CBMatchResult, ContentCandidates
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Hashable, NamedTuple
 
-#: `old_st` of a chunk whose stored position was never reported; never read as 0.
-UNKNOWN_TOKEN_OFFSET = -1
-
-#: Token ids are uint32 everywhere: in the index, on the wire.
-MAX_TOKEN_ID = 2**32 - 1
+# The wire's values (UNKNOWN_TOKEN_OFFSET: an `old_st` never reported; the candidates
+# form's chunk limits), owned by blend_wire.
+from blend_wire.values import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, UNKNOWN_TOKEN_OFFSET
 
 
 class BlendMatch(NamedTuple):
@@ -43,14 +41,6 @@ class CBMatchResult(NamedTuple):
             match.cur_st + chunk_size,
             match.chunk_hash,
         )
-
-
-#: The candidates form names, per content, at most this many chunks beyond one per
-#: position it occurs at (so a caller preferring some placements has a choice), and at most
-#: `MAX_CANDIDATE_CHUNKS` in all. A chunk can serve one position of a result, so more than
-#: one per position is only ever a choice, never more reuse.
-CANDIDATE_SPARE_CHUNKS = 4
-MAX_CANDIDATE_CHUNKS = 64
 
 
 class ContentCandidates(NamedTuple):

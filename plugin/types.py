@@ -30,7 +30,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from blend_wire import BlendNamespace
-from local_matcher.index import as_tokens
+from blend_wire.tokens import as_tokens
 from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
 
 __all__ = ["LookupKey", "CBUnifiedLookupResult", "BlendMatch", "CBMatchResult",

@@ -1,6 +1,7 @@
 """Imports point one way (DESIGN.md, Layout): the coordinator never loads its client's
 package, the plugin never loads the server framework, the router loads neither side's
-package, and the wire contract loads neither.
+package, and the wire contract, at the bottom, loads none of them, nor the local matcher
+or numba (its token kernels load on first use).
 
 Each check runs in a fresh interpreter, so what an earlier test imported cannot hide a
 dependency.
@@ -32,8 +33,9 @@ def _top_level(modules: set[str]) -> set[str]:
     ("coordinator_stub.__main__", {"plugin", "httpx", "httpcore"}),
     ("plugin", {"coordinator_stub", "aiohttp"}),
     ("blend_router", {"plugin", "coordinator_stub", "httpx", "httpcore"}),
-    ("blend_wire", {"plugin", "coordinator_stub", "httpx", "httpcore", "aiohttp"}),
-    ("local_matcher", {"plugin", "coordinator_stub", "blend_wire", "httpx", "aiohttp", "msgspec"}),
+    ("blend_wire", {"plugin", "coordinator_stub", "blend_router", "local_matcher", "numba",
+                    "httpx", "httpcore", "aiohttp"}),
+    ("local_matcher", {"plugin", "coordinator_stub", "blend_router", "httpx", "aiohttp"}),
 ])
 def test_import_loads_nothing_from_the_other_side(module, forbidden):
     loaded = _top_level(_modules_after_import(module))
@@ -129,3 +131,21 @@ def test_the_service_and_the_local_write_path_load_no_aiohttp():
     loaded = _top_level(_modules_after_import(
         "coordinator_stub.service.coordinator, coordinator_stub.writes.local"))
     assert "aiohttp" not in loaded
+
+
+def test_blend_wire_imports_nothing_mid_file():
+    # Every import of a blend_wire module comes before its first other statement (the
+    # docstring aside): no import placed after definitions to get around a cycle.
+    import ast
+    from pathlib import Path
+
+    late = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "blend_wire").glob("*.py")):
+        body = ast.parse(path.read_text()).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        first_other = next((i for i, node in enumerate(body)
+                            if not isinstance(node, (ast.Import, ast.ImportFrom))), len(body))
+        late += [f"{path.name}:{node.lineno}" for node in body[first_other:]
+                 if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert late == []

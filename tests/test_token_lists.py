@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from blend_wire import (CacheEventEntry, EncodedObjectKey, EventsRequest,
                         WireError, decode, encode, token_ids_of, token_lists_from_json,
                         token_lists_to_json)
-from blend_wire.tokens import (LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE, BadTokenList,
-                               _parse_lists)
+from blend_wire.token_kernels import parse_lists
+from blend_wire.tokens import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE, BadTokenList
 
 LANE = "unit"
 
@@ -65,7 +65,7 @@ def _reference(text: bytes):
 
 
 def _kernel(text: bytes) -> tuple[np.ndarray, int]:
-    ids, _, status = _parse_lists(np.frombuffer(text, dtype=np.uint8),
+    ids, _, status = parse_lists(np.frombuffer(text, dtype=np.uint8),
                                   np.array([len(text)], dtype=np.int64))
     return ids, int(status[0])
 
@@ -231,14 +231,14 @@ def test_an_entry_built_in_code_takes_its_tokens_as_the_wire_would():
 
 
 def test_a_batch_parses_all_its_lists_in_one_kernel_call_without_the_gil(monkeypatch):
-    import blend_wire
+    import blend_wire.events
     calls = []
-    real = blend_wire.token_lists_from_json
-    monkeypatch.setattr(blend_wire, "token_lists_from_json",
+    real = blend_wire.events.token_lists_from_json
+    monkeypatch.setattr(blend_wire.events, "token_lists_from_json",
                         lambda lists: calls.append(len(lists)) or real(lists))
     decode(_body([_entry(f"[{i}, 1, 2, 3]") for i in range(50)]), EventsRequest)
     assert calls == [50]
-    assert _parse_lists.targetoptions.get("nogil") is True
+    assert parse_lists.targetoptions.get("nogil") is True
 
 
 # --- token_lists_to_json: the way back, byte for byte -------------------------------------

@@ -1,0 +1,110 @@
+"""Cache-event batches (`POST /events`): object keys, entries, batches; a batch's token
+lists are parsed at once when it is decoded. docs/WIRE.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from blend_wire.tokens import NO_TOKEN_IDS, BadTokenList, token_ids_of, token_lists_from_json
+from blend_wire.values import (MAX_INT64, MAX_KV_RANK, MAX_NAME_CHARS, MAX_OBJECT_GROUP_ID,
+                               UNKNOWN_TOKEN_OFFSET, BlendNamespace, ChunkHashHex, Name,
+                               NonNegative, TokenOffset, check_cache_salt, check_chunk_hash_hex,
+                               check_model_name, check_token_offset, world_size_of)
+
+
+class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
+    """A stored object's key. Checked when decoded (field constraints, naming the field)
+    and when built in code (`__post_init__`), so a client cannot queue a key the
+    coordinator would refuse."""
+
+    chunk_hash_hex: ChunkHashHex
+    model_name: Name
+    kv_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_KV_RANK)]
+    object_group_id: Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_GROUP_ID)] = 0
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        check_chunk_hash_hex(self.chunk_hash_hex)
+        check_model_name(self.model_name)
+        if not 0 <= self.kv_rank <= MAX_KV_RANK:
+            raise ValueError(f"kv_rank {self.kv_rank} is outside [0, 2^32)")
+        if not 0 <= self.object_group_id <= MAX_OBJECT_GROUP_ID:
+            raise ValueError(f"object_group_id {self.object_group_id} is outside [0, 2^32)")
+        check_cache_salt(self.cache_salt)
+
+    @property
+    def namespace(self) -> BlendNamespace:
+        return BlendNamespace(self.model_name, self.cache_salt, world_size_of(self.kv_rank))
+
+
+class CacheEventEntry(msgspec.Struct, kw_only=True):
+    key: EncodedObjectKey
+    size_bytes: NonNegative = 0
+    # On the wire a JSON list of any integers. Decoded as raw JSON (no Python int per
+    # token), then `TokenIds`: a uint32 array, or, when an id is outside uint32 (not a
+    # validation error: LMCache answers 200; the coordinator records the placement and
+    # treats the content as unknown, WIRE.md), the ints as a list. Entries decoded in a
+    # batch are converted by the batch, all at once; entries built in code, here.
+    token_ids: msgspec.Raw = NO_TOKEN_IDS
+    token_offset: TokenOffset = UNKNOWN_TOKEN_OFFSET
+
+    def __post_init__(self) -> None:
+        check_token_offset(self.token_offset)
+        if type(self.token_ids) is not msgspec.Raw:
+            self.token_ids = token_ids_of(self.token_ids)
+
+
+EventType = Literal["store", "delete", "access", "config"]
+Tier = Literal["l1", "l2"]
+
+
+class CacheEventBatch(msgspec.Struct, kw_only=True):
+    instance_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+    incarnation: NonNegative = 0
+    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT64)]
+    event_type: EventType
+    tier: Tier
+    backend: Name = ""
+    entries: list[CacheEventEntry] = msgspec.field(default_factory=list)
+    shared: bool = False
+    ts: Annotated[float, msgspec.Meta(ge=0, le=1e18)] = 0.0  # finite: epoch seconds
+    capacity_bytes: NonNegative = 0
+    capacity_revision: NonNegative = 0
+    # LMCache 0.5.7: entries this emitter incarnation dropped before they reached the
+    # coordinator, cumulative (0 from emitters that do not count them, e.g. LMCache 0.5.6).
+    dropped_events: NonNegative = 0
+
+    def __post_init__(self) -> None:
+        _parse_token_lists(self.entries)
+        if self.event_type in ("store", "delete", "config") and not self.backend:
+            raise ValueError(f"backend must be non-empty for a {self.event_type} batch")
+        if self.event_type == "config" and self.entries:
+            raise ValueError("a config batch carries no entries")
+
+
+def _parse_token_lists(entries: list[CacheEventEntry]) -> None:
+    """The batch's token lists still raw JSON, parsed at once (one kernel call)."""
+    raw = [entry for entry in entries if type(entry.token_ids) is msgspec.Raw]
+    if not raw:
+        return
+    try:
+        parsed = token_lists_from_json([entry.token_ids for entry in raw])
+    except BadTokenList as exc:  # path: `$.entries[i].token_ids[j]`
+        where = next(i for i, entry in enumerate(entries) if entry is raw[exc.index])
+        raise ValueError(str(exc).replace(" - at `$", f" - at `$.entries[{where}]", 1)) \
+            from None
+    for entry, token_ids in zip(raw, parsed):
+        entry.token_ids = token_ids
+
+
+class EventsRequest(msgspec.Struct, kw_only=True):
+    batches: list[CacheEventBatch]
+
+
+class EventsReply(msgspec.Struct, kw_only=True):
+    applied: int
+    duplicates: int
+    stale: int

@@ -1,0 +1,116 @@
+"""The blend lookup and blend score bodies and replies (`POST /directory/blend-lookup`,
+`POST /directory/blend-score`): docs/WIRE.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from blend_wire.values import MAX_WORLD_SIZE, BlendNamespace, Name, check_cache_salt
+
+
+class BlendQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A request's tokens and namespace: the body of a blend lookup (and of a blend score,
+    which adds to it)."""
+
+    tokens_b64: str = ""
+    model_name: Name = ""
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tokens_b64 and not self.model_name:
+            raise ValueError("model_name is required when tokens_b64 is non-empty")
+        # Nothing can be stored under such a salt, so LMCache's answer would be empty;
+        # saying why is kinder, and keeps one rule for salts everywhere.
+        check_cache_salt(self.cache_salt)
+
+    @property
+    def namespace(self) -> BlendNamespace:
+        return BlendNamespace(self.model_name, self.cache_salt, self.world_size)
+
+
+class BlendLookupRequest(BlendQuery, kw_only=True, omit_defaults=True):
+    # Ours, opt-in: answer `BlendCandidatesReply` instead. LMCache's coordinator ignores an
+    # unknown field and answers its default form, which is how a client tells them apart.
+    candidates: bool = False
+
+
+# Replies a serving process decodes on every lookup are not tracked by Python's cyclic GC
+# (`gc=False`: they hold no cycles). Thousands of tracked objects per lookup push young
+# objects into the old generation of a process whose heap is large (an engine's), and its
+# full collections cost far more than the lookup.
+
+
+class WireBlendMatch(msgspec.Struct, kw_only=True, gc=False):
+    chunk_hash: str
+    old_st: int
+    cur_st: int
+
+
+class BlendLookupReply(msgspec.Struct, kw_only=True, gc=False):
+    matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
+
+
+class WireChunkOffer(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A chunk holding a found content: its stored offset and where it is held (in the
+    requester's namespace): the instances whose L1 has it, and whether a shared tier does."""
+
+    chunk_hash: str
+    old_st: int
+    l1: tuple[str, ...] = ()
+    shared: bool = False
+
+
+class WireFoundContent(msgspec.Struct, kw_only=True, gc=False):
+    """One content found in the query: every position it occurs at, ascending, and up to
+    `min(len(positions) + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)` chunks holding it,
+    first indexed first."""
+
+    positions: tuple[int, ...]
+    chunks: list[WireChunkOffer]
+
+
+class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """The reply to a blend lookup that asked for `candidates` (docs/WIRE.md).
+
+    A client decodes every blend-lookup reply with this shape: `candidates` is None when
+    the coordinator answered the default form (`matches`), as LMCache's does."""
+
+    chunk_size: int | None = None
+    candidates: list[WireFoundContent] | None = None
+    matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
+
+
+# --- POST /directory/blend-score (ours) ----------------------------------------------
+
+#: `instance_ids` of one blend-score request at most.
+MAX_SCORE_INSTANCES = 4096
+
+
+class BlendScoreRequest(BlendQuery, kw_only=True, omit_defaults=True):
+    """`POST /directory/blend-score`: a blend-lookup body, plus which instances to score
+    (None: every registered one; an id not registered is not listed)."""
+
+    instance_ids: Annotated[list[Name], msgspec.Meta(max_length=MAX_SCORE_INSTANCES)] | None \
+        = None
+
+
+class InstanceScore(msgspec.Struct, kw_only=True):
+    """What one instance would reuse of the request, by where the KV is held (tokens), and
+    the score a router ranks by (docs/WIRE.md, "Blend score")."""
+
+    instance_id: str
+    prefix_tokens: int
+    l1_tokens: int
+    shared_tokens: int
+    peer_tokens: int
+    score: float
+
+
+class BlendScoreReply(msgspec.Struct, kw_only=True):
+    chunk_size: int
+    instances: list[InstanceScore] = msgspec.field(default_factory=list)
+
