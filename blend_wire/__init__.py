@@ -45,6 +45,7 @@ from blend_wire.values import (CACHE_SALT_FORBIDDEN, CANDIDATE_SPARE_CHUNKS,
                                MAX_OBJECT_GROUP_ID, MAX_TOKEN_ID, MAX_TOKEN_OFFSET,
                                MAX_WORLD_SIZE, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                                ChunkHashHex, Name, NonNegative, TokenOffset, WireError,
-                               check_cache_salt, check_chunk_hash_hex, check_model_name,
+                               check_cache_salt, check_chunk_hash_hex, check_lookup_namespace,
+                               check_model_name, chunk_hash_of_hex,
                                check_token_offset, is_loopback_host, pack_kv_rank,
                                world_size_of)

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import msgspec
 
-from blend_wire.values import MAX_WORLD_SIZE, BlendNamespace, Name, check_cache_salt
+from blend_wire.values import (MAX_WORLD_SIZE, BlendNamespace, Name, check_cache_salt,
+                               check_lookup_namespace)
 
 
 class BlendQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -21,11 +22,12 @@ class BlendQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
     cache_salt: str = ""
 
     def __post_init__(self) -> None:
-        if self.tokens_b64 and not self.model_name:
-            raise ValueError("model_name is required when tokens_b64 is non-empty")
-        # Nothing can be stored under such a salt, so LMCache's answer would be empty;
-        # saying why is kinder, and keeps one rule for salts everywhere.
-        check_cache_salt(self.cache_salt)
+        # A salt nothing can be stored under would get an empty answer from LMCache; saying
+        # why is kinder, and keeps one rule for salts everywhere.
+        if self.tokens_b64:
+            check_lookup_namespace(self.namespace)
+        else:
+            check_cache_salt(self.cache_salt)
 
     @property
     def namespace(self) -> BlendNamespace:

@@ -6,7 +6,6 @@ packing and the loopback rule. docs/WIRE.md.
 from __future__ import annotations
 
 import ipaddress
-import re
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
@@ -95,15 +94,26 @@ def check_model_name(model_name: str) -> None:
         raise ValueError(f"model_name must not contain '@' (got {model_name[:40]!r})")
 
 
+def chunk_hash_of_hex(text: str) -> bytes | None:
+    """The chunk hash `text` names on the wire, or None unless it is 2 to
+    `MAX_CHUNK_HASH_HEX_CHARS` hex digits, an even number, nothing else (no whitespace, so
+    `"ab cd"` and `"abcd"` cannot name one chunk twice). The one hex rule of the wire."""
+    if len(text) > MAX_CHUNK_HASH_HEX_CHARS:
+        return None
+    try:
+        chunk_hash = bytes.fromhex(text)
+    except ValueError:
+        return None
+    # fromhex skips whitespace between digit pairs: a hash of fewer bytes than half the
+    # text's length had some.
+    return chunk_hash if chunk_hash and 2 * len(chunk_hash) == len(text) else None
+
+
 def check_chunk_hash_hex(text: str) -> None:
-    """Raise `ValueError` unless `text` is non-empty, even-length hex without whitespace."""
-    if not text or len(text) > MAX_CHUNK_HASH_HEX_CHARS or len(text) % 2 \
-            or not _HEX.fullmatch(text):
+    """Raise `ValueError` unless `text` names a chunk hash (`chunk_hash_of_hex`)."""
+    if chunk_hash_of_hex(text) is None:
         raise ValueError(f"chunk_hash_hex {text[:64]!r} is not valid hex: use 2 to "
                          f"{MAX_CHUNK_HASH_HEX_CHARS} hex digits, no whitespace")
-
-
-_HEX = re.compile(r"[0-9a-fA-F]+")
 
 
 class BlendNamespace(NamedTuple):
@@ -112,6 +122,16 @@ class BlendNamespace(NamedTuple):
     model_name: str
     cache_salt: str
     world_size: int
+
+
+def check_lookup_namespace(namespace: BlendNamespace) -> None:
+    """Raise `ValueError` unless a coordinator answers a blend lookup in `namespace`: a
+    model name, a world size of at least 1 and a salt keys may carry (a 422 otherwise)."""
+    if not namespace.model_name:
+        raise ValueError("model_name is required when tokens_b64 is non-empty")
+    if not 1 <= namespace.world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size={namespace.world_size} is outside [1, 2^32)")
+    check_cache_salt(namespace.cache_salt)
 
 
 # --- kv_rank packing ---------------------------------------------------------------

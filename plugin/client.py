@@ -15,12 +15,9 @@ Contract:
   answers the default form instead (LMCache's, which ignores the field) is remembered per
   URL and asked LMCache's own body from then on, its matches handed over as one position
   and one chunk each. No lookup fails for it and it costs no extra round-trip.
-- Replies are trusted for nothing. The body is read under a size cap (`max_reply_bytes`,
-  counted after gzip/deflate decoding, enforced while reading) and validated where it
-  enters: a chunk size other than ours fails the reply; an entry with bad hex, an `old_st`
-  outside `[0, MAX_TOKEN_OFFSET]`, a position outside the query (`cur_st + C` beyond it),
-  or a chunk already named is dropped and counted. Each `l1` list naming this instance
-  (`instance_id`) makes that chunk `Place.THIS_SERVER`; `shared` makes it `SHARED`.
+- Replies are trusted for nothing: read under a size cap (`max_reply_bytes`, counted after
+  gzip/deflate decoding), validated and converted where they enter (plugin.replies); bad
+  entries are dropped and counted.
 - At most `match_concurrency` round-trips are in flight: queries wait in a queue drained by
   at most that many tasks on the executor (the caller's, e.g. `BlendPlugin`'s, or one this
   client owns and shuts down in `close`). A query still queued when its deadline passes
@@ -29,7 +26,7 @@ Contract:
 - Every failure (refused, timeout, 5xx, 422, non-JSON, wrong shape) becomes `FAILED` and a
   log warning; no method raises into the serving path.
 - Several coordinators (replicas over one event log, `base_url` comma-separated or a
-  list): queries take turns over the replicas whose breaker admits them, and a query whose
+  list, parsed by `plugin.config.coordinator_url_list`): queries take turns over the replicas whose breaker admits them, and a query whose
   round-trip fails for an unhealthy reason (connection, timeout, 5xx) is sent on to the
   next admitted replica while its deadline leaves time. One URL behaves exactly as one.
 - Circuit breaker, one per coordinator URL: `breaker_threshold` consecutive failed
@@ -43,6 +40,8 @@ Contract:
 - Memory is bounded: finished results nobody takes expire after `result_ttl_s`, and at most
   `max_tracked` queries are tracked (the oldest unclaimed result makes room first; when all
   are in flight, the new query is declined).
+- `BlendCoordinatorClient.from_config(config, ...)` is the client a `PluginConfig` describes.
+Design: docs/DESIGN.md, "Plugin"; the wire: docs/WIRE.md.
 """
 
 from __future__ import annotations
@@ -52,7 +51,6 @@ import dataclasses
 import logging
 import threading
 import time
-import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -60,12 +58,11 @@ from typing import Callable, Sequence
 import httpx
 import numpy as np
 
-from blend_wire import (BLEND_LOOKUP_PATH, MAX_CANDIDATE_CHUNKS, MAX_TOKEN_OFFSET,
-                        BlendCandidatesReply, BlendLookupRequest, BlendNamespace, WireError,
-                        decode, encode, encode_tokens)
-from plugin.config import DEFAULT_MAX_REPLY_BYTES
+from blend_wire import BLEND_LOOKUP_PATH, BlendLookupRequest, BlendNamespace, encode, encode_tokens
+from plugin.config import DEFAULT_MAX_REPLY_BYTES, PluginConfig, coordinator_url_list
 from plugin.http import coordinator_http
-from plugin.types import BreakerState, FleetReply, FoundContent, MatchState, Place
+from plugin.replies import QueryFailed, found_in, read_capped
+from plugin.types import BreakerState, FleetReply, FoundContent, MatchState
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +71,6 @@ log = logging.getLogger(__name__)
 _MIN_USEFUL_S = 0.002
 # Encodings the bounded reader can decode (anything else fails the reply).
 _JSON = {"content-type": "application/json", "accept-encoding": "gzip, deflate"}
-_INFLATE_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
-THIS_SERVER, SHARED, PEER = Place.THIS_SERVER, Place.SHARED, Place.PEER
 
 
 @dataclass
@@ -102,18 +97,6 @@ class ClientStats:
     in_flight: int = 0
     breaker: BreakerState = BreakerState.CLOSED
     consecutive_failures: int = 0
-
-
-class _QueryFailed(Exception):
-    """One round-trip did not produce a usable reply; the message says why.
-
-    `unhealthy`: the failure says the coordinator is down or struggling (connection error,
-    timeout, 5xx) and counts toward the circuit breaker.
-    """
-
-    def __init__(self, reason: str, *, unhealthy: bool) -> None:
-        super().__init__(reason)
-        self.unhealthy = unhealthy
 
 
 @dataclass(eq=False)
@@ -154,8 +137,7 @@ class BlendCoordinatorClient:
                  max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
         if match_concurrency < 1:
             raise ValueError(f"match_concurrency={match_concurrency} must be >= 1")
-        urls = base_url.split(",") if isinstance(base_url, str) else list(base_url)
-        urls = [url.strip().rstrip("/") for url in urls if url.strip()]
+        urls = coordinator_url_list(base_url)
         if not urls:
             raise ValueError("at least one coordinator URL is needed")
         self.base_url = ",".join(urls)
@@ -187,6 +169,20 @@ class BlendCoordinatorClient:
         self._last_purge = clock()
         self._in_flight = 0
         self._stats = ClientStats()
+
+    @classmethod
+    def from_config(cls, config: PluginConfig, *, executor: Executor | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> "BlendCoordinatorClient":
+        """The client `config` describes: its URLs, chunk size, budget, concurrency, breaker,
+        bounds, identity and credentials (one place, as `CacheEventReporter.from_config`)."""
+        return cls(config.coordinator_urls, chunk_size=config.chunk_size,
+                   timeout=config.blend_timeout, match_concurrency=config.match_concurrency,
+                   breaker_threshold=config.breaker_threshold,
+                   breaker_cooldown_s=config.breaker_cooldown_s,
+                   result_ttl_s=config.result_ttl_s, max_tracked=config.max_tracked_queries,
+                   executor=executor, clock=clock, token=config.coordinator_token,
+                   ca_file=config.coordinator_ca_file, instance_id=config.instance_id,
+                   max_reply_bytes=config.max_reply_bytes)
 
     # --- the caller's side: never blocks on I/O ---------------------------------------------
 
@@ -319,7 +315,7 @@ class BlendCoordinatorClient:
         endpoint.probe_out = True
         return True, True
 
-    def _record_locked(self, query: _Query, failure: _QueryFailed | None, now: float) -> None:
+    def _record_locked(self, query: _Query, failure: QueryFailed | None, now: float) -> None:
         stats, endpoint = self._stats, query.endpoint
         if failure is None:
             if endpoint.breaker is not BreakerState.CLOSED:
@@ -414,10 +410,10 @@ class BlendCoordinatorClient:
             failure, reply = None, FleetReply(MatchState.FAILED)
             try:
                 reply = FleetReply(MatchState.DONE, self._round_trip(query, budget))
-            except _QueryFailed as exc:
+            except QueryFailed as exc:
                 failure = exc
             except Exception as exc:  # anything else is a failure too, never an exception upward
-                failure = _QueryFailed(f"unexpected {type(exc).__name__}: {exc}", unhealthy=False)
+                failure = QueryFailed(f"unexpected {type(exc).__name__}: {exc}", unhealthy=False)
             with self._lock:
                 self._in_flight -= 1
                 now = self._clock()
@@ -452,152 +448,27 @@ class BlendCoordinatorClient:
             with endpoint.http.stream("POST", BLEND_LOOKUP_PATH, content=body, timeout=budget,
                                       headers=_JSON) as response:
                 if response.status_code != 200:
-                    text = _read_capped(response, 4096, endpoint.url)[:200]
-                    raise _QueryFailed(f"HTTP {response.status_code} from {endpoint.url}"
-                                       f"{BLEND_LOOKUP_PATH}: {text!r}",
-                                       unhealthy=response.status_code >= 500)
-                content = _read_capped(response, self.max_reply_bytes, endpoint.url)
+                    text = read_capped(response, 4096, endpoint.url)[:200]
+                    raise QueryFailed(f"HTTP {response.status_code} from {endpoint.url}"
+                                      f"{BLEND_LOOKUP_PATH}: {text!r}",
+                                      unhealthy=response.status_code >= 500)
+                content = read_capped(response, self.max_reply_bytes, endpoint.url)
         except httpx.TimeoutException as exc:
-            raise _QueryFailed(f"no reply from {endpoint.url} within {budget:.3f} s "
-                               f"({type(exc).__name__})", unhealthy=True) from None
+            raise QueryFailed(f"no reply from {endpoint.url} within {budget:.3f} s "
+                              f"({type(exc).__name__})", unhealthy=True) from None
         except httpx.HTTPError as exc:
-            raise _QueryFailed(f"{type(exc).__name__} talking to {endpoint.url}: {exc}",
-                               unhealthy=True) from None
-        try:
-            reply = decode(content, BlendCandidatesReply)
-        except WireError as exc:
-            raise _QueryFailed(f"reply from {endpoint.url} is not a blend-lookup reply: {exc}",
-                               unhealthy=False) from None
-        if reply.candidates is not None:
-            if reply.chunk_size != self.chunk_size:
-                raise _QueryFailed(f"{endpoint.url} matches {reply.chunk_size}-token chunks, "
-                                   f"this server stores {self.chunk_size}: set both to one "
-                                   "chunk size", unhealthy=False)
-            return self._found(reply, len(query.tokens))
-        if not reply.matches and b'"matches"' not in content:
-            # The shape defaults `matches` to empty; a reply without it at all is some other
-            # service answering, not "nothing found".
-            raise _QueryFailed(f"reply from {endpoint.url} has no `matches`: "
-                               f"{content[:200]!r}", unhealthy=False)
-        if asked_candidates:
+            raise QueryFailed(f"{type(exc).__name__} talking to {endpoint.url}: {exc}",
+                              unhealthy=True) from None
+        found = found_in(content, endpoint.url, chunk_size=self.chunk_size,
+                         instance_id=self.instance_id, num_tokens=len(query.tokens))
+        if found.default_form and asked_candidates:
             with self._lock:
                 endpoint.candidates = False
             log.info("%s answers blend lookups in LMCache's default form (no candidates): "
                      "using it", endpoint.url)
-        return self._found_in_matches(reply, len(query.tokens))
-
-    def _found(self, reply: BlendCandidatesReply, num_tokens: int) -> tuple[FoundContent, ...]:
-        """The candidates form's valid entries, one `FoundContent` per content and place;
-        the rest dropped and counted."""
-        me, last = self.instance_id, num_tokens - self.chunk_size
-        found: list[FoundContent] = []
-        seen: set[bytes] = set()
-        dropped, first_reason = 0, ""
-        for content in reply.candidates:
-            positions = content.positions
-            if not (positions and 0 <= positions[0] and positions[-1] <= last
-                    and all(a < b for a, b in zip(positions, positions[1:]))):
-                dropped += 1
-                first_reason = first_reason or (
-                    f"positions {positions[:8]} are not ascending inside the "
-                    f"{num_tokens}-token query")
-                continue
-            by_place: dict[Place, list] = {}  # nearly always one place
-            for entry in content.chunks[:MAX_CANDIDATE_CHUNKS]:
-                # The checks of `_why_unusable`, inline: this loop runs per chunk named.
-                chunk_hash = _hex(entry.chunk_hash)
-                if (not chunk_hash or chunk_hash in seen
-                        or not 0 <= entry.old_st <= MAX_TOKEN_OFFSET):
-                    dropped += 1
-                    first_reason = first_reason or _why_unusable(
-                        entry.chunk_hash, chunk_hash, entry.old_st, seen)
-                    continue
-                seen.add(chunk_hash)
-                place = (THIS_SERVER if me and me in entry.l1 else
-                         SHARED if entry.shared else PEER)
-                chunks = by_place.get(place)
-                if chunks is None:
-                    by_place[place] = [(chunk_hash, entry.old_st)]
-                else:
-                    chunks.append((chunk_hash, entry.old_st))
-            for place, chunks in by_place.items():
-                found.append(FoundContent(positions, place, tuple(chunks)))
-        self._count_dropped(dropped, first_reason)
-        return tuple(found)
-
-    def _found_in_matches(self, reply: BlendCandidatesReply, num_tokens: int
-                          ) -> tuple[FoundContent, ...]:
-        """The default form's valid matches, one position and one chunk each."""
-        last = num_tokens - self.chunk_size
-        found: list[FoundContent] = []
-        seen: set[bytes] = set()
-        dropped, first_reason = 0, ""
-        for entry in reply.matches:
-            chunk_hash = _hex(entry.chunk_hash)
-            reason = _why_unusable(entry.chunk_hash, chunk_hash, entry.old_st, seen) or (
-                "" if 0 <= entry.cur_st <= last else
-                f"cur_st={entry.cur_st} + chunk_size {self.chunk_size} lies outside the "
-                f"{num_tokens}-token query")
-            if reason:
-                dropped += 1
-                first_reason = first_reason or reason
-                continue
-            seen.add(chunk_hash)
-            found.append(FoundContent((entry.cur_st,), Place.PEER,
-                                      ((chunk_hash, entry.old_st),)))
-        self._count_dropped(dropped, first_reason)
-        found.sort(key=lambda content: content.positions[0])
-        return tuple(found)
-
-    def _count_dropped(self, dropped: int, first_reason: str) -> None:
-        if dropped:
+        if found.dropped:
             with self._lock:
-                self._stats.dropped_entries += dropped
+                self._stats.dropped_entries += found.dropped
             log.warning("dropped %d invalid entr%s from the coordinator reply (first: %s)",
-                        dropped, "y" if dropped == 1 else "ies", first_reason)
-
-
-def _read_capped(response: httpx.Response, cap: int, url: str) -> bytes:
-    """The response body, decoded, refused as soon as it would exceed `cap` bytes.
-
-    Decoded here (not by httpx) so that a compressed body is inflated no further than the
-    cap: a small gzip bomb costs at most `cap` bytes and the time to inflate them."""
-    encoding = response.headers.get("content-encoding", "identity").strip().lower()
-    wbits = _INFLATE_WBITS.get(encoding)
-    if wbits is None and encoding not in ("", "identity"):
-        raise _QueryFailed(f"reply from {url} has content-encoding {encoding!r}, which this "
-                           "client does not decode", unhealthy=False)
-    inflate = zlib.decompressobj(wbits) if wbits else None
-    parts, size = [], 0
-    try:
-        for raw in response.iter_raw():
-            data = raw if inflate is None else inflate.decompress(raw, cap + 1 - size)
-            size += len(data)
-            if size > cap or (inflate is not None and inflate.unconsumed_tail):
-                raise _QueryFailed(f"reply from {url} exceeds {cap} bytes (max_reply_bytes)",
-                                   unhealthy=False)
-            parts.append(data)
-    except zlib.error as exc:
-        raise _QueryFailed(f"reply from {url} is not valid {encoding}: {exc}",
-                           unhealthy=False) from None
-    return b"".join(parts)
-
-
-def _hex(text: str) -> bytes | None:
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        return None
-
-
-def _why_unusable(text: str, chunk_hash: bytes | None, old_st: int, seen: set[bytes]) -> str:
-    """Why a reply's chunk cannot be used (empty when it can)."""
-    if chunk_hash is None:
-        return f"chunk_hash {text[:40]!r} is not hex"
-    if not chunk_hash:
-        return "empty chunk_hash"
-    if not 0 <= old_st <= MAX_TOKEN_OFFSET:
-        return f"old_st={old_st} is outside [0, 2^53-1]"
-    if chunk_hash in seen:
-        return "chunk reported twice"
-    return ""
+                        found.dropped, "y" if found.dropped == 1 else "ies", found.first_reason)
+        return found.contents

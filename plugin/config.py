@@ -26,7 +26,7 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 ENV_COORDINATOR_URL = "LMCACHE_COORDINATOR_URL"
 ENV_EVENT_REPORTING = "LMCACHE_COORDINATOR_EVENT_REPORTING"
@@ -62,6 +62,14 @@ _TRUE = frozenset({"1", "true", "yes"})
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used. The message names the variable."""
+
+
+def coordinator_url_list(urls: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Coordinator URLs (one, or replicas over one event log: comma-separated, or a list) as
+    the parts use them: stripped, without a trailing `/`, empty ones left out. The one
+    place a URL list is parsed (`PluginConfig.coordinator_urls` holds its result)."""
+    parts = (urls or "").split(",") if urls is None or isinstance(urls, str) else urls
+    return tuple(url for url in (part.strip().rstrip("/") for part in parts) if url)
 
 
 def default_instance_id() -> str:
@@ -118,13 +126,13 @@ class PluginConfig:
 
     def __post_init__(self) -> None:
         # One URL, or several replicas of one coordinator, comma-separated.
-        urls = [part.strip().rstrip("/") for part in (self.coordinator_url or "").split(",")]
-        urls = [url for url in urls if url]
+        urls = coordinator_url_list(self.coordinator_url)
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"coordinator_url={url!r} must start with http:// or "
                                   "https:// (several replicas: comma-separated URLs)")
         object.__setattr__(self, "coordinator_url", ",".join(urls) or None)
+        object.__setattr__(self, "_coordinator_urls", urls)  # not a field: derived, parsed once
         _check_positive("event_flush_interval", self.event_flush_interval)
         _check_positive("blend_timeout", self.blend_timeout)
         _check_positive("event_timeout", self.event_timeout)
@@ -154,7 +162,7 @@ class PluginConfig:
     @property
     def coordinator_urls(self) -> tuple[str, ...]:
         """Every coordinator URL (replicas over one event log), in the order given."""
-        return tuple(self.coordinator_url.split(",")) if self.coordinator_url else ()
+        return self._coordinator_urls
 
     @property
     def match_budget_s(self) -> float:

@@ -67,13 +67,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from blend_wire import BlendNamespace, check_cache_salt
+from blend_wire import BlendNamespace, check_lookup_namespace
 from local_matcher import LocalMatcher
 from plugin.client import BlendCoordinatorClient, ClientStats
 from plugin.config import ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_INSTANCE_ID, PluginConfig
 from plugin.host import ServingHost
 from plugin.lookup import Candidate, every_offer, select
 from plugin.reporter import CacheEventReporter, ReporterStats
+from plugin.stored import StoredChunks
 from plugin.types import (CBMatchResult, CBUnifiedLookupResult, FleetStatus,
                           FoundContent, LookupKey, MatchState, Place, Source, tokens_of)
 
@@ -157,33 +158,17 @@ class BlendPlugin:
         self._workers = ThreadPoolExecutor(
             config.match_concurrency + 2 if config.fleet_enabled else 2,
             thread_name_prefix="blend-worker")
-        if config.coordinator_url and not config.event_reporting:
-            log.warning("%s is set but %s is off: the coordinator would hold no cache state "
-                        "to match, so the fleet leg stays off. Set %s=1 to enable it.",
-                        ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_EVENT_REPORTING)
-        if config.fleet_enabled and config.instance_id_is_default:
-            log.warning("instance id defaulted to %r (hostname:pid), which changes when this "
-                        "process restarts, so the coordinator cannot fence what the previous "
-                        "process reported. Set %s to a stable per-server name.",
-                        config.instance_id, ENV_INSTANCE_ID)
+        _warn_about_gating(config)
         if config.fleet_enabled:
-            self.client = BlendCoordinatorClient(
-                config.coordinator_url, chunk_size=config.chunk_size, timeout=config.blend_timeout,
-                match_concurrency=config.match_concurrency,
-                breaker_threshold=config.breaker_threshold,
-                breaker_cooldown_s=config.breaker_cooldown_s, result_ttl_s=config.result_ttl_s,
-                max_tracked=config.max_tracked_queries, executor=self._workers, clock=clock,
-                token=config.coordinator_token, ca_file=config.coordinator_ca_file,
-                instance_id=config.instance_id, max_reply_bytes=config.max_reply_bytes)
+            self.client = BlendCoordinatorClient.from_config(config, executor=self._workers,
+                                                             clock=clock)
         if config.fleet_enabled and report_events:
             self.reporter = CacheEventReporter.from_config(config, executor=self._workers)
         self._lock = threading.Lock()
         # One matcher for every namespace: it registers and matches under `key.namespace`.
         self._matcher = LocalMatcher(chunk_size=config.chunk_size, executor=self._workers)
+        self._stored = StoredChunks(self._matcher, self.reporter, config.chunk_size)
         self._warned_not_asked = False
-        # chunk -> the namespace storing it; a frozenset in the rare case of several. No set
-        # per chunk: this map holds every chunk the process stores.
-        self._owners: dict[bytes, BlendNamespace | frozenset[BlendNamespace]] = {}
         # Least recently polled first: the sweep and the cap look only at the front.
         self._lookups: collections.OrderedDict[str, _Lookup] = collections.OrderedDict()
         self._closed = False
@@ -208,31 +193,18 @@ class BlendPlugin:
             size = self.chunk_size
             tokens = tokens_of(key)
             hashes = list(chunk_hashes)
-            if not self._all_bytes(hashes, "on_store"):
+            if not _all_bytes(hashes, "on_store"):
                 return
             if start < 0 or start + len(hashes) * size > len(tokens):
                 raise ValueError(f"{len(hashes)} chunks at {start} do not fit in "
                                  f"{len(tokens)} tokens (chunk_size={size})")
-            namespace = key.namespace
             released: list[_Lookup] = []
             with self._lock:
                 if self._closed:
                     return
                 self._sweep_locked(self._clock(), released)
-                owners = self._owners
-                for chunk_hash in hashes:
-                    known = owners.setdefault(chunk_hash, namespace)
-                    if known != namespace and not (type(known) is frozenset and namespace in known):
-                        owners[chunk_hash] = (known if type(known) is frozenset
-                                              else frozenset((known,))) | {namespace}
             self._let_go(released)
-            self._matcher.register(tokens[start:start + len(hashes) * size], hashes,
-                                   position_offset=start, namespace=namespace)
-            if self.reporter is not None:
-                # Slices of the caller's buffer: the reporter copies them when it queues them.
-                offsets = range(start, start + len(hashes) * size, size)
-                self.reporter.report_store(namespace, hashes,
-                                           [tokens[o:o + size] for o in offsets], offsets)
+            self._stored.add(key.namespace, tokens, hashes, start)
         except Exception:
             log.exception("on_store failed for request %s; the range is not indexed",
                           getattr(key, "request_id", "?"))
@@ -243,32 +215,10 @@ class BlendPlugin:
         and the whole call is skipped. Never raises."""
         try:
             hashes = list(chunk_hashes)
-            if not self._all_bytes(hashes, "on_evict"):
-                return
-            by_namespace: dict[BlendNamespace, list[bytes]] = collections.defaultdict(list)
-            with self._lock:
-                for chunk_hash in hashes:
-                    owner = self._owners.pop(chunk_hash, None)
-                    for namespace in (owner if type(owner) is frozenset else
-                                      () if owner is None else (owner,)):
-                        by_namespace[namespace].append(chunk_hash)
-            self._matcher.evict(hashes)
-            if self.reporter is not None:
-                for namespace, owned in by_namespace.items():
-                    self.reporter.report_delete(namespace, owned)
+            if _all_bytes(hashes, "on_evict"):
+                self._stored.remove(hashes)
         except Exception:
             log.exception("on_evict failed; some chunks may stay indexed")
-
-    @staticmethod
-    def _all_bytes(hashes: list, caller: str) -> bool:
-        # A chunk hash is opaque bytes, hex on the wire (DESIGN.md). Anything else could not
-        # be reported faithfully, so the call is refused whole rather than half-applied.
-        bad = [h for h in hashes if not isinstance(h, bytes)]
-        if not bad:
-            return True
-        log.error("%s: chunk hashes must be bytes, got %s; the whole call (%d chunk(s)) is "
-                  "skipped", caller, type(bad[0]).__name__, len(hashes))
-        return False
 
     # --- the lookup path -----------------------------------------------------------------------
 
@@ -330,8 +280,7 @@ class BlendPlugin:
         # overlaps the local work instead of following it.
         if self.client is None:
             state.fleet_status = FleetStatus.OFF
-        elif (not namespace.model_name or namespace.world_size < 1
-              or not _salt_ok(namespace.cache_salt)):
+        elif not _queryable(namespace):
             # The coordinator rejects such a query (422); asking would only cost a round-trip.
             state.fleet_status = FleetStatus.NOT_ASKED
             if not self._warned_not_asked:
@@ -572,10 +521,34 @@ class BlendPlugin:
         self.close()
 
 
-def _salt_ok(cache_salt: str) -> bool:
-    # A salt no key may carry: the coordinator answers 422, and nothing can match anyway.
+def _warn_about_gating(config: PluginConfig) -> None:
+    if config.coordinator_url and not config.event_reporting:
+        log.warning("%s is set but %s is off: the coordinator would hold no cache state "
+                    "to match, so the fleet leg stays off. Set %s=1 to enable it.",
+                    ENV_COORDINATOR_URL, ENV_EVENT_REPORTING, ENV_EVENT_REPORTING)
+    if config.fleet_enabled and config.instance_id_is_default:
+        log.warning("instance id defaulted to %r (hostname:pid), which changes when this "
+                    "process restarts, so the coordinator cannot fence what the previous "
+                    "process reported. Set %s to a stable per-server name.",
+                    config.instance_id, ENV_INSTANCE_ID)
+
+
+def _all_bytes(hashes: list, caller: str) -> bool:
+    # A chunk hash is opaque bytes, hex on the wire (DESIGN.md). Anything else could not
+    # be reported faithfully, so the call is refused whole rather than half-applied.
+    bad = [h for h in hashes if not isinstance(h, bytes)]
+    if not bad:
+        return True
+    log.error("%s: chunk hashes must be bytes, got %s; the whole call (%d chunk(s)) is "
+              "skipped", caller, type(bad[0]).__name__, len(hashes))
+    return False
+
+
+def _queryable(namespace: BlendNamespace) -> bool:
+    # The wire's one rule for a lookup's namespace (no model name, a world size below 1 or
+    # a salt no key may carry: the coordinator answers 422, and nothing can match anyway).
     try:
-        check_cache_salt(cache_salt)
+        check_lookup_namespace(namespace)
     except ValueError:
         return False
     return True

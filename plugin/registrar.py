@@ -33,6 +33,7 @@ from typing import Sequence
 import httpx
 
 from blend_wire import INSTANCES_PATH, RegisterReply, WireError, decode, encode
+from plugin.config import coordinator_url_list
 from plugin.http import coordinator_http
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,7 @@ class InstanceRegistrar:
                  p2p_advertised_url: str = "", mq_port: int = 0,
                  metadata: dict[str, str] | None = None, token: str | None = None,
                  ca_file: str | None = None, start: bool = True) -> None:
-        urls = urls.split(",") if isinstance(urls, str) else list(urls)
-        self._urls = [url.strip().rstrip("/") for url in urls if url.strip()]
+        self._urls = coordinator_url_list(urls)
         if not self._urls:
             raise ValueError("InstanceRegistrar needs at least one coordinator URL")
         if not heartbeat_interval > 0:

@@ -61,7 +61,7 @@ from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNa
                         CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
                         EventsRequest, TokenIds, WireError, check_token_offset, decode, encode,
                         pack_kv_rank, token_ids_of, token_lists_to_json)
-from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig
+from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig, coordinator_url_list
 from plugin.http import coordinator_http
 
 log = logging.getLogger(__name__)
@@ -139,8 +139,7 @@ class CacheEventReporter:
                  ca_file: str | None = None) -> None:
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
-        urls = base_url.split(",") if isinstance(base_url, str) else list(base_url)
-        self._urls = [url.strip().rstrip("/") for url in urls if url.strip()]
+        self._urls = coordinator_url_list(base_url)
         if not self._urls:
             raise ValueError("at least one coordinator URL is needed")
         self.base_url = self._urls[0]  # where events go now; see `_post`
@@ -183,7 +182,7 @@ class CacheEventReporter:
                     executor: Executor | None = None) -> "CacheEventReporter":
         """The reporter `config` describes: its URLs, identity, deadline, bounds, default tier
         and credentials (one place, so every caller sends the token and trusts the CA)."""
-        return cls(config.coordinator_url, instance_id=config.instance_id,
+        return cls(config.coordinator_urls, instance_id=config.instance_id,
                    incarnation=config.incarnation, flush_interval=config.event_flush_interval,
                    timeout=config.event_timeout, max_events=config.event_queue_limit,
                    tier=config.event_tier, backend=config.event_backend, executor=executor,
