@@ -159,14 +159,15 @@ def test_invalid_reply_entries_are_dropped(client_factory, caplog):
         ("dd", 0, -3),         # negative cur_st
         ("aa", 0, 32),         # the same chunk twice
         ("ee", 512, 48),       # valid, last possible start
+        ("ab cd", 0, 16),      # whitespace: not the wire's hex (bytes.fromhex would take it)
     )
     with LoopbackServer(lambda p, b: reply) as server:
         client = client_factory(server.url)
         client.submit("r1", TOKENS, NS)
         assert take_when_done(client, "r1") == done(seg(b"\xaa", 0, 0), seg(b"\xee", 512, 48))
-        assert client.stats().dropped_entries == 6
+        assert client.stats().dropped_entries == 7
         assert client.stats().failed == 0
-        assert any("dropped 6 invalid" in r.getMessage() for r in caplog.records)
+        assert any("dropped 7 invalid" in r.getMessage() for r in caplog.records)
 
 
 def test_circuit_breaker_opens_skips_then_probes(client_factory):

@@ -115,3 +115,31 @@ def test_config_takes_comma_separated_urls():
     assert PluginConfig(coordinator_url="http://a:1").coordinator_urls == ("http://a:1",)
     with pytest.raises(ConfigError, match="b:2"):
         PluginConfig(coordinator_url="http://a:1,b:2")
+
+
+def test_every_part_is_built_from_the_configs_one_url_list():
+    # The config parses the list once; the client, the reporter and the registrar take it.
+    from plugin.config import coordinator_url_list
+    from plugin.registrar import InstanceRegistrar
+
+    assert coordinator_url_list(" http://a:1/ , http://b:2 ,") == ("http://a:1", "http://b:2")
+    assert coordinator_url_list(["http://a:1/", " "]) == ("http://a:1",)
+    assert coordinator_url_list(None) == ()
+    config = PluginConfig(coordinator_url="http://a:1/, http://b:2", event_reporting=True,
+                          instance_id="srv")
+    client = BlendCoordinatorClient.from_config(config)
+    try:
+        assert client.base_url == "http://a:1,http://b:2"
+        assert (client.chunk_size, client.timeout, client.match_concurrency, client.instance_id,
+                client.max_reply_bytes, client.max_tracked) == (
+            config.chunk_size, config.blend_timeout, config.match_concurrency, "srv",
+            config.max_reply_bytes, config.max_tracked_queries)
+    finally:
+        client.close()
+    registrar = InstanceRegistrar(config.coordinator_urls, instance_id="srv", ip="127.0.0.1",
+                                  http_port=1, start=False)
+    try:
+        assert registrar.stats().url == "http://a:1"
+    finally:
+        registrar.close()  # never registered: nothing is sent
+

@@ -112,3 +112,20 @@ def test_an_access_batch_needs_no_backend_and_takes_the_defaults():
                    CacheEventBatch)
     assert (batch.event_type, batch.tier, batch.backend, batch.entries) == ("access", "l2", "", [])
     assert (batch.incarnation, batch.shared, batch.ts, batch.capacity_bytes) == (0, False, 0.0, 0)
+
+
+def test_one_hex_rule_and_one_lookup_namespace_rule():
+    from blend_wire import (BlendNamespace, check_chunk_hash_hex, check_lookup_namespace,
+                            chunk_hash_of_hex)
+
+    assert chunk_hash_of_hex("abCD") == b"\xab\xcd"
+    for text in ("", "a", "abc", "ab cd", " abcd", "zz", "ab\u00e9c", "a" * 1026):
+        assert chunk_hash_of_hex(text) is None, text
+        with pytest.raises(ValueError, match="not valid hex"):
+            check_chunk_hash_hex(text)
+    check_lookup_namespace(BlendNamespace("m", "", 1))
+    for namespace, why in ((BlendNamespace("", "", 1), "model_name"),
+                           (BlendNamespace("m", "", 0), "world_size"),
+                           (BlendNamespace("m", "a/b", 1), "cache_salt")):
+        with pytest.raises(ValueError, match=why):
+            check_lookup_namespace(namespace)
