@@ -1,47 +1,13 @@
-"""Coordinator client: query-only `POST /directory/blend-lookup`, never in the caller's way.
+"""`BlendCoordinatorClient`: the coordinator leg, query-only `POST /directory/blend-lookup`,
+never in the caller's way.
 
-Contract:
-- `submit(request_id, tokens, namespace, deadline)` queues one query per request id and
-  returns at once. Its input is already converted (`BlendPlugin` is the edge): `tokens` a
-  contiguous `uint32` array, `namespace` a `BlendNamespace`; whether the query is worth
-  asking (at least one chunk, a namespace the coordinator accepts) is the caller's decision.
-- `take(request_id)` is the one hand-over: a `FleetReply` whose `state` is `PENDING` (ask
-  again; the query stays tracked), `DONE` with the matches, `FAILED` (no matches), or
-  `UNKNOWN` (never submitted, already taken, cancelled or expired). `DONE` and `FAILED` hand
-  the result over and forget the id; a reply arriving after that, or after `cancel`, is
-  discarded.
-- Results are `FoundContent`s, the same shape as the local leg's (the candidates form).
-  Every query asks for the candidates form (`"candidates": true`); a coordinator that
-  answers the default form instead (LMCache's, which ignores the field) is remembered per
-  URL and asked LMCache's own body from then on, its matches handed over as one position
-  and one chunk each. No lookup fails for it and it costs no extra round-trip.
-- Replies are trusted for nothing: read under a size cap (`max_reply_bytes`, counted after
-  gzip/deflate decoding), validated and converted where they enter (plugin.replies); bad
-  entries are dropped and counted.
-- At most `match_concurrency` round-trips are in flight: queries wait in a queue drained by
-  at most that many tasks on the executor (the caller's, e.g. `BlendPlugin`'s, or one this
-  client owns and shuts down in `close`). A query still queued when its deadline passes
-  (or is a hair away) is not sent. A round-trip's budget is the configured timeout, cut to
-  what is left of the deadline, and bounds the whole round-trip (plugin.http).
-- Every failure (refused, timeout, 5xx, 422, non-JSON, wrong shape) becomes `FAILED` and a
-  log warning; no method raises into the serving path.
-- Several coordinators (replicas over one event log, `base_url` comma-separated or a
-  list, parsed by `plugin.config.coordinator_url_list`): queries take turns over the replicas whose breaker admits them, and a query whose
-  round-trip fails for an unhealthy reason (connection, timeout, 5xx) is sent on to the
-  next admitted replica while its deadline leaves time. One URL behaves exactly as one.
-- Circuit breaker, one per coordinator URL: `breaker_threshold` consecutive failed
-  round-trips open it (only failures
-  that say the coordinator is unwell count: connection errors, timeouts, 5xx; a 4xx or a bad
-  reply shape is one caller's or one reply's problem and must not turn the leg off for the
-  whole process); while open, that coordinator gets no query, and while every breaker is
-  open `submit` declines at once (the lookup goes local-only with no added latency); after
-  `breaker_cooldown_s` one probe query is let through, and its outcome closes or re-opens
-  it. `breaker_state` is the best of them (closed if any coordinator is).
-- Memory is bounded: finished results nobody takes expire after `result_ttl_s`, and at most
-  `max_tracked` queries are tracked (the oldest unclaimed result makes room first; when all
-  are in flight, the new query is declined).
-- `BlendCoordinatorClient.from_config(config, ...)` is the client a `PluginConfig` describes.
-Design: docs/DESIGN.md, "Plugin"; the wire: docs/WIRE.md.
+`submit(request_id, tokens, namespace, deadline)` queues one query and returns at once;
+`take(request_id)` hands the `FleetReply` over once (PENDING / DONE / FAILED / UNKNOWN).
+At most `match_concurrency` round-trips in flight, each within its deadline; replicas in
+turn with fail-over, one circuit breaker per URL; memory bounded (`result_ttl_s`,
+`max_tracked`); replies read and validated by plugin.replies; no method raises into the
+serving path. `from_config(config)` is the client a `PluginConfig` describes.
+Contract: docs/DESIGN.md, "Plugin"; the wire: docs/WIRE.md.
 """
 
 from __future__ import annotations

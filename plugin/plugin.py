@@ -1,57 +1,13 @@
 """`BlendPlugin`: what a serving process loads for fleet-wide CacheBlend reuse.
 
-Contract:
-- `on_store(key, chunk_hashes, start)` registers a stored range in the local matcher under the
-  key's namespace and queues STORE events (tokens + offsets); `on_evict(chunk_hashes)` removes
-  the chunks locally and queues DELETE events. Both only enqueue work. Chunk hashes must be
-  `bytes` (DESIGN.md: opaque bytes, hex on the wire); a call with any other hash is logged as
-  an error naming the type and skipped whole.
-- `cb_unified_lookup(key, tp_size)` is non-blocking, submit-once / poll-on-recall, keyed by
-  `key.request_id`. The first call starts the host's prefix lookup, runs the local matcher,
-  submits the coordinator query (only for at least one chunk of tokens, only when the fleet
-  leg is on, and never for a namespace the coordinator must reject: an empty model name or a
-  world size below 1) and arms the deadline `now + match_budget_s`. Every call advances what
-  it can and returns None while the prefix, the coordinator (before the deadline) or the
-  sparse prefetch is pending. Past the deadline the lookup continues local-only; the late
-  reply is discarded. Then both legs' candidates are merged and selected
-  (`plugin.lookup.select`: every position either leg found, chunks assigned after the
-  selection, each chunk once), one sparse prefetch is submitted (none when there is nothing
-  to fetch), and only the chunks it found are returned.
-  A request id's state is released when its lookup completes, when `cancel(request_id)` is
-  called (the engine aborted the request), or once nobody has polled it for
-  `abandon_after_s` (a few match budgets): an abandoned lookup holds its tokens (one
-  uint32 copy, never the engine's list) and O(1) more, and only that long. At most
-  `max_tracked_lookups` lookups are tracked; a new one beyond that releases the one
-  polled least recently. Releasing also cancels the coordinator query and, when the host
-  offers `cancel(request_id)`, the host's operations. Abandoned lookups are released
-  without any later call: while a lookup is pending (or the host's `settle()` says
-  something it cancelled still waits), a sweep task runs on the plugin's worker pool and
-  wakes at least every quarter of `abandon_after_s`, so a lookup goes at most
-  `1.25 * abandon_after_s` after its last poll even if the plugin is never called again.
-  The task ends when nothing is held and `close()` wakes and ends it at once.
-- Nothing raises into the serving path: an internal error is logged and the lookup answers
-  "no reuse" (`CBUnifiedLookupResult(0, [])`), which is always safe (the engine recomputes).
-- This is the edge: a key's tokens are validated and converted to one contiguous `uint32`
-  array and its namespace built once per call (`plugin.types.tokens_of`); the local matcher,
-  the client and the reporter take those. Whether a lookup asks the coordinator at all (at
-  least one chunk of tokens, a namespace it accepts) is decided once, here.
-- One worker lifecycle: the plugin makes one thread pool (`blend-worker-*`) for all its
-  background work: the local matcher's indexing, the sweep of abandoned lookups, and with
-  the fleet leg the client's round-trips and the reporter's periodic flush. Its threads
-  start only when first used, and `close()` shuts it down after the parts that use it, so
-  no plugin thread outlives `close()`. Time is read from one injected `clock`
-  (time.monotonic by default), shared with the client; the sweep's sleeps are real time,
-  capped at a quarter of `abandon_after_s`, so an injected clock is honoured within that.
-- Gating: the fleet leg (client + reporter) exists only with a coordinator URL *and* event
-  reporting; with a URL alone the plugin warns once and runs local-only. Without a URL no
-  plugin thread is started. With the fleet leg on and the default (`hostname:pid`) instance
-  id, it warns once that restarts will not be fenced. With `report_events=False` the serving
-  process reports its cache events itself (one reporter per server, e.g. LMCache's
-  `lmcache server`): the fleet leg runs, the plugin starts no reporter, and `on_store` /
-  `on_evict` only feed the local matcher.
-- One local matcher serves every namespace (chunks are registered and matched under
-  `key.namespace`), so one tenant's chunks are never offered to another even on the same
-  server, and a tenant costs no matcher of its own.
+`on_store` / `on_evict` feed the local matcher and queue cache events (`plugin.stored`);
+`cb_unified_lookup(key, tp_size)` is non-blocking, submit-once / poll-on-recall (None while
+pending): the host's prefix lookup, the local matcher and the coordinator leg within one
+budget, then one selection and one sparse prefetch. Lookups are released when they
+complete, on `cancel`, or when abandoned (a sweep task on the plugin's one worker pool).
+Nothing raises into the serving path: an internal error answers "no reuse". This is the
+edge: a key's tokens are converted and its namespace checked once, here.
+Contract: docs/DESIGN.md, "Plugin".
 """
 
 from __future__ import annotations
