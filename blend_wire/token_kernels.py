@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from blend_wire.tokens import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE
+from blend_wire.values import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE
 
 _PAD = ord("=")
 _SPACE, _TAB, _LF, _CR = 32, 9, 10, 13

@@ -32,7 +32,7 @@ from typing import Sequence, Union
 import msgspec
 import numpy as np
 
-from blend_wire.values import MAX_TOKEN_ID, WireError
+from blend_wire.values import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE, MAX_TOKEN_ID, WireError
 
 #: A list of token ids once decoded: uint32 ids, or the ints as given when one is
 #: outside uint32 (such a list can only be recorded, never indexed).
@@ -40,8 +40,6 @@ TokenIds = Union[np.ndarray, list]
 #: `token_ids` of an entry that carries none (read-only: shared by every such entry).
 NO_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
 NO_TOKEN_IDS.flags.writeable = False
-#: What the kernel (blend_wire.token_kernels) says of one list.
-LIST_OK, LIST_OUT_OF_RANGE, LIST_NOT_PLAIN = 0, 1, -1
 
 
 def as_tokens(values) -> np.ndarray:

@@ -159,3 +159,6 @@ def check_token_offset(offset: int) -> None:
         raise ValueError(f"token_offset {offset} is invalid: use 0..2^53-1, or -1 for "
                          "unknown")
 
+#: What the token-list kernel (blend_wire.token_kernels) says of one list; here, below both
+#: the kernels and their caller (blend_wire.tokens), so neither imports the other for them.
+LIST_OK, LIST_OUT_OF_RANGE, LIST_NOT_PLAIN = 0, 1, -1
