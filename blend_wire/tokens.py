@@ -1,26 +1,6 @@
 """The token codec: token ids as they travel (WIRE.md), and back to uint32 arrays.
 
-Two forms, one module:
-- blend lookups carry `tokens_b64`: little-endian uint32, standard base64 with padding
-  (`encode_tokens` / `decode_tokens`; `WireError` saying why a text is not that).
-- `/events` STORE entries carry `token_ids`, a JSON list of integers. Decoding one does
-  not build a Python int per token: the decoder keeps each list as raw JSON
-  (`msgspec.Raw`), and `token_lists_from_json` parses all the lists of a batch in one
-  kernel call that runs without the GIL, so a coordinator's event loop goes on serving
-  while a large batch is parsed. The result per list (`TokenIds`): a native uint32 array
-  when every id is in `[0, 2^32)`; a `list[int]` when some id is outside it (not a
-  validation error: LMCache answers 200 and treats the content as unknown, WIRE.md).
-  Anything else is refused exactly as msgspec refuses it for `list[int]` (same message,
-  e.g. ``Expected `int`, got `float` - at `$.token_ids[3]```): the kernel accepts only
-  what msgspec accepts with the same values (tests/test_token_lists.py checks it against
-  msgspec on generated valid and invalid lists), and hands anything else to msgspec.
-  `token_ids_of` does the same for ids given in code (a list, a tuple, an array).
-  `token_lists_to_json` is the way back: uint32 arrays to the JSON lists, one kernel call
-  per batch, the bytes msgspec would write.
-
-`as_tokens` is the one conversion of token ids given in code to a uint32 array (the local
-matcher's index takes its input through it too). The kernels (`blend_wire.token_kernels`,
-numba) are loaded on first use: `import blend_wire` loads no numba.
+The rest of its contract: docs/CONTRACTS.md, `blend_wire.tokens`.
 """
 
 from __future__ import annotations

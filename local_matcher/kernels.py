@@ -1,33 +1,6 @@
 """Numba kernels of the content store: fingerprints, probing, insertion, removal.
 
-Plain-array signatures only; `local_matcher.store.ContentStore` owns the arrays and
-is the only caller. Every kernel is compiled with ``cache=True``. `probe`, the long one,
-also releases the GIL (callers hold the store's lock); the short update kernels keep
-it, since releasing and re-taking the GIL around a few microseconds of work makes the
-threads that share it queue behind each other.
-
-Fingerprint of a window of C tokens (all arithmetic mod 2**64)::
-
-    v_i = mix(token_i + salt)                  # per-token scramble, keyed per process
-    h   = sum_j v_{p+j} * base**(C-1-j)        # polynomial, rolled one token at a time
-    fp  = mix(h ^ salt)
-
-`mix` is the splitmix64 finaliser. `salt` and the odd `base` are drawn at random per
-process, so fingerprints never leave the process and collisions cannot be precomputed.
-Collisions still cost nothing but time: every candidate is compared token by token.
-
-Table layout (the invariants every kernel keeps):
-
-- ``table_fp[s]``/``table_cid[s]``: open addressing with linear probing, ``cid == -1``
-  is empty. An entry's home slot is the top ``table_bits`` bits of its fingerprint.
-  Several entries may share a fingerprint (different contents): it is a multimap.
-  Deletion shifts later entries back, so there are no tombstones.
-- ``filter_words``: one bit per filter slot; a slot is the top ``filter_bits`` bits of a
-  fingerprint (``filter_bits >= table_bits``). A bit is set iff some live entry maps to
-  it. Entries sharing a filter slot share a home slot, so they sit in one probe cluster:
-  removal clears a bit after scanning only that cluster.
-- ``blocks[cid >> BLOCK_BITS][cid & BLOCK_MASK]``: the content's tokens, in fixed-size
-  blocks so that growing never copies them; ``free_ids[:free_top[0]]`` the unused ids.
+The rest of its contract: docs/CONTRACTS.md, `local_matcher.kernels`.
 """
 
 from __future__ import annotations

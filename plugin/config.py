@@ -1,23 +1,6 @@
 """Plugin configuration: one frozen value, read once at start-up.
 
-Contract:
-- `PluginConfig.from_env(**overrides)` reads the `LMCACHE_COORDINATOR_*` names of WIRE.md
-  (plus `LMCACHE_CHUNK_SIZE`, `LMCACHE_COORDINATOR_INSTANCE_ID`, `LMCACHE_COORDINATOR_TOKEN`
-  and `LMCACHE_COORDINATOR_CA_FILE`, this project's additions), then applies keyword
-  overrides, which win over the environment.
-- A bad value is a `ConfigError` at start-up whose message names the environment variable
-  (or the field, for an override) and says what is accepted. Nothing is clamped silently.
-  The exception is `LMCACHE_COORDINATOR_EVENT_REPORTING`: `1`, `true` or `yes` (any case)
-  turn it on and every other value means off (WIRE.md; LMCache reads it so).
-- `instance_id` defaults to `hostname:pid`, which changes on restart; the plugin warns about
-  it when the fleet leg is on (`instance_id_is_default`).
-- The fleet leg is on only with a URL *and* event reporting (`fleet_enabled`); deciding what
-  to do about a URL without reporting (warn, no client) belongs to the plugin.
-- `blend_timeout` is both the lookup's per-request HTTP timeout and its match budget
-  (`match_budget_s`), as in LMCache. Cache-event POSTs are background work, off the serving
-  path: they have their own total deadline, `event_timeout` (LMCache's event sink allows
-  2 s per POST, `HttpCacheEventSink(timeout=2.0)`), so a slow but alive coordinator does not
-  make them fail and retry while lookups keep their budget.
+The rest of its contract: docs/CONTRACTS.md, `plugin.config`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """The plugin's one HTTP policy: how the coordinator client and the reporter talk to it.
 
-Contract:
-- `coordinator_http(base_url, timeout=..., connections=..., token=..., ca_file=...)` is the
-  only way the plugin makes an `httpx.Client`: no proxy from the environment (one must not
-  sit between a server and its coordinator, nor swallow our timeouts), a pool of
-  `connections` keep-alive connections, and `DeadlineTransport` underneath. With a `token`,
-  every request carries `Authorization: Bearer <token>` (a coordinator with access control
-  on); with a `ca_file`, an `https://` coordinator's certificate is checked against it
-  instead of the system's trust store. A token bound for an `http://` URL whose host is
-  not loopback is warned about (once per host): it would cross the network in clear.
-- `DeadlineTransport` makes a request's timeout a *total* deadline for the round-trip:
-  connecting, sending and every read of the status line, headers and body, together.
-  httpx applies its timeouts per phase and per read (a read that returns one byte restarts
-  the clock), so a coordinator trickling bytes could otherwise hold a caller forever.
-  The budget is the smallest of the request's httpx timeouts (`timeout=` of the call, or the
-  client's), fixed when the request is handed to the transport.
-- Built on public API only: `httpx.BaseTransport`, and an `httpcore.ConnectionPool` given a
-  `network_backend` that cuts each socket operation's timeout to what is left of the
-  deadline. No httpx internals, so httpx upgrades do not break it (tests/test_plugin_http.py
-  runs the trickling servers against it).
-- Errors surface as httpx's exception types (`httpx.ReadTimeout`, `httpx.ConnectError`...),
-  as from httpx's own transport.
+The rest of its contract: docs/CONTRACTS.md, `plugin.http`.
 """
 
 from __future__ import annotations

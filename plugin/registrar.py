@@ -1,25 +1,6 @@
 """Keeps a serving process registered with its coordinator: register, heartbeat, deregister.
 
-What LMCache 0.5.6's `lmcache server` does for itself with one coordinator URL
-(`keep_registered`, WIRE.md "What an LMCache MP server ... calls"), for several replicas
-of one coordinator (comma-separated URLs), which LMCache's own cannot use.
-
-Contract:
-- `InstanceRegistrar(urls, instance_id=..., ip=..., http_port=..., heartbeat_interval=...)`
-  starts a daemon thread (unless `start=False`) that registers at once
-  (`POST /instances`), then heartbeats every `heartbeat_interval` s
-  (`PUT /instances/{id}/heartbeat`). A `404` means the coordinator forgot the instance:
-  it registers again at once. Any other failure keeps the registration and tries again
-  at the next beat. `close()` stops the thread and deregisters (`DELETE`), once.
-- Several URLs: one replica at a time. A request that cannot reach it, or that it answers
-  5xx, goes on to the next replica at once; the next requests stay there. The replicas
-  share one registry (`coordinator_stub.writes.replicated`), so a heartbeat that moves keeps the
-  registration: no re-registration, no fencing.
-- A registration the coordinator refuses as invalid (4xx) is logged as an error, and
-  tried again at the next beat (an operator may fix the coordinator meanwhile).
-- Every request goes through the plugin's one HTTP policy (plugin.http): `timeout`
-  bounds each round-trip, so `close()` ends within about one timeout per replica. No
-  method raises: failures are logged (one warning per outage) and counted in `stats()`.
+The rest of its contract: docs/CONTRACTS.md, `plugin.registrar`.
 """
 
 from __future__ import annotations

@@ -1,45 +1,6 @@
 """Cache-event reporter: the server's stores and evictions, as `POST /events` batches.
 
-Contract:
-- `report_store` / `report_delete` only append to an in-memory queue (the store path never
-  waits on the network, nor on batch building: batches are built outside the queue's lock); a
-  task on the executor (the caller's, e.g. `BlendPlugin`'s, or one this reporter owns) flushes
-  every `flush_interval`, and `close()` flushes once more.
-- Input comes converted from the edge (`BlendPlugin`): a `BlendNamespace`, `bytes` chunk
-  hashes (DESIGN.md: opaque bytes, hex on the wire), `uint32` token arrays. Each event's wire
-  key is built when it is queued, so a hash that cannot be written as hex or a namespace that
-  does not fit the wire raises `TypeError`/`WireError` to that caller and never reaches batch
-  building, where it would take the whole queue down with it. Token chunks are copied when
-  queued: the caller may reuse its buffer at once.
-- Every POST goes through the plugin's one HTTP policy (plugin.http): its `timeout` (the
-  config's `event_timeout`, not the lookup budget: delivery is background work) bounds the
-  whole round-trip, so a coordinator trickling bytes cannot hold `flush()` or `close()`.
-- STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
-  A flush writes the token lists of the batches it forms in one kernel call
-  (`token_lists_to_json`): the body's bytes are those of the arrays, no Python int per token.
-  Keys come from the namespace: `kv_rank` packs the world size in its top byte.
-- Every event has a tier and a backend: the reporter's own unless the call names others (a
-  tier-aware host reports L1 and L2 placements separately). Consecutive events of one
-  `(type, tier, backend)` share a batch.
-- Batches are numbered `seq = 1, 2, ...` per `(instance_id, incarnation)`. The incarnation
-  defaults to the start time in nanoseconds, so a new reporter for the same `instance_id`
-  outranks the previous one and the coordinator fences its placements.
-- A seq is given to a batch once; a failed POST is retried later with the same batches in the
-  same order (a retry of something that did land is then a harmless duplicate), and events
-  reported meanwhile queue behind them.
-- The queue is bounded (`max_events` entries, formed batches included): when it is full the
-  oldest events are dropped first and counted in `stats().dropped_events`, which every batch
-  built afterwards carries as its cumulative `dropped_events` (LMCache 0.5.7's field: the
-  coordinator counts the rises per emitter).
-- Several coordinator URLs (replicas sharing one event log, comma-separated): events go
-  to one at a time; a connection error or a 5xx other than 503 sends the same body on to
-  the next replica at once (a replica that appended it before failing makes the copy a
-  duplicate, which the gate drops). One URL behaves as before.
-- A batch the coordinator rejects as invalid (422) can never succeed: it is dropped, counted
-  and logged, so it cannot wedge the queue.
-- A coordinator that sheds load (503 or 429) is honoured: nothing is posted again until its
-  `Retry-After` (seconds, capped at `MAX_RETRY_AFTER_S`; 1 s when absent or unreadable) has
-  passed; the events stay queued, in order.
+The rest of its contract: docs/CONTRACTS.md, `plugin.reporter`.
 """
 
 from __future__ import annotations

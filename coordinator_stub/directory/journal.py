@@ -1,23 +1,6 @@
 """An undo journal, so the key directory can apply a batch all or nothing.
 
-Contract:
-- `JournaledDict(journal)` and `JournaledSet(journal)` are a `dict` and a `set` whose
-  mutations, while `journal.recording`, first record how to undo them. Reads are the
-  native ones (no overhead); a write costs one tuple appended to the journal.
-- `journal.begin()` starts recording; `journal.commit()` forgets the records;
-  `journal.rollback()` undoes every recorded mutation, newest first, so every journaled
-  structure is exactly as it was at `begin()`. `note(obj, attr)` records an attribute
-  of any object the same way (for the few counters kept on objects).
-- A plain `set` stored into a `JournaledDict` is stored as a `JournaledSet` with the same
-  elements, so sets created by code under the journal are journaled from then on.
-- Only the mutating methods the directory uses are journaled (`[]=`, `del`, `pop`,
-  `setdefault`; `add`, `discard`, `remove`); the others raise rather than mutate
-  silently.
-
-Picklable (a replica's snapshot holds the directory): each structure travels with its
-journal and its plain contents.
-
-Not thread-safe: used under the directory lock, by one writer at a time.
+The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.directory.journal`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """The coordinator's request logic, free of HTTP: request bodies in, reply values or bodies
 out (endpoints: docs/WIRE.md; structure: docs/DESIGN.md, "Coordinator layout").
 
-Contract:
-- Reads: `parse_lookup(body, shape, scope)` validates a blend-lookup (or blend-score) body
-  once (shape, salt against the reader's `Scope`, size from the text: `TooLarge`) and
-  `matches` / `scores` take the parsed request (`lookup` / `score` do both, for large
-  bodies parsed off the loop). `directory_lookup(body)`, `directory_keys(query)`,
-  `stats()`: the operators' queries, reply bodies.
-- Registry: `parse_register(body, scope)`, `check_registration` (binds the chunk size a
-  registration carries), `register`, `heartbeat`, `deregister`, `drop_instance` (fences an
-  instance's L1 under the directory lock), `release_ghosts(timeout)`, `instances_listing`.
-  The write paths (`coordinator_stub.writes`) call these.
-- `bind_chunk_size(body)` / `bind(size)`: LMCache 0.5.7's rules against `--chunk-size`
-  (`ChunkSizeConflict` otherwise; replicas keep their `--chunk-size`).
-- Refusals are `coordinator_stub.errors`' and `blend_wire.WireError`; none changes state.
-  Everything here may block (locks, CPU): the HTTP layer runs it off the event loop.
-
-Ready means compiled: with blend lookup on, `Coordinator(config)` rehearses every
-directory and index operation on a scratch directory, so each numba kernel the
-coordinator uses is compiled (or loaded from numba's cache) before the first request.
+The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.coordinator`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """The match workers, shared fairly between readers: start-time fair queuing by query size
 (docs/DESIGN.md, "Coordinator").
 
-One reader's huge queries must not hold the matcher from everyone else. Every reader (`flow`: the bearer token with access control on, else the
-client's address) has its own FIFO of lookups, and the workers take the next lookup by
-start-time fair queuing (the same discipline as ingest, `coordinator_stub.writes.local`, for
-whole jobs): a waiting flow carries a start tag in virtual cost units (a lookup's cost is
-its body's bytes plus `JOB_COST`); a worker takes the flow with the lowest tag (ties:
-the cheaper lookup first, then arrival), the virtual clock becomes that tag, and the
-flow's next lookup is tagged the previous one's finish (start + cost). A flow that
-becomes active starts at the clock, or at its previous finish if that is later.
-
-Guarantees: a reader whose lookup is cheaper than every backlogged flow's next one, and
-who was not ahead of the others, is served as soon as a worker finishes the lookup it is
-running, however many lookups other readers have queued; readers that flood share the
-workers equally by bytes. A flow has at most one lookup running at a time, so one reader
-cannot occupy every worker either, and its lookups run in the order they came.
-
-Contract: `FairPool(workers, name)`; `submit(flow, cost, fn, *args)` returns a
-`concurrent.futures.Future` at once, `submit_async` (on an event loop) an `asyncio.Future`
-that the worker settles on that loop directly (one `call_soon_threadsafe`: no concurrent
-future and `wrap_future` chain in between, the HTTP layer's hand-off per lookup); either
-cancelled before it runs is skipped. `shutdown(cancel_futures=True)` stops the threads
-(what has not started is cancelled).
-State is per flow with lookups queued, plus the finish tags of idle flows still ahead of
-the clock (forgotten once it passes them, and all of them whenever nothing is queued).
+The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.matchpool`.
 """
 
 from __future__ import annotations

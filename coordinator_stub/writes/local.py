@@ -2,50 +2,7 @@
 and emitters are served by start-time fair queuing in bytes, so a flood from any number
 of emitters delays another emitter's small batch by at most the step already running.
 
-Contract:
-- `FairIngest(apply_batch)`; `start()` runs its one scheduler thread, `close()` stops it
-  (pending bodies fail with `IngestClosed`). `submit(body)` returns at once with a
-  `concurrent.futures.Future` of `EventsReply`, or of the `WireError` that rejects the body
-  (nothing of it applied), or of whatever `apply_batch` raised.
-- Work is cut into steps, each about one batch's work: scanning a body's outline (its
-  batches as raw JSON, cheap: no objects built), validating one batch, applying one batch.
-  A step costs the bytes of JSON it works through (a scan an eighth of its body's), plus
-  `STEP_BYTES`. Every emitter (the `instance_id` of a body's first batch) is a flow with
-  its own FIFO of bodies, as is the queue of bodies not yet scanned.
-- Scheduling (start-time fair queuing, SFQ): a waiting flow carries a start tag in
-  virtual bytes; the scheduler runs the flow with the lowest tag (ties: the cheaper next
-  step first, then arrival order), and the virtual clock is the tag of the turn last
-  started. A turn is one step, or several while they add up to at most `TURN_BYTES` (a
-  small body is scanned, validated and applied in one turn; a large batch's step is a
-  turn of its own); the flow's next tag is its start tag plus what the turn cost.
-  A flow that becomes active (its queue was empty) starts at the virtual clock, or at
-  its previous finish tag less `TURN_BYTES` if that is later: an emitter that ran ahead of
-  the others by more than a turn keeps its place; one that did not (a light emitter,
-  however often it posts) goes first. A body leaves its queue before it is answered, so
-  one its emitter sends on the answer (even before the turn ends) finds the flow idle.
-- Guarantees, from the tags: (1) a newly active emitter whose next turn is cheaper than
-  every backlogged flow's next step is served as soon as the step running ends, however
-  many emitters flood; (2) backlogged emitters get equal bytes of work: over any interval
-  in which two stay backlogged, their work differs by at most two turns. A body is
-  queued with its emitter at once when its text begins `{"batches": [{"instance_id":
-  "..."` (what LMCache's encoder and ours write); any other body is scanned first, in the
-  flow of its own, and then queued with its emitter. (A body whose opening names one
-  emitter and whose batches another can only misplace itself: batches are gated by
-  their own ids.)
-- All or nothing per body: every batch is validated (and checked against the poster's
-  token scope, `coordinator_stub.http.access`) before the first is applied. A body
-  that breaks the contract anywhere is rejected whole, its message naming the field as
-  `$.batches[i]...` like a whole-body decode would. Per emitter, bodies apply in the order
-  they arrived (one scan queue, FIFO), and a body's batches in their order.
-- Memory: a decoded batch (token ids as uint32 arrays, `blend_wire.CacheEventEntry`) is
-  about its JSON's size. Decoded batches are kept from validation to application only
-  while the bodies keeping them total at most `keep_decoded_bytes`; a larger body is
-  decoded again batch by batch when applied, so whatever the burst, at most a batch of
-  decoded objects per busy emitter is alive. Scheduler state is per flow with work
-  queued, plus the finish tags of idle emitters still ahead of the clock (forgotten once
-  it passes them, and all of them whenever no work is queued).
-- `LocalWrites(coordinator)`: the `WritePath` of one process (`coordinator_stub.writes`),
-  its `/events` bodies through this scheduler (docs/DESIGN.md, "Coordinator layout").
+The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.writes.local`.
 """
 
 from __future__ import annotations
