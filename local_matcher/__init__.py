@@ -7,7 +7,7 @@ lookup's selection rule; `types` the result shapes. docs/DESIGN.md, "The content
 """
 
 from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult, ContentCandidates
-from local_matcher.index import ContentIndex
+from local_matcher.index import ContentIndex, IndexBusy
 from local_matcher.matcher import LocalMatcher
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "CBMatchResult",
     "ContentCandidates",
     "ContentIndex",
+    "IndexBusy",
     "LocalMatcher",
 ]

@@ -5,6 +5,7 @@ The rest of its contract: docs/CONTRACTS.md, `local_matcher.index`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Hashable, Iterable, Sequence
@@ -19,6 +20,11 @@ from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, B
                                  ContentCandidates)
 
 log = logging.getLogger(__name__)
+
+
+class IndexBusy(RuntimeError):
+    """A lookup asked not to wait, and the index is being written (another thread holds
+    it): the caller runs the lookup where waiting is harmless instead."""
 
 
 class ContentIndex:
@@ -161,22 +167,23 @@ class ContentIndex:
 
     # --- matching -------------------------------------------------------------------------
 
-    def match(self, query, namespace: Hashable) -> list[BlendMatch]:
+    def match(self, query, namespace: Hashable, *, wait: bool = True) -> list[BlendMatch]:
         """The chunks of `namespace` found in `query`, by the match rule (module doc).
 
         Ascending by `cur_st`; at most one match per position and per chunk; every
-        match compared token by token.
+        match compared token by token. `wait=False`: `IndexBusy` rather than wait for a
+        writer (an event loop must not block on ingest).
         """
-        return list(map(BlendMatch, *self.match_columns(query, namespace)))
+        return list(map(BlendMatch, *self.match_columns(query, namespace, wait=wait)))
 
-    def match_columns(self, query, namespace: Hashable
+    def match_columns(self, query, namespace: Hashable, *, wait: bool = True
                       ) -> tuple[list[Hashable], list[int], list[int]]:
         """`match` as columns: (chunk hashes, stored offsets, query positions), for a
         caller that builds result objects of its own."""
         tokens = self._query_tokens(query)
         if tokens is None:
             return [], [], []
-        with self._lock:
+        with self._locked(wait):
             claims = self._claims
             ns_id = claims.ns_ids.get(namespace)
             if ns_id is None:
@@ -194,7 +201,8 @@ class ContentIndex:
             return [slot_chunk[s] for s in slots], offsets, positions
 
     def candidates(self, query, namespace: Hashable, *,
-                   spare_chunks: int = CANDIDATE_SPARE_CHUNKS) -> list[ContentCandidates]:
+                   spare_chunks: int = CANDIDATE_SPARE_CHUNKS, wait: bool = True
+                   ) -> list[ContentCandidates]:
         """Every position of `query` where content `namespace` claims occurs, by content.
 
         The candidates form (DESIGN.md, "Unified lookup"): unlike `match`, no chunk is
@@ -203,11 +211,12 @@ class ContentIndex:
         found, in order of its first position; every position verified token by token; per
         content at most `len(positions) + spare_chunks` chunks (and `MAX_CANDIDATE_CHUNKS`).
         Cost: O(query + positions + chunks named), however many chunks hold a content.
+        `wait` as `match`.
         """
         tokens = self._query_tokens(query)
         if tokens is None:
             return []
-        with self._lock:
+        with self._locked(wait):
             claims = self._claims
             ns_id = claims.ns_ids.get(namespace)
             if ns_id is None:
@@ -282,6 +291,16 @@ class ContentIndex:
             }
 
     # --- internals (caller holds the lock) ----------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, wait: bool):
+        """The lock, taken (`wait=False`: only if free at once, else `IndexBusy`)."""
+        if not self._lock.acquire(blocking=wait):
+            raise IndexBusy("the index is being written; this lookup asked not to wait")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _holder(self, tokens):
         """Whether a content is `tokens` (None: any content is)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -584,14 +585,15 @@ async def test_a_stalled_match_blocks_neither_health_nor_ingest(coord, monkeypat
     entered, release = threading.Event(), threading.Event()
     real_match = directory.match
 
-    def slow_match(tokens, namespace):
+    def slow_match(tokens, namespace, **kwargs):
         entered.set()
         release.wait(10)
-        return real_match(tokens, namespace)
+        return real_match(tokens, namespace, **kwargs)
 
     monkeypatch.setattr(directory, "match", slow_match)
     await coord.post_events(batch(GOOD))
-    pending = asyncio.ensure_future(coord.lookup(A))
+    filler = [7] * 30_000  # too large to be matched on the loop: the match pool runs it
+    pending = asyncio.ensure_future(coord.lookup(filler + A))
     assert await asyncio.to_thread(entered.wait, 5)
     try:
         health = await asyncio.wait_for(coord.client.get(HEALTH_PATH), 2)
@@ -602,7 +604,35 @@ async def test_a_stalled_match_blocks_neither_health_nor_ingest(coord, monkeypat
         assert not pending.done()
     finally:
         release.set()
-    assert await pending == [("aa01", 0, 0)]
+    assert await pending == [("aa01", 0, 30_000)]
+
+
+async def test_a_small_lookup_never_holds_the_loop_while_ingest_writes_the_index(coord):
+    """Small lookups are matched on the event loop while the match pool is idle; one that
+    would wait for the index (ingest writing it) waits on the pool instead, so health
+    checks and ingest bodies are still answered meanwhile."""
+    await coord.post_events(batch(GOOD))
+    held, release = threading.Event(), threading.Event()
+
+    def ingest_writing_the_index():  # stuck for 5 s at most, so a blocked loop fails
+        with coord.directory._index._lock:
+            held.set()
+            release.wait(5)
+
+    writer = threading.Thread(target=ingest_writing_the_index)
+    writer.start()
+    try:
+        assert await asyncio.to_thread(held.wait, 5)
+        pending = asyncio.ensure_future(coord.lookup(A))
+        asked = time.monotonic()
+        health = await coord.client.get(HEALTH_PATH)
+        assert health.status == 200 and time.monotonic() - asked < 2
+        await asyncio.sleep(0.1)
+        assert not pending.done()
+    finally:
+        release.set()
+        writer.join()
+    assert await asyncio.wait_for(pending, 10) == [("aa01", 0, 0)]
 
 
 async def test_health(coord):

@@ -74,24 +74,27 @@ class KeyDirectory:
         self._bindings.writer = IndexWriter(index, chunk_size)
         self._index = index
 
-    def match(self, tokens: np.ndarray, namespace: BlendNamespace) -> list:
+    def match(self, tokens: np.ndarray, namespace: BlendNamespace, *,
+              wait: bool = True) -> list:
         """Blend matches of `namespace` in `tokens` (a list of `BlendMatch`).
 
         Deliberately not under the directory lock: the index is thread-safe and always a
-        consistent view of the bindings as of some applied entry.
+        consistent view of the bindings as of some applied entry. `wait=False`:
+        `IndexBusy` rather than wait while ingest writes the index.
         """
         index = self._index
         if index is None or tokens.size < self.chunk_size:
             return []
-        return index.match(tokens, namespace)
+        return index.match(tokens, namespace, wait=wait)
 
-    def candidates(self, tokens: np.ndarray, namespace: BlendNamespace) -> list:
+    def candidates(self, tokens: np.ndarray, namespace: BlendNamespace, *,
+                   wait: bool = True) -> list:
         """The candidates form of a blend lookup (`ContentIndex.candidates`), not under the
         directory lock, as `match`."""
         index = self._index
         if index is None or tokens.size < self.chunk_size:
             return []
-        return index.candidates(tokens, namespace)
+        return index.candidates(tokens, namespace, wait=wait)
 
     def places_of(self, chunk_hashes: list[bytes], namespace: BlendNamespace
                   ) -> list[tuple[list[str], bool]]:

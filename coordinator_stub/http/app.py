@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from functools import partial
 import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
@@ -46,6 +47,7 @@ from coordinator_stub.service.coordinator import Coordinator
 from coordinator_stub.service.matchpool import FairPool
 from coordinator_stub.writes import WritePath
 from coordinator_stub.writes.local import LocalWrites
+from local_matcher import IndexBusy
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ T = TypeVar("T")
 _JSON = "application/json"
 #: Lookup bodies up to this size (about 48k tokens) are parsed on the loop.
 _INLINE_PARSE_BYTES = 256 * 1024
+#: Lookup bodies up to this size (about 18k tokens, well under a millisecond of matching)
+#: are matched on the loop while the match pool is idle (`_matched`).
+_INLINE_MATCH_BYTES = 96 * 1024
 _HEALTHY = encode(HealthReply())
 
 
@@ -197,21 +202,37 @@ async def _events(request: web.Request) -> web.Response:
             loop.call_soon(loop.run_in_executor, None, give_back_memory)
 
 
+async def _matched(request: web.Request, parse: Callable, answer: Callable,
+                   whole: Callable):
+    """The reply value of a blend-lookup or blend-score body: `answer(parse(body, scope))`,
+    or `whole(body, scope)` when the body is too large to parse on the loop.
+
+    While the match pool has nothing to do, a small body is answered right here on the
+    loop: handing it to a worker thread and back costs more CPU than matching it. Any
+    other lookup takes its reader's turn on the pool (`service.matchpool`), and so does
+    one that would wait for ingest writing the index: the loop never waits for it."""
+    body = await _read_body(request)
+    scope = scope_of(request)
+    pool = request.app[_MATCH_POOL]
+    reader = _reader_of(request)
+    if len(body) <= _INLINE_MATCH_BYTES and pool.idle:
+        query = parse(body, scope=scope)
+        try:
+            return answer(query, wait=False)
+        except IndexBusy:
+            return await pool.submit_async(reader, len(body), answer, query)
+    if len(body) > _INLINE_PARSE_BYTES:
+        return await pool.submit_async(reader, len(body), whole, body, scope)
+    # The shape is validated on the loop (microseconds); the worker decodes the tokens
+    # without the GIL and matches, so the loop keeps serving.
+    return await pool.submit_async(reader, len(body), answer, parse(body, scope=scope))
+
+
 async def _blend_lookup(request: web.Request) -> web.Response:
     coordinator = request.app[COORDINATOR]
     started = time.perf_counter()
-    body = await _read_body(request)
-    scope = scope_of(request)
-    # Readers take turns at the matcher, by query size (coordinator_stub.service.matchpool).
-    pool, reader = request.app[_MATCH_POOL], _reader_of(request)
-    if len(body) > _INLINE_PARSE_BYTES:
-        job = pool.submit_async(reader, len(body), coordinator.lookup, body, scope)
-    else:
-        # A small body's shape is validated right here (microseconds); the matcher thread
-        # decodes its tokens without the GIL and matches, so the loop keeps serving.
-        job = pool.submit_async(reader, len(body), coordinator.matches,
-                                coordinator.parse_lookup(body, scope=scope))
-    reply = await job
+    reply = await _matched(request, coordinator.parse_lookup, coordinator.matches,
+                           coordinator.lookup)
     metrics = request.app.get(METRICS)
     if metrics is not None:
         found = (len(reply.matches) if type(reply) is BlendLookupReply
@@ -221,19 +242,12 @@ async def _blend_lookup(request: web.Request) -> web.Response:
 
 
 async def _blend_score(request: web.Request) -> web.Response:
-    """As `_blend_lookup`, on the match pool: scoring is a candidates lookup and then the
-    selection per instance (CPU-bound)."""
+    """As `_blend_lookup` (a router's token may be scoped to salts, as a reader's): scoring
+    is a candidates lookup and then the selection per instance (CPU-bound)."""
     coordinator = request.app[COORDINATOR]
     started = time.perf_counter()
-    body = await _read_body(request)
-    scope = scope_of(request)  # a router's token may be scoped to salts, as a reader's
-    pool, reader = request.app[_MATCH_POOL], _reader_of(request)  # turns, as lookups
-    if len(body) > _INLINE_PARSE_BYTES:
-        job = pool.submit_async(reader, len(body), coordinator.score, body, scope)
-    else:
-        job = pool.submit_async(reader, len(body), coordinator.scores,
-                                coordinator.parse_lookup(body, BlendScoreRequest, scope))
-    reply = await job
+    reply = await _matched(request, partial(coordinator.parse_lookup, shape=BlendScoreRequest),
+                           coordinator.scores, coordinator.score)
     metrics = request.app.get(METRICS)
     if metrics is not None:
         metrics.observe_lookup("blend-score", time.perf_counter() - started)

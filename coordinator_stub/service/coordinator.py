@@ -101,20 +101,21 @@ class Coordinator:
                            f"{self.config.max_query_tokens} (--max-query-tokens)")
         return tokens
 
-    def matches(self, request: BlendLookupRequest) -> BlendLookupReply:
-        """Decode the query's tokens (WireError if they are not valid) and match them."""
+    def matches(self, request: BlendLookupRequest, *, wait: bool = True) -> BlendLookupReply:
+        """Decode the query's tokens (WireError if they are not valid) and match them.
+        `wait=False`: `IndexBusy` rather than wait while ingest writes the index."""
         tokens = self._tokens(request)
         if request.candidates:
-            return self._candidates(tokens, request.namespace)
+            return self._candidates(tokens, request.namespace, wait)
         if not self.directory.blend_enabled or tokens.size < self.directory.chunk_size:
             return BlendLookupReply(matches=[])
         return BlendLookupReply(matches=[
             WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
-            for m in self.directory.match(tokens, request.namespace)])
+            for m in self.directory.match(tokens, request.namespace, wait=wait)])
 
-    def _candidates(self, tokens, namespace) -> BlendCandidatesReply:
+    def _candidates(self, tokens, namespace, wait: bool) -> BlendCandidatesReply:
         directory = self.directory
-        found = directory.candidates(tokens, namespace)
+        found = directory.candidates(tokens, namespace, wait=wait)
         places = iter(directory.places_of(
             [chunk_hash for content in found for chunk_hash, _ in content.chunks], namespace))
         return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=[
@@ -127,9 +128,10 @@ class Coordinator:
     def score(self, body: bytes, scope: Scope = ANY) -> BlendScoreReply:
         return self.scores(self.parse_lookup(body, BlendScoreRequest, scope))
 
-    def scores(self, request: BlendScoreRequest) -> BlendScoreReply:
+    def scores(self, request: BlendScoreRequest, *, wait: bool = True) -> BlendScoreReply:
         """WIRE.md's `/directory/blend-score`: every registered instance asked for (all by
-        default) scored by what its unified lookup would reuse (`coordinator_stub.service.score`)."""
+        default) scored by what its unified lookup would reuse (`coordinator_stub.service.score`).
+        `wait` as `matches`."""
         tokens = self._tokens(request)
         namespace = request.namespace
         directory = self.directory
@@ -140,7 +142,7 @@ class Coordinator:
             instance_ids = [i for i in instance_ids if i in asked]
         contents = []
         if directory.blend_enabled and tokens.size >= size:
-            found = directory.candidates(tokens, namespace)
+            found = directory.candidates(tokens, namespace, wait=wait)
             places = iter(directory.places_of(
                 [chunk_hash for content in found for chunk_hash, _ in content.chunks],
                 namespace))

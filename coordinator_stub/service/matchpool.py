@@ -111,6 +111,12 @@ class FairPool:
                 thread.join()
 
     @property
+    def idle(self) -> bool:
+        """Nothing running or queued. Read without the lock: an answer a moment stale only
+        decides where one small lookup runs (the HTTP layer's inline matching)."""
+        return not self._running and not self._waiting
+
+    @property
     def pending(self) -> int:
         """Lookups queued, not yet started."""
         with self._cond:

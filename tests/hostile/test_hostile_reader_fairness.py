@@ -6,7 +6,8 @@ bearer token; without access control, their address) take turns by start-time fa
 queuing on query bytes: a small lookup waits for at most the lookup already running.
 
 Deterministic: the matcher is held on a first lookup until every other lookup is queued;
-then the order in which the matcher serves them is what is checked.
+then the order in which the matcher serves them is what is checked. (A small lookup while
+the pool is idle is matched on the event loop instead, which the last test checks.)
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ async def test_a_small_lookup_waits_only_for_the_one_running(start):
     release = threading.Event()
     match = service.directory.match
 
-    def recording_match(tokens, namespace):
+    def recording_match(tokens, namespace, **kwargs):
         served.append(namespace.cache_salt)
         if namespace.cache_salt == "gate":
             release.wait(60)
-        return match(tokens, namespace)
+        return match(tokens, namespace, **kwargs)
 
     service.directory.match = recording_match
     parsed = 0
@@ -63,7 +64,8 @@ async def test_a_small_lookup_waits_only_for_the_one_running(start):
             await asyncio.sleep(0.01)
         raise AssertionError("timed out")
 
-    requests = [asyncio.create_task(lookup("gate", 8))]
+    # Too large to be matched on the loop: the gate holds the pool, so it is busy.
+    requests = [asyncio.create_task(lookup("gate", 30_000))]
     await until(lambda: served == ["gate"])  # the matcher is held
     # Each flooder queues three 40k-token lookups (~210 KB each), then the victim one of 8.
     for i in range(EACH):
@@ -144,3 +146,42 @@ async def test_the_loop_side_hand_off_keeps_turns_results_and_errors():
         pool.shutdown(wait=True, cancel_futures=True)
     await asyncio.sleep(0)
     assert queued.cancelled() and "late" not in ran
+
+
+async def test_a_small_lookup_is_matched_on_the_loop_only_while_the_pool_is_idle(start):
+    """The thread hop costs more than matching a small query, so an idle pool is skipped;
+    a busy one is not (the lookup takes its turn there, as above)."""
+    coord = await start()
+    service = coord.coordinator
+    threads: list[str] = []
+    release = threading.Event()
+    match = service.directory.match
+
+    def recording_match(tokens, namespace, **kwargs):
+        threads.append(threading.current_thread().name)
+        if namespace.cache_salt == "gate":
+            release.wait(60)
+        return match(tokens, namespace, **kwargs)
+
+    service.directory.match = recording_match
+
+    async def lookup(salt: str, size: int) -> int:
+        body = {"tokens_b64": encode_tokens(np.arange(size, dtype=np.uint32)),
+                "model_name": "m", "cache_salt": salt}
+        response = await coord.client.post(BLEND_LOOKUP_PATH, data=encode(body))
+        return response.status
+
+    assert await lookup("small", 8_000) == 200
+    assert threads == [threading.main_thread().name]
+    gate = asyncio.create_task(lookup("gate", 30_000))  # too large for the loop: the pool
+    for _ in range(2000):
+        if len(threads) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert threads[1].startswith("match"), threads
+    small = asyncio.create_task(lookup("small", 8_000))
+    await asyncio.sleep(0.2)
+    assert len(threads) == 2 and not small.done()  # queued behind the gate, not on the loop
+    release.set()
+    assert await gate == 200 and await small == 200
+    assert threads[2].startswith("match"), threads
