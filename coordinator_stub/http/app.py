@@ -142,8 +142,11 @@ async def _read_body(request: web.Request, limit: int | None = None,
         # A body without a declared length is cut off at the app's client_max_size (after
         # decompression, so a gzip bomb stops there too). A body trickling in is cut off
         # after `timeout`: it would otherwise hold its connection and buffer for ever.
-        async with asyncio.timeout(timeout):
+        if request.content.is_eof():  # all of it is here already: no timer to arm
             body = await request.read()
+        else:
+            async with asyncio.timeout(timeout):
+                body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise TooLarge(f"body exceeds {limit} bytes ({limit_name})") from None
     except TimeoutError:
