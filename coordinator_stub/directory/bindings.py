@@ -411,7 +411,9 @@ class Bindings:
         placements = self._placements
         places = placements.places
         for chunk_hash in self.held_by.pop(instance_id, ()):
-            binding = self.table[chunk_hash]
+            binding = self.table.get(chunk_hash)
+            if binding is None:  # its shared-pool placement went on with another reporter
+                continue
             holds, lost, gone, kept, removed = binding[2], [], [], False, False
             for key_no, place_no in placements_in(holds):
                 place = places[place_no]
