@@ -184,3 +184,23 @@ def test_querying_n_keys_of_one_hash_is_linear_work():
         work[n] = (expanded, looked_up, listed)
     for step in range(3):  # linear: 8x; quadratic: 64x
         assert work[2000][step] < 9 * work[250][step], (step, work)
+
+
+def test_a_restart_after_a_shared_placement_moved_on_and_went_applies():
+    """A shared pool's placement names its latest reporter; once that one lets the chunk
+    go, the first reporter's restart still applies (it failed, and with it every retry,
+    while the first still listed the chunk as its own)."""
+    directory = KeyDirectory(chunk_size=C)
+
+    def batch(instance: str, incarnation: int, entries: list) -> CacheEventBatch:
+        return CacheEventBatch(instance_id=instance, incarnation=incarnation, seq=1,
+                               event_type="store", tier="l2", backend="nfs", shared=True,
+                               entries=entries)
+
+    stored = [CacheEventEntry(key=_key("a1", "", 0, 0), size_bytes=8)]
+    directory.ingest([batch("i1", 0, stored)])
+    directory.ingest([batch("i0", 0, stored)])  # the pool's one placement: i0's now
+    directory.ingest([batch("i0", 1, [])])  # i0 restarts: the chunk goes
+    assert directory.ingest([batch("i1", 1, [])]).applied == 1  # i1 restarts
+    assert directory.stats()["num_keys"] == 0
+    directory.drop_instance("i1")

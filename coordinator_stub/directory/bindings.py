@@ -24,6 +24,7 @@ from blend_wire import (
     TokenIds,
 )
 from coordinator_stub.directory.journal import Journal, JournaledDict
+from coordinator_stub.directory.new_chunks import digest, store_new_chunks
 from coordinator_stub.directory.placements import (
     FEW,
     INSTANCE,
@@ -41,11 +42,6 @@ _NO_ACCESSES: tuple = ()
 _MAX_SIZE_WARNED = 4096
 
 Content = bytes | int | None
-
-
-def _digest(tokens: bytes) -> int:
-    # Only ever compared within this process: the per-process randomised hash is right.
-    return hash(tokens)
 
 
 def indexed(content: Content, offset: int) -> bool:
@@ -96,8 +92,9 @@ class Bindings:
             if held is None:
                 self.held_by[batch.instance_id] = set()  # stored as a journaled set
                 held = self.held_by[batch.instance_id]
-            for entry in batch.entries:
-                self._store(entry, placements.place_no(batch, entry.size_bytes), held)
+            if not store_new_chunks(batch, self.table, held, placements, self.writer):
+                for entry in batch.entries:
+                    self._store(entry, placements.place_no(batch, entry.size_bytes), held)
             self._counters["entries_stored"] += len(batch.entries)
         elif kind == "delete":
             ident = placements.place_idents[placements.place_no(batch, 0)]
@@ -111,9 +108,7 @@ class Bindings:
 
     def touched_chunks(self) -> set[bytes]:
         """The chunk hashes whose bindings the current batch changed (from the journal)."""
-        table = self.table
-        return {key for _, target, key, _ in self._journal.records or ()
-                if target is table}
+        return self._journal.keys_changed(self.table)
 
     def reindex(self, chunk_hashes: set[bytes]) -> None:
         """The index failed part-way through a batch: put back what the restored bindings
@@ -229,7 +224,7 @@ class Bindings:
         against the index)."""
         if type(content) is bytes:
             return tokens == content
-        return (_digest(tokens) == content
+        return (digest(tokens) == content
                 or tokens == self.writer.tokens_of(chunk_hash, namespace))
 
     def _own_content(self, holds, content: Content, offset: int,
@@ -264,7 +259,7 @@ class Bindings:
             self.writer.add(tokens, chunk_hash, new_offset, namespace)
         elif held[1] != new_offset:  # the same content elsewhere: the claim moves in place
             self.writer.add(tokens, chunk_hash, new_offset, namespace)
-        own[namespace] = (_digest(tokens), new_offset)
+        own[namespace] = (digest(tokens), new_offset)
 
     def _stamped_tokens(self, entry: CacheEventEntry) -> bytes | None:
         """The entry's tokens as native uint32 bytes, or None when it carries no usable
@@ -307,9 +302,9 @@ class Bindings:
             # A digest taken by another process (a loaded snapshot: `hash` is per process)
             # differs even for the same tokens, so a differing digest is checked against
             # the indexed tokens, and the binding takes this process's digest.
-            digest = _digest(tokens)
-            same = digest == content or tokens == self.writer.tokens_of(chunk_hash)
-            content = digest if same else content
+            taken = digest(tokens)
+            same = taken == content or tokens == self.writer.tokens_of(chunk_hash)
+            content = taken if same else content
         if not same:
             # New text under a known hash: the old position belonged to the old text.
             if indexed(content, offset):
@@ -330,7 +325,7 @@ class Bindings:
             return tokens, offset
         for namespace in self._placements.namespaces_of(holds):
             self.writer.add(tokens, chunk_hash, offset, namespace)
-        return _digest(tokens), offset
+        return digest(tokens), offset
 
     def _move_offset(self, chunk_hash: bytes, holds, tokens: bytes, new_offset: int
                      ) -> tuple[Content, int]:
@@ -411,7 +406,9 @@ class Bindings:
         placements = self._placements
         places = placements.places
         for chunk_hash in self.held_by.pop(instance_id, ()):
-            binding = self.table[chunk_hash]
+            binding = self.table.get(chunk_hash)
+            if binding is None:  # its shared-pool placement went on with another reporter
+                continue
             holds, lost, gone, kept, removed = binding[2], [], [], False, False
             for key_no, place_no in placements_in(holds):
                 place = places[place_no]

@@ -36,6 +36,17 @@ class Journal:
         for undo, target, key, old in reversed(records or ()):
             undo(target, key, old)
 
+    def keys_changed(self, target: dict) -> set:
+        """The keys of `target` (a `JournaledDict`) changed since `begin()`."""
+        changed = set()
+        for undo, obj, key, _ in self.records or ():
+            if obj is target:
+                if undo is _undo_absent:
+                    changed.update(key)
+                else:
+                    changed.add(key)
+        return changed
+
 
 def _undo_item(target: dict, key: Any, old: Any) -> None:
     if old is _MISSING:
@@ -44,11 +55,20 @@ def _undo_item(target: dict, key: Any, old: Any) -> None:
         dict.__setitem__(target, key, old)
 
 
+def _undo_absent(target: dict, keys: list, _: None) -> None:
+    for key in keys:
+        dict.pop(target, key, None)
+
+
 def _undo_member(target: set, element: Any, was_present: bool) -> None:
     if was_present:
         set.add(target, element)
     else:
         set.discard(target, element)
+
+
+def _undo_members_added(target: set, elements: set, _: None) -> None:
+    set.difference_update(target, elements)
 
 
 def _undo_attr(target: object, attr: str, old: Any) -> None:
@@ -90,8 +110,19 @@ class JournaledDict(dict):
             self[key] = default
         return dict.__getitem__(self, key)
 
+    def insert_absent(self, keys: list, values) -> None:
+        """Add each of `keys` with its value from `values` (an iterable as long, stored as
+        given): one record for them all. ValueError, and nothing changed, if any of them
+        is present."""
+        if not self.keys().isdisjoint(keys):
+            raise ValueError("insert_absent: some keys are present")
+        records = self.journal.records
+        if records is not None:
+            records.append((_undo_absent, self, keys, None))
+        dict.update(self, zip(keys, values))
+
     def _refuse(self, *args, **kwargs):
-        raise TypeError("not journaled: use [] =, del, pop or setdefault")
+        raise TypeError("not journaled: use [] =, del, pop, setdefault or insert_absent")
 
     update = popitem = clear = __ior__ = _refuse
 
@@ -118,13 +149,21 @@ class JournaledSet(set):
             records.append((_undo_member, self, element, True))
         set.discard(self, element)
 
+    def add_all(self, elements) -> None:
+        """`add` of each element: one record for them all."""
+        added = set(elements).difference(self)
+        records = self.journal.records
+        if records is not None and added:
+            records.append((_undo_members_added, self, added, None))
+        set.update(self, elements)  # in their order: the set `add` by `add` would leave
+
     def remove(self, element) -> None:
         if element not in self:
             raise KeyError(element)
         self.discard(element)
 
     def _refuse(self, *args, **kwargs):
-        raise TypeError("not journaled: use add, discard or remove")
+        raise TypeError("not journaled: use add, add_all, discard or remove")
 
     pop = clear = update = difference_update = intersection_update = \
         symmetric_difference_update = __ior__ = __iand__ = __isub__ = __ixor__ = _refuse

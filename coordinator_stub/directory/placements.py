@@ -197,21 +197,22 @@ class Placements:
             self._free_key_nos.append(key_no)
         self._maybe_unused_keys.clear()
 
-    def _count(self, place_no: int, sign: int) -> None:
-        """Move the running totals by one placement (sign +1 added, -1 removed)."""
+    def _count(self, place_no: int, delta: int) -> None:
+        """Move the running totals by `delta` placements at one place (added if positive,
+        removed if negative)."""
         place = self.places[place_no]
-        refs = self._place_refs.get(place_no, 0) + sign
+        refs = self._place_refs.get(place_no, 0) + delta
         if refs:
             self._place_refs[place_no] = refs
         else:
             del self._place_refs[place_no]
             self._maybe_unused.add(place_no)
         totals = self.tier_totals[place[TIER]]
-        totals[0] += sign
-        totals[1] += sign * place[SIZE]
+        totals[0] += delta
+        totals[1] += delta * place[SIZE]
         if place[TIER] == "l1":
             instance_id = place[INSTANCE]
-            count = self.l1_by_instance.get(instance_id, 0) + sign
+            count = self.l1_by_instance.get(instance_id, 0) + delta
             if count:
                 self.l1_by_instance[instance_id] = count
             else:
@@ -222,6 +223,8 @@ class Placements:
     def add(self, holds, key_no: int, place_no: int) -> tuple[object, bool]:
         """Record `(key_no, place_no)`; returns (holds, whether the key's namespace is
         new to this chunk). Counts keys and placements."""
+        if not holds:
+            return self.add_first(key_no, place_no, 1), True
         key_ns, namespace = self.key_ns, self.key_ns[key_no]
         idents, ident = self.place_idents, self.place_idents[place_no]
         if type(holds) is tuple:
@@ -264,6 +267,15 @@ class Placements:
         self.num_placements += 1
         self._count(place_no, 1)
         return holds, new_claim
+
+    def add_first(self, key_no: int, place_no: int, chunks: int) -> tuple[int, int]:
+        """Record `(key_no, place_no)` as the first placement of `chunks` chunks at once:
+        the `holds` they all share (a tuple: shared safely). Counts keys and placements."""
+        self._key_refs[key_no] = self._key_refs.get(key_no, 0) + chunks
+        self.num_keys += chunks
+        self.num_placements += chunks
+        self._count(place_no, chunks)
+        return key_no, place_no
 
     def _replace_place(self, old: int, new: int, many: _ManyKeys | None = None) -> None:
         """A placement's place is replaced by a new report of the same identity (another

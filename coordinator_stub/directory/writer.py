@@ -11,12 +11,15 @@ from blend_wire import BlendNamespace
 
 _ALL = object()  # `IndexWriter._latest`: every claim of the chunk
 _ADD_MANY, _REMOVE_CLAIM, _REMOVE_CHUNK = "add_many", "remove_claim", "remove_chunk"
+# `add_rows` blocks: not yet in `_latest` (the rest of the batch rarely asks), and folded.
+_ADD_ROWS_UNREAD, _ADD_ROWS = "add_rows_unread", "add_rows"
 
 
 class IndexWriter:
     """The directory's only path to the index. Updates are queued and sent by `flush()`,
-    consecutive adds as one `add_many` (one lock acquisition, one kernel call, one
-    namespace per row) instead of one call per chunk; `discard()` drops what is queued.
+    consecutive adds as one `add_many` (one lock acquisition, one kernel call; one
+    namespace for them all when they have one) instead of one call per chunk, and a block
+    of `add_rows` as one `add_many` of its own; `discard()` drops what is queued.
 
     Order is preserved: adds are sent in the order they were queued (the index numbers
     occupants in the order they are first indexed, LMCache's match order), and every
@@ -42,6 +45,7 @@ class IndexWriter:
 
     def add(self, tokens: bytes, chunk_hash: bytes, offset: int,
             namespace: BlendNamespace) -> None:
+        self._fold_rows()
         self._latest.setdefault(chunk_hash, {})[namespace] = tokens
         adds = self._adds
         if adds is None:
@@ -51,12 +55,37 @@ class IndexWriter:
         adds[2].append(offset)
         adds[3].append(namespace)
 
+    def add_rows(self, rows: np.ndarray, chunk_hashes: list[bytes], offsets: np.ndarray,
+                 namespace: BlendNamespace) -> None:
+        """`add` of each row of a (n, chunk_size) uint32 array at its offset (known: >= 0),
+        all for one namespace, queued as one block (not copied: leave the rows as they
+        are)."""
+        self._fold_rows()
+        self._close_adds()
+        self._ops.append((_ADD_ROWS_UNREAD, namespace, (rows, chunk_hashes, offsets)))
+
+    def _fold_rows(self) -> None:
+        """Record the blocks queued last in `_latest`, before anything reads or changes
+        it (`_latest` must hold every update, in order). A bulk STORE is a whole batch,
+        so this is rare: it costs a bytes object per row."""
+        ops = self._ops
+        first = len(ops)
+        while first and ops[first - 1][0] is _ADD_ROWS_UNREAD:
+            first -= 1
+        for i in range(first, len(ops)):
+            _, namespace, block = ops[i]
+            for chunk_hash, row in zip(block[1], block[0]):
+                self._latest.setdefault(chunk_hash, {})[namespace] = row.tobytes()
+            ops[i] = (_ADD_ROWS, namespace, block)
+
     def remove_claim(self, chunk_hash: bytes, namespace: BlendNamespace) -> None:
+        self._fold_rows()
         self._close_adds()
         self._ops.append((_REMOVE_CLAIM, chunk_hash, namespace))
         self._latest.setdefault(chunk_hash, {})[namespace] = None
 
     def remove_chunk(self, chunk_hash: bytes) -> None:
+        self._fold_rows()
         self._close_adds()
         self._ops.append((_REMOVE_CHUNK, chunk_hash, None))
         self._latest[chunk_hash] = {_ALL: None}
@@ -65,6 +94,7 @@ class IndexWriter:
                   ) -> bytes | None:
         """The content of `namespace`'s claim (None: of any claim, for a chunk whose
         claims all agree) as it will be once the queue is sent."""
+        self._fold_rows()
         latest = self._latest.get(chunk_hash)
         if latest is not None:
             if namespace is None:
@@ -105,8 +135,15 @@ class IndexWriter:
                     row_of.append(row)
                 rows = np.frombuffer(b"".join(distinct), dtype=np.uint32).reshape(
                     len(distinct), self.chunk_size)
-                index.add_many(rows, hashes, offsets, namespaces,
+                # One namespace for all (the common run) lets the index claim them in bulk.
+                first = namespaces[0]
+                index.add_many(rows, hashes, offsets,
+                               first if namespaces.count(first) == len(namespaces)
+                               else namespaces,
                                row_of if len(distinct) < len(contents) else None)
+            elif kind is _ADD_ROWS or kind is _ADD_ROWS_UNREAD:
+                rows, hashes, offsets = second
+                index.add_many(rows, hashes, offsets, first)
             elif kind is _REMOVE_CLAIM:
                 if (first, second) not in self.replaced:  # to restore should this fail
                     self.replaced[(first, second)] = index.tokens_of(first, second)
