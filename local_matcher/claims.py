@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from itertools import groupby
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -87,33 +88,59 @@ class ClaimLists:
                 self._move(claim, slot, cid, offset)
         return vacated
 
-    def claim_fresh(self, chunk_hashes: Sequence[Hashable], cids: np.ndarray,
-                    offsets: np.ndarray, namespace: Hashable) -> int:
-        """`claim_all` for the common batch, in a few array operations: one namespace,
-        every chunk hash new to the index and distinct, every content just stored (so
-        without occupants). Returns the namespace's id; for any other batch NONE, and
-        nothing changed."""
+    def claim_new(self, chunk_hashes: Sequence[Hashable], cids: np.ndarray,
+                  offsets: np.ndarray, namespaces: Sequence[Hashable] | Hashable,
+                  fresh: np.ndarray) -> np.ndarray | None:
+        """`claim_all` for the common batch, in a few array operations: every chunk hash
+        new to the index and distinct. `namespaces`: one per row (a list), or one for all;
+        `fresh`: 1 on the first row of each content just stored (no occupant yet). Each
+        chunk is a new occupant, the newest on its content, so its claim goes last in its
+        list: a fresh row starts a list of its own at once, another is linked at the tail
+        of its list (O(1) each). Returns each row's namespace bit; for any other batch
+        None, and nothing changed."""
         count = len(chunk_hashes)
         new = dict.fromkeys(chunk_hashes)
         if len(new) != count or not self.chunks.keys().isdisjoint(new):
-            return NONE
-        ns_id = self.namespace_id(namespace)
+            return None
+        ns_ids = self._claim_namespaces(namespaces, count)
         slots = self._new_slots(chunk_hashes)
         i32, i64 = np.int32, np.int64
-        np.frombuffer(self.slot_ns, dtype=i32)[slots] = ns_id
+        np.frombuffer(self.slot_ns, dtype=i32)[slots] = ns_ids
         np.frombuffer(self.slot_cid, dtype=i32)[slots] = cids
         np.frombuffer(self.slot_offset, dtype=i64)[slots] = offsets
         np.frombuffer(self._slot_order, dtype=i64)[slots] = np.arange(
             self._next_order, self._next_order + count)
-        np.frombuffer(self.next_slot, dtype=i32)[slots] = slots  # each its own list
-        np.frombuffer(self._prev, dtype=i32)[slots] = slots
-        np.frombuffer(self.head, dtype=i32)[cids] = slots
-        np.frombuffer(self.num_chunks, dtype=i32)[cids] = 1
-        self.chunks.update(zip(chunk_hashes, slots.tolist()))
         self._next_order += count
         self.num_occupants += count
-        self._count_claims(ns_id, count)
-        return ns_id
+        self.chunks.update(zip(chunk_hashes, slots.tolist()))
+        own = fresh.view(bool)
+        alone, alone_cids = (slots, cids) if own.all() else (slots[own], cids[own])
+        np.frombuffer(self.next_slot, dtype=i32)[alone] = alone  # each its own list
+        np.frombuffer(self._prev, dtype=i32)[alone] = alone
+        np.frombuffer(self.head, dtype=i32)[alone_cids] = alone
+        np.frombuffer(self.num_chunks, dtype=i32)[alone_cids] = 1
+        if len(alone) < count:  # on contents held before, or earlier in the batch
+            joined = ~own
+            np.add.at(np.frombuffer(self.num_chunks, dtype=i32), cids[joined], 1)
+            for slot in slots[joined].tolist():
+                self._link(slot)
+        return np.left_shift(np.uint64(1), (ns_ids & 63).astype(np.uint64)) \
+            if type(ns_ids) is np.ndarray else np.full(count, mask_bit(ns_ids), np.uint64)
+
+    def _claim_namespaces(self, namespaces, count: int) -> np.ndarray | int:
+        """The ids of a batch's namespaces (one per row, or one), given in the order
+        `claim_all` gives them, and their claims counted."""
+        if type(namespaces) is not list:
+            ns_id = self.namespace_id(namespaces)
+            self._count_claims(ns_id, count)
+            return ns_id
+        # By runs of one namespace (rows of one key come together): one lookup per run.
+        ids, lengths = [], []
+        for name, run in groupby(namespaces):
+            ids.append(self.namespace_id(name))
+            lengths.append(len(list(run)))
+            self._count_claims(ids[-1], lengths[-1])
+        return np.repeat(np.array(ids, dtype=np.int32), lengths)
 
     def _new_slots(self, chunk_hashes: Sequence[Hashable]) -> np.ndarray:
         """Slots for these chunks (their other fields still to be written): free ones

@@ -82,12 +82,15 @@ class ContentIndex:
         with self._lock:
             cids, fresh = self._store.insert(np.ascontiguousarray(rows))
             self._claims.grow(self._store.capacity)
-            if not per_row and row_of is None and fresh.all():
-                ns_id = self._claims.claim_fresh(chunk_hashes, cids, offsets, namespace)
-                if ns_id != NONE:
-                    self._store.ns_mask[cids] |= np.uint64(mask_bit(ns_id))
+            if row_of is None:  # else chunks share rows: claimed again, one by one
+                ns_bits = self._claims.claim_new(chunk_hashes, cids, offsets, namespace, fresh)
+                if ns_bits is not None:
+                    if fresh.all():  # contents of their own: each once
+                        self._store.ns_mask[cids] |= ns_bits
+                    else:
+                        np.bitwise_or.at(self._store.ns_mask, cids, ns_bits)
                     return
-            if row_of is not None:
+            else:
                 cids = cids[row_of]
             ns_bits = np.empty(len(cids), dtype=np.uint64)
             vacated = self._claims.claim_all(chunk_hashes, cids.tolist(), offsets.tolist(),

@@ -24,7 +24,8 @@ from blend_wire import (
     TokenIds,
 )
 from coordinator_stub.directory.journal import Journal, JournaledDict
-from coordinator_stub.directory.new_chunks import digest, store_new_chunks
+from coordinator_stub.directory.new_chunks import (chunk_hashes, digest, run_tokens,
+                                                   store_new_chunks, store_runs)
 from coordinator_stub.directory.placements import (
     FEW,
     INSTANCE,
@@ -92,9 +93,7 @@ class Bindings:
             if held is None:
                 self.held_by[batch.instance_id] = set()  # stored as a journaled set
                 held = self.held_by[batch.instance_id]
-            if not store_new_chunks(batch, self.table, held, placements, self.writer):
-                for entry in batch.entries:
-                    self._store(entry, placements.place_no(batch, entry.size_bytes), held)
+            self._store_all(batch, held)
             self._counters["entries_stored"] += len(batch.entries)
         elif kind == "delete":
             ident = placements.place_idents[placements.place_no(batch, 0)]
@@ -105,6 +104,24 @@ class Bindings:
             for entry in batch.entries:
                 self._access(entry.key)
             self._counters["entries_accessed"] += len(batch.entries)
+
+    def _store_all(self, batch: CacheEventBatch, held: set[bytes]) -> None:
+        """A STORE batch's entries in order: runs of new chunks in bulk, the rest one by
+        one."""
+        entries, placements, table, writer = batch.entries, self._placements, self.table, \
+            self.writer
+        hashes = chunk_hashes(entries)
+        runs = store_runs(entries, hashes, table, writer)
+        tokens = run_tokens(entries, runs, writer is not None)
+        for start, stop, bulk in runs:
+            if bulk:
+                store_new_chunks(batch, entries[start:stop], hashes[start:stop],
+                                 tokens.get(start), table, held, placements, writer)
+                continue
+            for i in range(start, stop):
+                entry = entries[i]
+                self._store(entry, hashes[i], placements.place_no(batch, entry.size_bytes),
+                            held)
 
     def touched_chunks(self) -> set[bytes]:
         """The chunk hashes whose bindings the current batch changed (from the journal)."""
@@ -165,10 +182,11 @@ class Bindings:
 
     # --- the lifecycle table, one step per row ----------------------------------------
 
-    def _store(self, entry: CacheEventEntry, place_no: int, held: set[bytes]) -> None:
-        """One STORE entry: record the placement, then the binding's content and offset."""
+    def _store(self, entry: CacheEventEntry, chunk_hash: bytes, place_no: int,
+               held: set[bytes]) -> None:
+        """One STORE entry (of `chunk_hash`, its key's): record the placement, then the
+        binding's content and offset."""
         key_no = self._placements.key_no(entry.key)
-        chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
         binding = self.table.get(chunk_hash)
         content, offset, holds, accesses, reported = binding if binding is not None else (
             None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES, None)

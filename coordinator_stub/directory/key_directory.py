@@ -269,8 +269,10 @@ class KeyDirectory:
 
     def state_parts(self) -> tuple:
         """The objects whose fields make up a snapshot's layout (`snapshot.layout_of`),
-        but the index's."""
-        return self, self._placements, self._bindings, self._gate
+        but the index's (the index writer's with blend lookup on)."""
+        writer = self._bindings.writer
+        return (self, self._placements, self._bindings, self._gate,
+                *(() if writer is None else (writer,)))
 
     # --- inspection ---------------------------------------------------------------------
 

@@ -108,22 +108,18 @@ class _Boom(RuntimeError):
 def test_failure_while_applying_changes_nothing_and_a_retry_applies(seeded, monkeypatch):
     directory, contents = seeded
     before = _state(directory, contents)
-    calls = {"n": 0}
-    real_store = Bindings._store
-    last = len(_failing_batch(directory, contents).entries)
+    real_store = Bindings._store_all
 
     def store_then_fail(self, *args):
-        calls["n"] += 1
-        if calls["n"] == last:  # the last entry, after the others were applied
-            raise _Boom("injected")
-        return real_store(self, *args)
+        real_store(self, *args)
+        raise _Boom("injected")  # every entry applied (some in bulk), the index not yet
 
-    monkeypatch.setattr(Bindings, "_store", store_then_fail)
+    monkeypatch.setattr(Bindings, "_store_all", store_then_fail)
     with pytest.raises(_Boom):
         directory.ingest([_failing_batch(directory, contents)])
     assert _state(directory, contents) == before
 
-    monkeypatch.setattr(Bindings, "_store", real_store)
+    monkeypatch.setattr(Bindings, "_store_all", real_store)
     reply = directory.ingest([_failing_batch(directory, contents)])  # the same batch, same seq
     assert reply.applied == 1
     after = _state(directory, contents)
