@@ -30,8 +30,9 @@ class IndexWriter:
 
     `flush()` records, before each removal, the tokens the claims had (`replaced`, by
     `(chunk_hash, namespace)`, or by chunk hash for a whole chunk), so a failure part-way
-    can be repaired; `sent` says how many updates reached the index. Called only under
-    the directory lock, and flushed before the lock is released.
+    can be repaired; `sent` says how many updates of a flush that failed reached the index
+    (0 once a flush completes: a batch that fails before its flush sent nothing).
+    Called only under the directory lock, and flushed before the lock is released.
     """
 
     def __init__(self, index, chunk_size: int) -> None:
@@ -148,6 +149,7 @@ class IndexWriter:
             self.sent += 1
         if blocks:
             self._send_rows(blocks)
+        self.sent = 0  # all sent: nothing for a later failure to repair
 
     def _send_adds(self, contents: list[bytes], hashes: list, offsets: list,
                    namespaces: list) -> None:
@@ -188,6 +190,9 @@ class IndexWriter:
         self.index.add_many(rows, hashes, offsets, namespace)
         self.sent += 1
 
-    def discard(self) -> None:
-        """Drop every queued update (the batch that queued them was rolled back)."""
+    def discard(self) -> int:
+        """Drop every queued update (the batch that queued them was rolled back); how many
+        updates of its flush had reached the index (0: it failed before its flush)."""
         self._ops, self._latest, self._adds, self._unread = [], {}, None, set()
+        sent, self.sent = self.sent, 0
+        return sent

@@ -154,6 +154,31 @@ def test_failure_inside_the_index_changes_nothing_and_a_retry_applies(seeded, mo
     assert after["found"]["a", "t1"] == [("aa", 40, 0)]
 
 
+def test_a_batch_failing_before_its_flush_leaves_the_index_in_order(monkeypatch):
+    """The index is written only when a batch's directory part is done: a batch failing
+    before that leaves it untouched. Before: the writer still counted the updates of the
+    last batch that reached the index as sent, so the failed batch's chunks were removed
+    and indexed again, last in LMCache's occupant order (another chunk's name answered)."""
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    text = _tokens()
+    directory.ingest([_batch(_entry("aa", text, 0), seq=1),
+                      _batch(_entry("bb", text, 0), seq=2)])  # both on one content, aa first
+    query = np.array(text, dtype=np.uint32)
+    assert [m.chunk_hash for m in directory.match(query, NS)] == [bytes.fromhex("aa")]
+    real_store, calls = Bindings._store, [0]
+
+    def fail_second(self, *args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise _Boom("injected")
+        return real_store(self, *args)
+
+    monkeypatch.setattr(Bindings, "_store", fail_second)
+    with pytest.raises(_Boom):  # aa stored again, then the failure
+        directory.ingest([_batch(_entry("aa", text, 0), _entry("aa", _tokens(), 0), seq=3)])
+    assert [m.chunk_hash for m in directory.match(query, NS)] == [bytes.fromhex("aa")]
+
+
 def test_an_instance_without_placements_costs_nothing(seeded):
     directory, contents = seeded
     directory.ingest([_batch(_entry("ff", _tokens(), offset=0), seq=1, instance="brief")])
