@@ -22,6 +22,11 @@ def mask_bit(ns_id: int) -> int:
     return 1 << (ns_id & 63)
 
 
+def mask_bits(ns_ids: np.ndarray) -> np.ndarray:
+    """`mask_bit` of each id."""
+    return np.left_shift(np.uint64(1), (ns_ids & 63).astype(np.uint64))
+
+
 class ClaimLists:
     """The slots, lists and namespace ids of a content index; see the module doc."""
 
@@ -59,10 +64,6 @@ class ClaimLists:
         """{namespace: id} of every namespace with a claim (read only)."""
         return self._namespaces.ids
 
-    def namespace_id(self, namespace: Hashable) -> int:
-        """The id of `namespace`, given one if it has none."""
-        return self._namespaces.id_of(namespace)
-
     def claim_all(self, chunk_hashes: Sequence[Hashable], cids: list[int], offsets: list[int],
                   namespaces: Sequence[Hashable], ns_bits: np.ndarray) -> list[int]:
         """Each chunk claimed by its namespace on its content at its offset, in order
@@ -73,7 +74,7 @@ class ClaimLists:
         for i, (chunk_hash, cid, offset, name) in enumerate(zip(
                 chunk_hashes, cids, offsets, namespaces)):
             if name is not current:  # adding never retires an id: safe to keep
-                current, ns_id = name, self.namespace_id(name)
+                current, ns_id = name, self._namespaces.id_of(name)
             ns_bits[i] = mask_bit(ns_id)
             claim = chunks.get(chunk_hash)
             slot = NONE if claim is None else self._slot_of(claim, ns_id)
@@ -90,19 +91,18 @@ class ClaimLists:
 
     def claim_new(self, chunk_hashes: Sequence[Hashable], cids: np.ndarray,
                   offsets: np.ndarray, namespaces: Sequence[Hashable] | Hashable,
-                  fresh: np.ndarray) -> np.ndarray | None:
-        """`claim_all` for the common batch, in a few array operations: every chunk hash
-        new to the index and distinct. `namespaces`: one per row (a list), or one for all;
-        `fresh`: 1 on the first row of each content just stored (no occupant yet). Each
-        chunk is a new occupant, the newest on its content, so its claim goes last in its
-        list: a fresh row starts a list of its own at once, another is linked at the tail
-        of its list (O(1) each). Returns each row's namespace bit; for any other batch
-        None, and nothing changed."""
+                  fresh: np.ndarray) -> np.ndarray | int | None:
+        """`claim_all` of chunk hashes new to the index and distinct, in a few array
+        operations: each a new occupant, the newest on its content, so its claim goes last
+        in its list. `namespaces`: a list (one per row) or one; `fresh`: 1 on the first row
+        of each content just stored, which starts a list of its own (the others are linked
+        at their list's tail, O(1)). Returns the namespace ids (a list's, or the one); for
+        any other batch None, and nothing changed."""
         count = len(chunk_hashes)
-        new = dict.fromkeys(chunk_hashes)
-        if len(new) != count or not self.chunks.keys().isdisjoint(new):
+        if len(set(chunk_hashes)) != count or not self.chunks.keys().isdisjoint(chunk_hashes):
             return None
-        ns_ids = self._claim_namespaces(namespaces, count)
+        ns_ids = self._namespaces.claimed(namespaces, count)
+        self.num_claims += count
         slots = self._new_slots(chunk_hashes)
         i32, i64 = np.int32, np.int64
         np.frombuffer(self.slot_ns, dtype=i32)[slots] = ns_ids
@@ -120,27 +120,10 @@ class ClaimLists:
         np.frombuffer(self.head, dtype=i32)[alone_cids] = alone
         np.frombuffer(self.num_chunks, dtype=i32)[alone_cids] = 1
         if len(alone) < count:  # on contents held before, or earlier in the batch
-            joined = ~own
-            np.add.at(np.frombuffer(self.num_chunks, dtype=i32), cids[joined], 1)
-            for slot in slots[joined].tolist():
+            np.add.at(np.frombuffer(self.num_chunks, dtype=i32), cids[~own], 1)
+            for slot in slots[~own].tolist():
                 self._link(slot)
-        return np.left_shift(np.uint64(1), (ns_ids & 63).astype(np.uint64)) \
-            if type(ns_ids) is np.ndarray else np.full(count, mask_bit(ns_ids), np.uint64)
-
-    def _claim_namespaces(self, namespaces, count: int) -> np.ndarray | int:
-        """The ids of a batch's namespaces (one per row, or one), given in the order
-        `claim_all` gives them, and their claims counted."""
-        if type(namespaces) is not list:
-            ns_id = self.namespace_id(namespaces)
-            self._count_claims(ns_id, count)
-            return ns_id
-        # By runs of one namespace (rows of one key come together): one lookup per run.
-        ids, lengths = [], []
-        for name, run in groupby(namespaces):
-            ids.append(self.namespace_id(name))
-            lengths.append(len(list(run)))
-            self._count_claims(ids[-1], lengths[-1])
-        return np.repeat(np.array(ids, dtype=np.int32), lengths)
+        return ns_ids
 
     def _new_slots(self, chunk_hashes: Sequence[Hashable]) -> np.ndarray:
         """Slots for these chunks (their other fields still to be written): free ones
@@ -151,9 +134,8 @@ class ClaimLists:
         if reused:
             slots[:reused] = np.frombuffer(free, dtype=np.int32)[::-1][:reused]
             del free[len(free) - reused:]
-            slot_chunk = self.slot_chunk
             for slot, chunk_hash in zip(slots[:reused].tolist(), chunk_hashes[:reused]):
-                slot_chunk[slot] = chunk_hash
+                self.slot_chunk[slot] = chunk_hash
         grown = count - reused
         if grown:
             start = len(self.slot_ns)
@@ -470,6 +452,21 @@ class _NamespaceIds:
                 self._claims.append(0)
             self.ids[namespace] = ns_id
         return ns_id
+
+    def claimed(self, namespaces, count: int) -> np.ndarray | int:
+        """The ids of `count` new claims' namespaces (a list, one per claim, or one for
+        all), given in the order `ClaimLists.claim_all` gives them, and counted."""
+        if type(namespaces) is not list:
+            ns_id = self.id_of(namespaces)
+            self.count(ns_id, count)
+            return ns_id
+        # By runs of one namespace (a batch's keys come in runs): one lookup per run.
+        ids, lengths = [], []
+        for name, run in groupby(namespaces):
+            ids.append(self.id_of(name))
+            lengths.append(len(list(run)))
+            self.count(ids[-1], lengths[-1])
+        return np.repeat(np.array(ids, dtype=np.int32), lengths)
 
     def count(self, ns_id: int, claimed: int) -> None:
         """`claimed` more claims (or fewer) of a namespace; its id retires at none."""

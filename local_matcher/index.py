@@ -14,7 +14,7 @@ import numpy as np
 
 from blend_wire.tokens import as_tokens
 from local_matcher import kernels
-from local_matcher.claims import NONE, ClaimLists, mask_bit
+from local_matcher.claims import NONE, ClaimLists, mask_bit, mask_bits
 from local_matcher.store import ContentStore
 from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, BlendMatch,
                                  ContentCandidates)
@@ -83,12 +83,14 @@ class ContentIndex:
             cids, fresh = self._store.insert(np.ascontiguousarray(rows))
             self._claims.grow(self._store.capacity)
             if row_of is None:  # else chunks share rows: claimed again, one by one
-                ns_bits = self._claims.claim_new(chunk_hashes, cids, offsets, namespace, fresh)
-                if ns_bits is not None:
-                    if fresh.all():  # contents of their own: each once
-                        self._store.ns_mask[cids] |= ns_bits
+                ns_ids = self._claims.claim_new(chunk_hashes, cids, offsets, namespace, fresh)
+                if ns_ids is not None:
+                    if type(ns_ids) is not np.ndarray:  # one namespace
+                        self._store.ns_mask[cids] |= np.uint64(mask_bit(ns_ids))
+                    elif fresh.all():  # contents of their own: each once
+                        self._store.ns_mask[cids] |= mask_bits(ns_ids)
                     else:
-                        np.bitwise_or.at(self._store.ns_mask, cids, ns_bits)
+                        np.bitwise_or.at(self._store.ns_mask, cids, mask_bits(ns_ids))
                     return
             else:
                 cids = cids[row_of]

@@ -26,7 +26,7 @@ from blend_wire import (
     encode,
     pack_kv_rank,
 )
-from coordinator_stub.directory import KeyDirectory, bindings
+from coordinator_stub.directory import KeyDirectory, bindings, new_chunks
 from coordinator_stub.directory.writer import IndexWriter
 from local_matcher import ContentIndex
 from local_matcher.claims import ClaimLists
@@ -47,12 +47,12 @@ class _EntryByEntry:
     by chunk."""
 
     def __enter__(self):
-        self.runs, self.claim_new = bindings.store_runs, ClaimLists.claim_new
-        bindings.store_runs = lambda entries, *args: [(0, len(entries), False)]
+        self.runs, self.claim_new = new_chunks.store_runs, ClaimLists.claim_new
+        new_chunks.store_runs = lambda entries, *args: [(0, len(entries), False)]
         ClaimLists.claim_new = lambda *args: None
 
     def __exit__(self, *exc):
-        bindings.store_runs, ClaimLists.claim_new = self.runs, self.claim_new
+        new_chunks.store_runs, ClaimLists.claim_new = self.runs, self.claim_new
 
 
 class _Counted:
@@ -63,7 +63,7 @@ class _Counted:
         self.mixed = self.runs = self.joined = 0
 
     def __enter__(self):
-        self.split, self.claim_new = split, claim_new = bindings.store_runs, \
+        self.split, self.claim_new = split, claim_new = new_chunks.store_runs, \
             ClaimLists.claim_new
 
         def counted(*args):
@@ -77,11 +77,11 @@ class _Counted:
             self.joined += bits is not None and not fresh.all()
             return bits
 
-        bindings.store_runs, ClaimLists.claim_new = counted, claimed
+        new_chunks.store_runs, ClaimLists.claim_new = counted, claimed
         return self
 
     def __exit__(self, *exc):
-        bindings.store_runs, ClaimLists.claim_new = self.split, self.claim_new
+        new_chunks.store_runs, ClaimLists.claim_new = self.split, self.claim_new
 
 
 def _entry(rng: random.Random, h: str, space, length: int, offset: int) -> CacheEventEntry:
@@ -360,8 +360,8 @@ def test_a_mixed_batch_failing_anywhere_changes_nothing_and_a_retry_applies(seed
             continue
         with _EntryByEntry():
             reply = each.ingest([pickle.loads(pickle.dumps(batch))])
-        if batch.event_type == "store" and len(bindings.store_runs(
-                batch.entries, bindings.chunk_hashes(batch.entries), bulk._bindings.table,
+        if batch.event_type == "store" and len(new_chunks.store_runs(
+                batch.entries, new_chunks.chunk_hashes(batch.entries), bulk._bindings.table,
                 bulk._bindings.writer)) > 1:
             before = _reported(bulk)
             if not _fail_at_some_step(rng, monkeypatch, lambda: bulk.ingest(
@@ -402,7 +402,7 @@ def _reported(directory: KeyDirectory) -> dict:
 def _fail_at_some_step(rng: random.Random, monkeypatch, ingest) -> bool:
     """Run `ingest` with one of the steps of a batch failing at a random call; whether
     it failed (a batch with fewer such calls applies)."""
-    owner, name = rng.choice([(bindings, "store_new_chunks"), (bindings.Bindings, "_store"),
+    owner, name = rng.choice([(new_chunks, "store_new_chunks"), (bindings.Bindings, "_store"),
                               (IndexWriter, "add_rows")])
     real, calls, fail_at = getattr(owner, name), [0], rng.randint(1, 3)
 

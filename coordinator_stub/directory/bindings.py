@@ -24,8 +24,7 @@ from blend_wire import (
     TokenIds,
 )
 from coordinator_stub.directory.journal import Journal, JournaledDict
-from coordinator_stub.directory.new_chunks import (chunk_hashes, digest, run_tokens,
-                                                   store_new_chunks, store_runs)
+from coordinator_stub.directory.new_chunks import digest, store_batch
 from coordinator_stub.directory.placements import (
     FEW,
     INSTANCE,
@@ -93,7 +92,7 @@ class Bindings:
             if held is None:
                 self.held_by[batch.instance_id] = set()  # stored as a journaled set
                 held = self.held_by[batch.instance_id]
-            self._store_all(batch, held)
+            store_batch(batch, self.table, held, placements, self.writer, self._store)
             self._counters["entries_stored"] += len(batch.entries)
         elif kind == "delete":
             ident = placements.place_idents[placements.place_no(batch, 0)]
@@ -104,24 +103,6 @@ class Bindings:
             for entry in batch.entries:
                 self._access(entry.key)
             self._counters["entries_accessed"] += len(batch.entries)
-
-    def _store_all(self, batch: CacheEventBatch, held: set[bytes]) -> None:
-        """A STORE batch's entries in order: runs of new chunks in bulk, the rest one by
-        one."""
-        entries, placements, table, writer = batch.entries, self._placements, self.table, \
-            self.writer
-        hashes = chunk_hashes(entries)
-        runs = store_runs(entries, hashes, table, writer)
-        tokens = run_tokens(entries, runs, writer is not None)
-        for start, stop, bulk in runs:
-            if bulk:
-                store_new_chunks(batch, entries[start:stop], hashes[start:stop],
-                                 tokens.get(start), table, held, placements, writer)
-                continue
-            for i in range(start, stop):
-                entry = entries[i]
-                self._store(entry, hashes[i], placements.place_no(batch, entry.size_bytes),
-                            held)
 
     def touched_chunks(self) -> set[bytes]:
         """The chunk hashes whose bindings the current batch changed (from the journal)."""

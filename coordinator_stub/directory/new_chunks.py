@@ -1,6 +1,6 @@
 """STORE entries of chunks the directory does not hold yet, recorded in bulk: a serving
 process reports the chunks it just stored, runs of them under one key, so most of a batch
-costs a few operations per run instead of a dozen calls per entry. `store_runs` splits a
+costs a few operations per run instead of a dozen calls per entry. `store_batch` splits a
 batch into maximal runs the bulk path can take and the entries between them, which go
 entry by entry (`Bindings._store`), in order. The bulk path records what the entry-by-entry
 one would; tests/test_coordinator_directory_bulk.py holds the two to the same state over
@@ -37,6 +37,25 @@ def chunk_hashes(entries: list[CacheEventEntry]) -> list[bytes]:
         return [bytes.fromhex(text) for text in hexes]
     return np.frombuffer(bytes.fromhex("".join(hexes)),
                          dtype=np.dtype((np.void, len(hexes[0]) // 2))).tolist()
+
+
+def store_batch(batch: CacheEventBatch, table: JournaledDict, held: JournaledSet,
+                placements: Placements, writer, store_one) -> None:
+    """A STORE batch's entries in order: the runs `store_runs` finds in bulk, the entries
+    between them one by one (`store_one(entry, chunk_hash, place_no, held)`:
+    `Bindings._store`)."""
+    entries = batch.entries
+    hashes = chunk_hashes(entries)
+    runs = store_runs(entries, hashes, table, writer)
+    tokens = run_tokens(entries, runs, writer is not None)
+    for start, stop, bulk in runs:
+        if bulk:
+            store_new_chunks(batch, entries[start:stop], hashes[start:stop],
+                             tokens.get(start), table, held, placements, writer)
+            continue
+        for i in range(start, stop):
+            entry = entries[i]
+            store_one(entry, hashes[i], placements.place_no(batch, entry.size_bytes), held)
 
 
 def store_runs(entries: list[CacheEventEntry], hashes: list[bytes], table: dict,

@@ -16,6 +16,7 @@ import pytest
 
 from blend_wire import BlendNamespace, CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_kv_rank
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory import bindings
 from coordinator_stub.directory.bindings import Bindings
 from local_matcher import ContentIndex
 
@@ -108,18 +109,18 @@ class _Boom(RuntimeError):
 def test_failure_while_applying_changes_nothing_and_a_retry_applies(seeded, monkeypatch):
     directory, contents = seeded
     before = _state(directory, contents)
-    real_store = Bindings._store_all
+    real_store = bindings.store_batch
 
-    def store_then_fail(self, *args):
-        real_store(self, *args)
+    def store_then_fail(*args):
+        real_store(*args)
         raise _Boom("injected")  # every entry applied (some in bulk), the index not yet
 
-    monkeypatch.setattr(Bindings, "_store_all", store_then_fail)
+    monkeypatch.setattr(bindings, "store_batch", store_then_fail)
     with pytest.raises(_Boom):
         directory.ingest([_failing_batch(directory, contents)])
     assert _state(directory, contents) == before
 
-    monkeypatch.setattr(Bindings, "_store_all", real_store)
+    monkeypatch.setattr(bindings, "store_batch", real_store)
     reply = directory.ingest([_failing_batch(directory, contents)])  # the same batch, same seq
     assert reply.applied == 1
     after = _state(directory, contents)
