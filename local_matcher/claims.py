@@ -65,17 +65,17 @@ class ClaimLists:
         return self._namespaces.ids
 
     def claim_all(self, chunk_hashes: Sequence[Hashable], cids: list[int], offsets: list[int],
-                  namespaces: Sequence[Hashable], ns_bits: np.ndarray) -> list[int]:
+                  namespaces: Sequence[Hashable], ns_ids: np.ndarray) -> list[int]:
         """Each chunk claimed by its namespace on its content at its offset, in order
-        (`ContentIndex.add` says what changes). Sets `ns_bits[i]` to row i's namespace
-        bit; returns the contents claims moved away from (to be settled)."""
+        (`ContentIndex.add` says what changes). Sets `ns_ids[i]` to row i's namespace
+        id; returns the contents claims moved away from (to be settled)."""
         chunks, slot_cid, slot_offset = self.chunks, self.slot_cid, self.slot_offset
         vacated, current, ns_id = [], object(), NONE
         for i, (chunk_hash, cid, offset, name) in enumerate(zip(
                 chunk_hashes, cids, offsets, namespaces)):
             if name is not current:  # adding never retires an id: safe to keep
                 current, ns_id = name, self._namespaces.id_of(name)
-            ns_bits[i] = mask_bit(ns_id)
+            ns_ids[i] = ns_id
             claim = chunks.get(chunk_hash)
             slot = NONE if claim is None else self._slot_of(claim, ns_id)
             if slot == NONE:  # a new claim: O(1) however many the chunk has
@@ -91,16 +91,14 @@ class ClaimLists:
 
     def claim_new(self, chunk_hashes: Sequence[Hashable], cids: np.ndarray,
                   offsets: np.ndarray, namespaces: Sequence[Hashable] | Hashable,
-                  fresh: np.ndarray) -> np.ndarray | int | None:
-        """`claim_all` of chunk hashes new to the index and distinct, in a few array
-        operations: each a new occupant, the newest on its content, so its claim goes last
-        in its list. `namespaces`: a list (one per row) or one; `fresh`: 1 on the first row
-        of each content just stored, which starts a list of its own (the others are linked
-        at their list's tail, O(1)). Returns the namespace ids (a list's, or the one); for
-        any other batch None, and nothing changed."""
+                  fresh: np.ndarray) -> np.ndarray | int:
+        """`claim_all` of chunk hashes new to the index and distinct (the caller's word),
+        in a few array operations: each a new occupant, the newest on its content, so its
+        claim goes last in its list. `namespaces`: a list (one per row) or one; `fresh`: 1
+        on the first row of each content just stored, which starts a list of its own (the
+        others are linked at their list's tail, O(1)). Returns the namespace ids (a
+        list's, or the one)."""
         count = len(chunk_hashes)
-        if len(set(chunk_hashes)) != count or not self.chunks.keys().isdisjoint(chunk_hashes):
-            return None
         ns_ids = self._namespaces.claimed(namespaces, count)
         self.num_claims += count
         slots = self._new_slots(chunk_hashes)

@@ -29,6 +29,7 @@ from blend_wire import (
 from coordinator_stub.directory import KeyDirectory, bindings, new_chunks
 from coordinator_stub.directory.writer import IndexWriter
 from local_matcher import ContentIndex
+from helpers import claim_one_by_one
 from local_matcher.claims import ClaimLists
 
 LANE = "unit"
@@ -49,7 +50,7 @@ class _EntryByEntry:
     def __enter__(self):
         self.runs, self.claim_new = new_chunks.store_runs, ClaimLists.claim_new
         new_chunks.store_runs = lambda entries, *args: [(0, len(entries), False)]
-        ClaimLists.claim_new = lambda *args: None
+        ClaimLists.claim_new = claim_one_by_one
 
     def __exit__(self, *exc):
         new_chunks.store_runs, ClaimLists.claim_new = self.runs, self.claim_new
@@ -73,9 +74,8 @@ class _Counted:
             return runs
 
         def claimed(claims, hashes, cids, offsets, namespaces, fresh):
-            bits = claim_new(claims, hashes, cids, offsets, namespaces, fresh)
-            self.joined += bits is not None and not fresh.all()
-            return bits
+            self.joined += not fresh.all()
+            return claim_new(claims, hashes, cids, offsets, namespaces, fresh)
 
         new_chunks.store_runs, ClaimLists.claim_new = counted, claimed
         return self
@@ -334,7 +334,7 @@ def test_rows_queued_as_a_block_are_answered_and_sent_as_one_by_one_adds_are():
         writer.index.add_many = lambda *args, _real=writer.index.add_many: (
             calls.append(len(args[1])), _real(*args))
         writer.flush()
-        assert calls == ([1, 2, 1] if in_blocks else [3, 1])  # blocks are sent on their own
+        assert calls == [3, 1]  # a run of adds, blocks or not, as one call
         indexes.append(writer.index)
     query = np.concatenate([a, b, c])
     for namespace in (t0, t1):
