@@ -5,8 +5,10 @@ A multi-tenant server's reporter puts consecutive STOREs in one batch whatever t
 so a batch is runs of requests (sequences of `--chunks-per-sequence` prefix-chained chunks),
 each of one of `--tenants` cache salts. `--restored` of the sequences name chunks stored
 before (a re-stored prefix: the same hashes, tokens and offsets, from either instance);
-`--shared-text` of the new ones carry an earlier sequence's text behind a new first chunk
-(RAG: the same passage behind another prefix, so known content under new hashes).
+`--cross-tenant` of those under another tenant's salt (a prefix whose chunk hashes several
+tenants share: WIRE.md), and `--shared-text` of the new ones carry an earlier sequence's
+text behind a new first chunk (RAG: the same passage behind another prefix, so known
+content under new hashes).
 
 `--against REV` measures the code of git revision REV too: each round runs this script on
 both trees (`git archive`), alternating, one process each, and the table gives the medians
@@ -45,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--restored", type=float, default=0.1,
                         help="share of sequences that re-store an earlier one")
+    parser.add_argument("--cross-tenant", type=float, default=0.0,
+                        help="share of re-stored sequences stored under another tenant")
     parser.add_argument("--shared-text", type=float, default=0.0,
                         help="share of new sequences carrying an earlier one's text")
     parser.add_argument("--rounds", type=int, default=5)
@@ -67,6 +71,8 @@ def build_bodies(args: argparse.Namespace) -> list[bytes]:
         instance = int(rng.integers(2))
         if sequences and rng.random() < args.restored:
             tenant, hashes, tokens = sequences[int(rng.integers(len(sequences)))]
+            if args.tenants > 1 and rng.random() < args.cross_tenant:
+                tenant = (tenant + 1 + int(rng.integers(args.tenants - 1))) % args.tenants
         else:
             tenant = int(rng.integers(args.tenants))
             tokens = rng.integers(0, VOCAB, (per_seq, size), dtype=np.uint32)
@@ -132,6 +138,7 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(measure(args)))
         return 0
+    load_before = os.getloadavg()[0]
     trees = {"this tree": ROOT}
     with tempfile.TemporaryDirectory() as scratch:
         if args.against:
@@ -149,8 +156,9 @@ def main(argv=None) -> int:
                 figures[name].append(run_round(tree, worker_argv))
     print(f"{args.chunks:,} STORE entries of {args.chunk_size} tokens, batches of "
           f"{args.batch_entries}, {args.tenants} tenants in runs of "
-          f"{args.chunks_per_sequence}, {args.restored:.0%} re-stored sequences, "
-          f"{args.shared_text:.0%} shared text; load {os.getloadavg()[0]:.2f}")
+          f"{args.chunks_per_sequence}, {args.restored:.0%} re-stored sequences "
+          f"({args.cross_tenant:.0%} by another tenant), {args.shared_text:.0%} shared text; "
+          f"load {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
     medians = {}
     for name, rounds in figures.items():
         values = [r["us_per_chunk"] for r in rounds]
