@@ -101,8 +101,11 @@ class ContentIndex:
         the batch) in bulk (`ClaimLists.claim_new`), the others one by one (`claim_all`).
         Returns the rows' namespace ids (or the one) and the contents claims left."""
         claims, count = self._claims, len(chunk_hashes)
+        distinct = len(set(chunk_hashes)) == count
+        if distinct and claims.chunks.keys().isdisjoint(chunk_hashes):  # the common batch
+            return claims.claim_new(chunk_hashes, cids, offsets, namespace, fresh), []
         known = list(map(claims.chunks.__contains__, chunk_hashes))
-        if len(set(chunk_hashes)) < count:  # a hash again: known by then
+        if not distinct:  # a hash again: known by then
             seen: set = set()
             for i, chunk_hash in enumerate(chunk_hashes):
                 known[i] = known[i] or chunk_hash in seen

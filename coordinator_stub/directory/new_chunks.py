@@ -119,7 +119,8 @@ def run_tokens(entries: list[CacheEventEntry], runs: list[tuple[int, int, bool]]
         return {start: RunTokens(entries[start:stop], indexed) for start, stop in spans}
     if not spans:
         return {}
-    whole = RunTokens([e for start, stop in spans for e in entries[start:stop]], indexed)
+    whole = RunTokens(entries if spans == [(0, len(entries))] else
+                      [e for start, stop in spans for e in entries[start:stop]], indexed)
     found, first = {}, 0
     for start, stop in spans:
         found[start] = whole.part(first, first + stop - start)

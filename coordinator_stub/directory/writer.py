@@ -44,9 +44,10 @@ class IndexWriter:
         # Per chunk hash, the content of each namespace's claim once queued updates land
         # (None: no claim); `_ALL` present: the chunk was dropped, so unlisted ones too.
         self._latest: dict[bytes, dict] = {}
-        # The `add_rows` blocks not yet in `_latest` (`_fold_rows`), and their hashes.
+        # The `add_rows` blocks not yet in `_latest` (`_fold_rows`), and their hashes
+        # (None: not gathered yet; a batch of runs alone never needs them).
         self._unread: list[tuple] = []
-        self._unread_hashes: set[bytes] = set()
+        self._unread_hashes: set[bytes] | None = None
         self.sent = 0
         self.replaced: dict = {}
 
@@ -71,7 +72,8 @@ class IndexWriter:
         block = (rows, chunk_hashes, offsets, namespace)
         self._open_adds().append(block)
         self._unread.append(block)
-        self._unread_hashes.update(chunk_hashes)
+        if self._unread_hashes is not None:
+            self._unread_hashes.update(chunk_hashes)
 
     def _open_adds(self) -> list:
         if self._adds is None:
@@ -85,12 +87,16 @@ class IndexWriter:
         (`_latest` must hold every update of a chunk, in order). A bulk run's chunks are
         new to the directory, so the rest of their batch rarely names them: a fold is
         rare, and costs a bytes object per row."""
+        if not self._unread:
+            return
+        if self._unread_hashes is None:
+            self._unread_hashes = set(chain.from_iterable(block[1] for block in self._unread))
         if chunk_hash not in self._unread_hashes:
             return
         for rows, hashes, _, namespace in self._unread:
             for chunk_hash, row in zip(hashes, rows):
                 self._latest.setdefault(chunk_hash, {})[namespace] = row.tobytes()
-        self._unread, self._unread_hashes = [], set()
+        self._unread, self._unread_hashes = [], None
 
     def remove_claim(self, chunk_hash: bytes, namespace: BlendNamespace) -> None:
         self._fold_rows(chunk_hash)
@@ -146,8 +152,10 @@ class IndexWriter:
         """A run of adds as one `add_many`: every row once (a chunk claimed for every
         namespace on it queues the same bytes n times, hashed and looked up once), one
         namespace for all when they have one (the index claims such runs in bulk)."""
-        rows, row_of, namespaces = [], [], []
-        shared, first_row = False, 0
+        if len(parts) == 1 and type(parts[0]) is tuple:  # one block: as it is
+            self.index.add_many(*parts[0])
+            return
+        rows, row_of, first_row = [], [], 0
         for part in parts:
             if type(part) is list:  # `add`s: one row per distinct tokens object
                 row_numbers: dict[int, int] = {}
@@ -160,25 +168,24 @@ class IndexWriter:
                     row_of.append(first_row + row)
                 rows.append(np.frombuffer(b"".join(distinct), dtype=np.uint32).reshape(
                     len(distinct), self.chunk_size))
-                shared |= len(distinct) < len(part[0])
-                namespaces += part[3]
             else:  # an `add_rows` block
                 row_of += range(first_row, first_row + len(part[0]))
                 rows.append(part[0])
-                namespaces += [part[3]] * len(part[1])
             first_row += len(rows[-1])
+        namespaces = list(chain.from_iterable(
+            part[3] if type(part) is list else [part[3]] * len(part[1]) for part in parts))
         first = namespaces[0]
         self.index.add_many(
             rows[0] if len(rows) == 1 else np.concatenate(rows),
             list(chain.from_iterable(part[1] for part in parts)),
             np.concatenate([np.asarray(part[2], dtype=np.int64) for part in parts]),
             first if namespaces.count(first) == len(namespaces) else namespaces,
-            row_of if shared else None)
+            row_of if first_row < len(row_of) else None)
 
     def discard(self) -> int:
         """Drop every queued update (the batch that queued them was rolled back); how many
         updates of its flush had reached the index (0: it failed before its flush)."""
         self._ops, self._adds, self._latest = [], None, {}
-        self._unread, self._unread_hashes = [], set()
+        self._unread, self._unread_hashes = [], None
         sent, self.sent = self.sent, 0
         return sent
