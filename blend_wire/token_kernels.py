@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from blend_wire.values import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE
 
@@ -49,18 +50,69 @@ def b64_decode(text, values):
 
 
 @njit(cache=True, inline="always")
-def _skip_space(text, i, end):
-    while i < end:
-        c = text[i]
-        if c != _SPACE and c != _LF and c != _CR and c != _TAB:
-            break
-        i += 1
-    return i
+def _at(text, i):
+    return text[np.uint64(i)]  # unsigned: no negative-index wraparound on every byte
 
 
 @njit(cache=True, inline="always")
-def _parse_list(text, i, end, ids, count):
-    """Parse `text[i:end]` as a JSON array of integers, writing in-range ids to
+def _is_space(c):
+    return c == _SPACE or c == _LF or c == _CR or c == _TAB
+
+
+@njit(cache=True, inline="always")
+def _skip_space(text, i):
+    """The first non-space byte from `i` on; callers know one lies ahead (a list's `]`)."""
+    c = _at(text, i)
+    while c <= _SPACE and _is_space(c):
+        i += 1
+        c = _at(text, i)
+    return i
+
+
+_HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_ASCII_ZEROS = np.uint64(0x3030303030303030)
+_SIXES = np.uint64(0x0606060606060606)
+_LOW_SEVEN_BITS = np.uint64(0x7F7F7F7F7F7F7F7F)
+_HIGH_BITS = np.uint64(0x8080808080808080)
+
+
+@njit(cache=True, inline="always")
+def _word_at(text, i):
+    """The 8 bytes from `i`, the first in the lowest byte (one load)."""
+    word = np.uint64(0)
+    for k in range(8):
+        word |= np.uint64(_at(text, i + k)) << np.uint64(8 * k)
+    return word
+
+
+@njit(cache=True, inline="always")
+def _leading_digits(word):
+    """How many of the word's bytes, from its lowest, are ASCII digits (0 to 8)."""
+    # A byte is a digit when its high nibble is 3 and stays 3 once 6 is added (low <= 9).
+    other = ((word & _HIGH_NIBBLES) ^ _ASCII_ZEROS) | (((word + _SIXES) & _HIGH_NIBBLES)
+                                                       ^ _ASCII_ZEROS)
+    flags = (((other & _LOW_SEVEN_BITS) + _LOW_SEVEN_BITS) | other) & _HIGH_BITS
+    if flags == 0:
+        return 8
+    return np.int64(trailing_zeros(flags)) >> 3
+
+
+@njit(cache=True, inline="always")
+def _digits_value(word, n):
+    """The number the word's `n` (1 to 8) lowest bytes spell, ASCII digits, most
+    significant first: digits paired, then pairs paired, then quads, by multiplication."""
+    word = (word << np.uint64(64 - 8 * n)) & _LOW_NIBBLES
+    word = (word * np.uint64(10 * 256 + 1)) >> np.uint64(8)
+    word = ((word & np.uint64(0x00FF00FF00FF00FF)) * np.uint64(100 * 65536 + 1)) \
+        >> np.uint64(16)
+    return np.int64(((word & np.uint64(0x0000FFFF0000FFFF)) * np.uint64(10000 * 2**32 + 1))
+                    >> np.uint64(32))
+
+
+@njit(cache=True, inline="always")
+def _parse_list(text, begin, end, ids, count):
+    """Parse `text[begin:end]` as a JSON array of integers, writing in-range ids to
     `ids[count:]`. Returns (ids written, LIST_OK | LIST_OUT_OF_RANGE | LIST_NOT_PLAIN).
 
     Accepts exactly `ws [ ws ] ws` or `ws [ ws int (ws , ws int)* ws ] ws`, an int being
@@ -68,45 +120,63 @@ def _parse_list(text, i, end, ids, count):
     exponent (a float to msgspec), anything that is not a number, and any malformed text
     are LIST_NOT_PLAIN: msgspec decides and words the error.
     """
+    close = end - 1
+    while close >= begin and _is_space(_at(text, close)):
+        close -= 1
+    # Every scan below stops at this `]` at the latest: no bounds test per byte.
+    if close < begin or _at(text, close) != _CLOSE:
+        return 0, LIST_NOT_PLAIN
+    i = _skip_space(text, begin)
+    if i == close or _at(text, i) != _OPEN:
+        return 0, LIST_NOT_PLAIN
+    i = _skip_space(text, i + 1)
     start_count = count
     status = LIST_OK
-    i = _skip_space(text, i, end)
-    if i == end or text[i] != _OPEN:
-        return 0, LIST_NOT_PLAIN
-    i = _skip_space(text, i + 1, end)
-    if i < end and text[i] == _CLOSE:
-        i += 1
-    else:
+    last_word = text.shape[0] - 8
+    if _at(text, i) != _CLOSE:
         while True:
-            negative = i < end and text[i] == _MINUS
+            if i <= last_word:
+                # The usual item, up to 7 digits and a comma, read from one word.
+                word = _word_at(text, i)
+                digits = _leading_digits(word)
+                if 0 < digits < 8 and (word >> np.uint64(8 * digits)) & np.uint64(255) \
+                        == _COMMA and (digits == 1 or word & np.uint64(255) != _ZERO):
+                    ids[count] = _digits_value(word, digits)
+                    count += 1
+                    i += digits + 1
+                    if _at(text, i) <= _SPACE:  # `, ` (Python's json) or more
+                        i = _skip_space(text, i)
+                    continue
+            negative = _at(text, i) == _MINUS
             if negative:
                 i += 1
             first = i
             value = 0
-            while i < end and _ZERO <= text[i] <= _NINE:
-                if i - first < 11:  # more digits than that: out of range anyway
-                    value = value * 10 + (np.int64(text[i]) - _ZERO)
+            digit = np.int64(_at(text, i)) - _ZERO
+            while 0 <= digit <= 9:
+                value = value * 10 + digit  # wraps past 19 digits: out of range anyway
                 i += 1
+                digit = np.int64(_at(text, i)) - _ZERO
             digits = i - first
-            if digits == 0 or (digits > 1 and text[first] == _ZERO):
+            c = _at(text, i)
+            if digits == 0 or (digits > 1 and _at(text, first) == _ZERO):
                 return 0, LIST_NOT_PLAIN
-            if i < end and (text[i] == _DOT or text[i] == _LOWER_E or text[i] == _UPPER_E):
+            if c == _DOT or c == _LOWER_E or c == _UPPER_E:
                 return 0, LIST_NOT_PLAIN  # a float
             if digits > 10 or value > 0xFFFFFFFF or (negative and value != 0):
                 status = LIST_OUT_OF_RANGE
             else:
                 ids[count] = value
                 count += 1
-            i = _skip_space(text, i, end)
-            if i == end:
-                return 0, LIST_NOT_PLAIN
-            if text[i] == _CLOSE:
-                i += 1
+            if c <= _SPACE:
+                i = _skip_space(text, i)
+                c = _at(text, i)
+            if c == _CLOSE:
                 break
-            if text[i] != _COMMA:
+            if c != _COMMA:
                 return 0, LIST_NOT_PLAIN
-            i = _skip_space(text, i + 1, end)
-    if _skip_space(text, i, end) != end:
+            i = _skip_space(text, i + 1)
+    if i != close:
         return 0, LIST_NOT_PLAIN
     if status != LIST_OK:
         return 0, status
@@ -122,8 +192,7 @@ def parse_lists(text, ends):
     """
     commas = 0
     for i in range(text.shape[0]):
-        if text[i] == _COMMA:
-            commas += 1
+        commas += text[i] == _COMMA
     lists = ends.shape[0]
     ids = np.empty(commas + lists, dtype=np.uint32)  # no list holds more ids than that
     id_ends = np.empty(lists, dtype=np.int64)
