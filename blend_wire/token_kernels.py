@@ -1,5 +1,6 @@
-"""The numba kernels of the token codec (blend_wire.tokens loads this module on first use,
-so `import blend_wire` loads no numba).
+"""The numba kernels of the wire package: the token codec's, and the scan that finds an
+`/events` body's batches (blend_wire.tokens loads this module on first use, so
+`import blend_wire` loads no numba).
 
 Plain array signatures, ``cache=True``, ``nogil=True`` (each is one call per query or per
 batch, never per token or per entry: releasing and re-taking the GIL per small call would
@@ -17,6 +18,7 @@ from blend_wire.values import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE
 _PAD = ord("=")
 _SPACE, _TAB, _LF, _CR = 32, 9, 10, 13
 _COMMA, _MINUS, _OPEN, _CLOSE = 44, 45, 91, 93
+_QUOTE, _BACKSLASH, _COLON, _OPEN_OBJECT, _CLOSE_OBJECT = 34, 92, 58, 123, 125
 _ZERO, _NINE, _DOT, _LOWER_E, _UPPER_E = 48, 57, 46, 101, 69
 
 
@@ -111,6 +113,31 @@ def _digits_value(word, n):
 
 
 @njit(cache=True, inline="always")
+def _integer(text, i):
+    """The JSON integer at `i`: (just past it, its value, LIST_OK), or LIST_OUT_OF_RANGE
+    outside uint32, or LIST_NOT_PLAIN when it is not one (a float, a leading zero...)."""
+    negative = _at(text, i) == _MINUS
+    if negative:
+        i += 1
+    first = i
+    value = 0
+    digit = np.int64(_at(text, i)) - _ZERO
+    while 0 <= digit <= 9:
+        value = value * 10 + digit  # wraps past 19 digits: out of range anyway
+        i += 1
+        digit = np.int64(_at(text, i)) - _ZERO
+    digits = i - first
+    c = _at(text, i)
+    if digits == 0 or (digits > 1 and _at(text, first) == _ZERO):
+        return i, 0, LIST_NOT_PLAIN
+    if c == _DOT or c == _LOWER_E or c == _UPPER_E:
+        return i, 0, LIST_NOT_PLAIN  # a float
+    if digits > 10 or value > 0xFFFFFFFF or (negative and value != 0):
+        return i, 0, LIST_OUT_OF_RANGE
+    return i, value, LIST_OK
+
+
+@njit(cache=True, inline="always")
 def _parse_list(text, begin, end, ids, count):
     """Parse `text[begin:end]` as a JSON array of integers, writing in-range ids to
     `ids[count:]`. Returns (ids written, LIST_OK | LIST_OUT_OF_RANGE | LIST_NOT_PLAIN).
@@ -147,27 +174,15 @@ def _parse_list(text, begin, end, ids, count):
                     if _at(text, i) <= _SPACE:  # `, ` (Python's json) or more
                         i = _skip_space(text, i)
                     continue
-            negative = _at(text, i) == _MINUS
-            if negative:
-                i += 1
-            first = i
-            value = 0
-            digit = np.int64(_at(text, i)) - _ZERO
-            while 0 <= digit <= 9:
-                value = value * 10 + digit  # wraps past 19 digits: out of range anyway
-                i += 1
-                digit = np.int64(_at(text, i)) - _ZERO
-            digits = i - first
-            c = _at(text, i)
-            if digits == 0 or (digits > 1 and _at(text, first) == _ZERO):
+            i, value, item_status = _integer(text, i)
+            if item_status == LIST_NOT_PLAIN:
                 return 0, LIST_NOT_PLAIN
-            if c == _DOT or c == _LOWER_E or c == _UPPER_E:
-                return 0, LIST_NOT_PLAIN  # a float
-            if digits > 10 or value > 0xFFFFFFFF or (negative and value != 0):
+            if item_status == LIST_OUT_OF_RANGE:
                 status = LIST_OUT_OF_RANGE
             else:
                 ids[count] = value
                 count += 1
+            c = _at(text, i)
             if c <= _SPACE:
                 i = _skip_space(text, i)
                 c = _at(text, i)
@@ -205,6 +220,142 @@ def parse_lists(text, ends):
         id_ends[k] = count
         begin = ends[k]
     return ids[:count], id_ends, status
+
+
+_OBJECT_OPENING = np.array([_OPEN_OBJECT], dtype=np.uint8)
+_COLON_OPENING = np.array([_COLON], dtype=np.uint8)
+_ARRAY_OPENING = np.array([_OPEN], dtype=np.uint8)
+_OBJECT_CLOSING = np.array([_CLOSE_OBJECT], dtype=np.uint8)
+_ONES = np.uint64(0x0101010101010101)
+_QUOTES = np.uint64(0x2222222222222222)
+_BACKSLASHES = np.uint64(0x5C5C5C5C5C5C5C5C)
+_TO_HIGH_BIT = np.uint64(0x2525252525252525)  # added, sets the high bit of bytes >= `[`
+
+
+@njit(cache=True, inline="always")
+def _has_byte(word, repeated):
+    """Whether one of the word's bytes is the byte `repeated` repeats."""
+    x = word ^ repeated
+    return ((x - _ONES) & ~x & _HIGH_BITS) != 0
+
+
+@njit(cache=True, inline="always")
+def _skip_space_until(text, i, n):
+    while i < n and _is_space(_at(text, i)):
+        i += 1
+    return i
+
+
+@njit(cache=True, inline="always")
+def _string_end(text, i, n):
+    """Just past the string whose opening quote is before `i`, or -1."""
+    while i < n:
+        if i + 8 <= n:
+            word = _word_at(text, i)
+            if not (_has_byte(word, _QUOTES) or _has_byte(word, _BACKSLASHES)):
+                i += 8
+                continue
+        c = _at(text, i)
+        i += 1
+        if c == _QUOTE:
+            return i
+        if c == _BACKSLASH:
+            i += 1
+    return -1
+
+
+@njit(cache=True, inline="always")
+def _value_end(text, i, n):
+    """Just past the JSON value at `i`, by its brackets and strings only, or -1."""
+    c = _at(text, i)
+    if c == _QUOTE:
+        return _string_end(text, i + 1, n)
+    if c != _OPEN_OBJECT and c != _OPEN:
+        start = i
+        while i < n:
+            c = _at(text, i)
+            if _is_space(c) or c == _COMMA or c == _CLOSE or c == _CLOSE_OBJECT:
+                break
+            i += 1
+        return i if i > start else -1
+    depth = 0
+    while i < n:
+        if i + 8 <= n:
+            # Eight bytes at once while none is a quote or a bracket (token ids, mostly).
+            word = _word_at(text, i)
+            if not (_has_byte(word, _QUOTES) or (word | (word + _TO_HIGH_BIT)) & _HIGH_BITS):
+                i += 8
+                continue
+        c = _at(text, i)
+        i += 1
+        if c == _QUOTE:
+            i = _string_end(text, i, n)
+            if i < 0:
+                return -1
+        elif c == _OPEN_OBJECT or c == _OPEN:
+            depth += 1
+        elif c == _CLOSE_OBJECT or c == _CLOSE:
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
+@njit(cache=True, inline="always")
+def _after(text, i, n, token):
+    """Past `token` if it comes next (after spaces), else -1."""
+    i = _skip_space_until(text, i, n)
+    if i + token.shape[0] > n:
+        return -1
+    for k in range(token.shape[0]):
+        if _at(text, i + k) != token[k]:
+            return -1
+    return i + token.shape[0]
+
+
+@njit(cache=True, nogil=True)
+def array_items(text, key):
+    """Where each item of the array in `text` begins and ends (int64 pairs), when `text`
+    is a JSON object of that array only, under `key` (its quoted bytes): `{ key : [ items
+    ] }`, spaces around any of them. Else None.
+
+    Items are found by their brackets and strings alone: this is no JSON check (decoding
+    each item is)."""
+    n = text.shape[0]
+    i = _after(text, 0, n, _OBJECT_OPENING)
+    i = _after(text, i, n, key) if i >= 0 else -1
+    i = _after(text, i, n, _COLON_OPENING) if i >= 0 else -1
+    i = _after(text, i, n, _ARRAY_OPENING) if i >= 0 else -1
+    if i < 0:
+        return None
+    bounds = np.empty(64, dtype=np.int64)
+    count = 0
+    i = _skip_space_until(text, i, n)
+    if i < n and _at(text, i) == _CLOSE:
+        i += 1
+    else:
+        while True:
+            end = _value_end(text, i, n) if i < n else -1
+            if end < 0:
+                return None
+            if 2 * count + 2 > bounds.shape[0]:
+                more = np.empty(2 * bounds.shape[0], dtype=np.int64)
+                more[:bounds.shape[0]] = bounds
+                bounds = more
+            bounds[2 * count] = i
+            bounds[2 * count + 1] = end
+            count += 1
+            i = _skip_space_until(text, end, n)
+            if i < n and _at(text, i) == _CLOSE:
+                i += 1
+                break
+            if i == n or _at(text, i) != _COMMA:
+                return None
+            i = _skip_space_until(text, i + 1, n)
+    i = _after(text, i, n, _OBJECT_CLOSING)
+    if i < 0 or _skip_space_until(text, i, n) != n:
+        return None
+    return bounds[:2 * count]
 
 
 @njit(cache=True, inline="always")

@@ -11,16 +11,20 @@ many were buffered: eight parallel 62 MiB bodies delayed another instance's smal
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from blend_wire import EVENTS_PATH, BlendNamespace, encode
+from blend_wire import EVENTS_PATH, BlendNamespace, WireError, decode, encode
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.http.app import WRITES
 from coordinator_stub.http.budget import TRIM_AFTER_BYTES, ByteBudget
-from coordinator_stub.writes.local import STEP_BYTES, TURN_BYTES, FairIngest, LocalWrites
+from coordinator_stub.writes.local import (STEP_BYTES, TURN_BYTES, FairIngest, LocalWrites,
+                                           _decode_batch, _Outline, validated_batches)
 from coordinator_stub.launch.process import launch_coordinator
 from coordinator_stub.service.coordinator import Coordinator
 from helpers import wait_until
@@ -229,6 +233,47 @@ def test_a_bad_last_batch_rejects_the_whole_body_naming_it():
         assert applied == []
     finally:
         ingest.close()
+
+
+def _refusal_or_batches(validate, body: bytes):
+    try:
+        raws, batches = validate(body)
+    except WireError as exc:
+        return str(exc), exc.detail
+    return [bytes(raw) for raw in raws], [encode(b) for b in batches]
+
+
+def _whole_body_first(body: bytes):
+    """The reference: msgspec finds the batches (checking the whole body's JSON), then
+    each is decoded."""
+    raws = decode(body, _Outline).batches
+    return raws, [_decode_batch(raw, i) for i, raw in enumerate(raws)]
+
+
+_GOOD_BODY = json.dumps({"batches": [
+    batch(entry("aa01", [1, 2, 3]), entry("bb02", [], offset=4), seq=1, instance="i"),
+    batch(entry("cc03", [4, 5]), seq=2, instance="i")]}).encode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_GOOD_BODY)), st.integers(0, 3),
+                          st.sampled_from(list(b'{}[]",:\\ -.0123456789abdentrsux\x00\xe9'))),
+                min_size=1, max_size=3))
+def test_a_body_is_refused_as_if_its_json_were_checked_whole_first(edits):
+    # The batches are found by a byte scan that checks no JSON: whatever a body's faults,
+    # it gets the answer it had when msgspec checked the whole body before any batch.
+    body = bytearray(_GOOD_BODY)
+    for at, how, byte in edits:
+        at = min(at, len(body) - 1)
+        if how == 0:
+            del body[at]
+        elif how == 1:
+            body.insert(at, byte)
+        else:
+            body[at] = byte
+    body = bytes(body)
+    assert _refusal_or_batches(validated_batches, body) == \
+        _refusal_or_batches(_whole_body_first, body), body
 
 
 async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
