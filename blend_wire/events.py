@@ -9,16 +9,21 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
+from blend_wire.codec import decode
 from blend_wire.tokens import (NO_TOKEN_IDS, BadTokenList, kernels, token_ids_of,
                                token_lists_from_json)
 from blend_wire.values import (MAX_INT64, MAX_KV_RANK, MAX_NAME_CHARS, MAX_OBJECT_GROUP_ID,
                                UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                                HexOfLength, Name, NonNegative, TokenOffset, check_cache_salt,
                                check_model_name, check_token_offset, chunk_hash_of_hex,
-                               hex_refusal, world_size_of)
+                               WireError, hex_refusal, world_size_of)
 
 
-class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
+# Keys and entries are not tracked by the cyclic GC (`gc=False`: they hold no cycles): a
+# batch decodes two per entry, which would bring on young-generation collections.
+
+
+class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """A stored object's key. Checked when decoded (field constraints, naming the field)
     and when built in code (`__post_init__`), so a client cannot queue a key the
     coordinator would refuse."""
@@ -46,7 +51,7 @@ class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True):
         return BlendNamespace(self.model_name, self.cache_salt, world_size_of(self.kv_rank))
 
 
-class CacheEventEntry(msgspec.Struct, kw_only=True):
+class CacheEventEntry(msgspec.Struct, kw_only=True, gc=False):
     key: EncodedObjectKey
     size_bytes: NonNegative = 0
     # On the wire a JSON list of any integers. Decoded as raw JSON (no Python int per
@@ -116,6 +121,31 @@ class EventsRequest(msgspec.Struct, kw_only=True):
 
 
 _BATCHES_KEY = np.frombuffer(b'"batches"', dtype=np.uint8)
+_ENTRIES_KEY = np.frombuffer(b'"entries"', dtype=np.uint8)
+_TOKEN_IDS_KEY = np.frombuffer(b'"token_ids"', dtype=np.uint8)
+
+
+def decode_batch(raw: bytes | msgspec.Raw) -> CacheEventBatch:
+    """`decode(raw, CacheEventBatch)`, faster: one kernel call cuts the entries' token lists
+    out of the text as it parses them (msgspec would walk each list's bytes once more to
+    find its end), msgspec decodes the rest, and each entry is given its list. A batch
+    whose lists are not all plain lists of uint32 ids, or that the cut text does not
+    decode to, is decoded as it is (so it is refused in the same words)."""
+    cut = kernels().cut_token_lists(np.frombuffer(raw, dtype=np.uint8), _ENTRIES_KEY,
+                                    _TOKEN_IDS_KEY)
+    if cut is not None:
+        text, ids, id_ends, entry_of = cut
+        try:
+            batch = decode(text, CacheEventBatch)
+        except WireError:
+            pass
+        else:
+            bounds = [0, *id_ends.tolist()]
+            entries = batch.entries
+            for k, entry in enumerate(entry_of.tolist()):
+                entries[entry].token_ids = ids[bounds[k]:bounds[k + 1]]
+            return batch
+    return decode(raw, CacheEventBatch)
 
 
 def batches_of(body: bytes) -> list[msgspec.Raw] | None:

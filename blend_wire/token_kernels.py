@@ -51,23 +51,19 @@ def b64_decode(text, values):
 
 
 
-@njit(cache=True, inline="always")
-def _at(text, i):
-    return text[np.uint64(i)]  # unsigned: no negative-index wraparound on every byte
+# Bytes are read at unsigned indices (`text[np.uint64(i)]`: no negative-index wraparound
+# on every byte), spaces told by a table: each small helper would be one more compilation.
+_IS_SPACE = np.zeros(256, dtype=np.bool_)
+_IS_SPACE[[_SPACE, _TAB, _LF, _CR]] = True
 
 
-@njit(cache=True, inline="always")
-def _is_space(c):
-    return c == _SPACE or c == _LF or c == _CR or c == _TAB
-
-
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _skip_space(text, i):
     """The first non-space byte from `i` on; callers know one lies ahead (a list's `]`)."""
-    c = _at(text, i)
-    while c <= _SPACE and _is_space(c):
+    c = text[np.uint64(i)]
+    while c <= _SPACE and _IS_SPACE[c]:
         i += 1
-        c = _at(text, i)
+        c = text[np.uint64(i)]
     return i
 
 
@@ -79,16 +75,16 @@ _LOW_SEVEN_BITS = np.uint64(0x7F7F7F7F7F7F7F7F)
 _HIGH_BITS = np.uint64(0x8080808080808080)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _word_at(text, i):
     """The 8 bytes from `i`, the first in the lowest byte (one load)."""
     word = np.uint64(0)
     for k in range(8):
-        word |= np.uint64(_at(text, i + k)) << np.uint64(8 * k)
+        word |= np.uint64(text[np.uint64(i + k)]) << np.uint64(8 * k)
     return word
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _leading_digits(word):
     """How many of the word's bytes, from its lowest, are ASCII digits (0 to 8)."""
     # A byte is a digit when its high nibble is 3 and stays 3 once 6 is added (low <= 9).
@@ -100,7 +96,7 @@ def _leading_digits(word):
     return np.int64(trailing_zeros(flags)) >> 3
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _digits_value(word, n):
     """The number the word's `n` (1 to 8) lowest bytes spell, ASCII digits, most
     significant first: digits paired, then pairs paired, then quads, by multiplication."""
@@ -112,23 +108,23 @@ def _digits_value(word, n):
                     >> np.uint64(32))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _integer(text, i):
     """The JSON integer at `i`: (just past it, its value, LIST_OK), or LIST_OUT_OF_RANGE
     outside uint32, or LIST_NOT_PLAIN when it is not one (a float, a leading zero...)."""
-    negative = _at(text, i) == _MINUS
+    negative = text[np.uint64(i)] == _MINUS
     if negative:
         i += 1
     first = i
     value = 0
-    digit = np.int64(_at(text, i)) - _ZERO
+    digit = np.int64(text[np.uint64(i)]) - _ZERO
     while 0 <= digit <= 9:
         value = value * 10 + digit  # wraps past 19 digits: out of range anyway
         i += 1
-        digit = np.int64(_at(text, i)) - _ZERO
+        digit = np.int64(text[np.uint64(i)]) - _ZERO
     digits = i - first
-    c = _at(text, i)
-    if digits == 0 or (digits > 1 and _at(text, first) == _ZERO):
+    c = text[np.uint64(i)]
+    if digits == 0 or (digits > 1 and text[np.uint64(first)] == _ZERO):
         return i, 0, LIST_NOT_PLAIN
     if c == _DOT or c == _LOWER_E or c == _UPPER_E:
         return i, 0, LIST_NOT_PLAIN  # a float
@@ -137,30 +133,23 @@ def _integer(text, i):
     return i, value, LIST_OK
 
 
-@njit(cache=True, inline="always")
-def _parse_list(text, begin, end, ids, count):
-    """Parse `text[begin:end]` as a JSON array of integers, writing in-range ids to
-    `ids[count:]`. Returns (ids written, LIST_OK | LIST_OUT_OF_RANGE | LIST_NOT_PLAIN).
+@njit(cache=True)
+def _parse_array(text, i, ids, count):
+    """Parse the JSON array of integers opening at `i` (a `[`), writing in-range ids to
+    `ids[count:]`: (just past its `]`, ids written, LIST_OK | LIST_OUT_OF_RANGE |
+    LIST_NOT_PLAIN). The caller knows a byte that is neither a digit nor a space ends the
+    text (every scan stops there at the latest: no bounds test per byte).
 
-    Accepts exactly `ws [ ws ] ws` or `ws [ ws int (ws , ws int)* ws ] ws`, an int being
-    JSON's `-?(0|[1-9][0-9]*)` (so `-0` is 0, as msgspec reads it). A fraction or an
-    exponent (a float to msgspec), anything that is not a number, and any malformed text
-    are LIST_NOT_PLAIN: msgspec decides and words the error.
+    Accepts exactly `[ ws ]` or `[ ws int (ws , ws int)* ws ]`, an int being JSON's
+    `-?(0|[1-9][0-9]*)` (so `-0` is 0, as msgspec reads it). A fraction or an exponent (a
+    float to msgspec), anything that is not a number, and any malformed text are
+    LIST_NOT_PLAIN: msgspec decides and words the error.
     """
-    close = end - 1
-    while close >= begin and _is_space(_at(text, close)):
-        close -= 1
-    # Every scan below stops at this `]` at the latest: no bounds test per byte.
-    if close < begin or _at(text, close) != _CLOSE:
-        return 0, LIST_NOT_PLAIN
-    i = _skip_space(text, begin)
-    if i == close or _at(text, i) != _OPEN:
-        return 0, LIST_NOT_PLAIN
-    i = _skip_space(text, i + 1)
     start_count = count
     status = LIST_OK
     last_word = text.shape[0] - 8
-    if _at(text, i) != _CLOSE:
+    i = _skip_space(text, i + 1)
+    if text[np.uint64(i)] != _CLOSE:
         while True:
             if i <= last_word:
                 # The usual item, up to 7 digits and a comma, read from one word.
@@ -171,31 +160,46 @@ def _parse_list(text, begin, end, ids, count):
                     ids[count] = _digits_value(word, digits)
                     count += 1
                     i += digits + 1
-                    if _at(text, i) <= _SPACE:  # `, ` (Python's json) or more
+                    if text[np.uint64(i)] <= _SPACE:  # `, ` (Python's json) or more
                         i = _skip_space(text, i)
                     continue
             i, value, item_status = _integer(text, i)
             if item_status == LIST_NOT_PLAIN:
-                return 0, LIST_NOT_PLAIN
+                return i, 0, LIST_NOT_PLAIN
             if item_status == LIST_OUT_OF_RANGE:
                 status = LIST_OUT_OF_RANGE
             else:
                 ids[count] = value
                 count += 1
-            c = _at(text, i)
+            c = text[np.uint64(i)]
             if c <= _SPACE:
                 i = _skip_space(text, i)
-                c = _at(text, i)
+                c = text[np.uint64(i)]
             if c == _CLOSE:
                 break
             if c != _COMMA:
-                return 0, LIST_NOT_PLAIN
+                return i, 0, LIST_NOT_PLAIN
             i = _skip_space(text, i + 1)
-    if i != close:
-        return 0, LIST_NOT_PLAIN
     if status != LIST_OK:
-        return 0, status
-    return count - start_count, status
+        return i + 1, 0, status
+    return i + 1, count - start_count, status
+
+
+@njit(cache=True)
+def _parse_list(text, begin, end, ids, count):
+    """`text[begin:end]` as `ws array ws` (`_parse_array`): (ids written, status)."""
+    close = end - 1
+    while close >= begin and _IS_SPACE[text[np.uint64(close)]]:
+        close -= 1
+    if close < begin or text[np.uint64(close)] != _CLOSE:  # where the array's scans stop
+        return 0, LIST_NOT_PLAIN
+    i = _skip_space(text, begin)
+    if i == close or text[np.uint64(i)] != _OPEN:
+        return 0, LIST_NOT_PLAIN
+    i, written, status = _parse_array(text, i, ids, count)
+    if i != close + 1:
+        return 0, LIST_NOT_PLAIN
+    return written, status
 
 
 @njit(cache=True, nogil=True)
@@ -222,31 +226,27 @@ def parse_lists(text, ends):
     return ids[:count], id_ends, status
 
 
-_OBJECT_OPENING = np.array([_OPEN_OBJECT], dtype=np.uint8)
-_COLON_OPENING = np.array([_COLON], dtype=np.uint8)
-_ARRAY_OPENING = np.array([_OPEN], dtype=np.uint8)
-_OBJECT_CLOSING = np.array([_CLOSE_OBJECT], dtype=np.uint8)
 _ONES = np.uint64(0x0101010101010101)
 _QUOTES = np.uint64(0x2222222222222222)
 _BACKSLASHES = np.uint64(0x5C5C5C5C5C5C5C5C)
 _TO_HIGH_BIT = np.uint64(0x2525252525252525)  # added, sets the high bit of bytes >= `[`
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _has_byte(word, repeated):
     """Whether one of the word's bytes is the byte `repeated` repeats."""
     x = word ^ repeated
     return ((x - _ONES) & ~x & _HIGH_BITS) != 0
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _skip_space_until(text, i, n):
-    while i < n and _is_space(_at(text, i)):
+    while i < n and _IS_SPACE[text[np.uint64(i)]]:
         i += 1
     return i
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _string_end(text, i, n):
     """Just past the string whose opening quote is before `i`, or -1."""
     while i < n:
@@ -255,7 +255,7 @@ def _string_end(text, i, n):
             if not (_has_byte(word, _QUOTES) or _has_byte(word, _BACKSLASHES)):
                 i += 8
                 continue
-        c = _at(text, i)
+        c = text[np.uint64(i)]
         i += 1
         if c == _QUOTE:
             return i
@@ -264,17 +264,17 @@ def _string_end(text, i, n):
     return -1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _value_end(text, i, n):
     """Just past the JSON value at `i`, by its brackets and strings only, or -1."""
-    c = _at(text, i)
+    c = text[np.uint64(i)]
     if c == _QUOTE:
         return _string_end(text, i + 1, n)
     if c != _OPEN_OBJECT and c != _OPEN:
         start = i
         while i < n:
-            c = _at(text, i)
-            if _is_space(c) or c == _COMMA or c == _CLOSE or c == _CLOSE_OBJECT:
+            c = text[np.uint64(i)]
+            if _IS_SPACE[c] or c == _COMMA or c == _CLOSE or c == _CLOSE_OBJECT:
                 break
             i += 1
         return i if i > start else -1
@@ -286,7 +286,7 @@ def _value_end(text, i, n):
             if not (_has_byte(word, _QUOTES) or (word | (word + _TO_HIGH_BIT)) & _HIGH_BITS):
                 i += 8
                 continue
-        c = _at(text, i)
+        c = text[np.uint64(i)]
         i += 1
         if c == _QUOTE:
             i = _string_end(text, i, n)
@@ -301,16 +301,18 @@ def _value_end(text, i, n):
     return -1
 
 
-@njit(cache=True, inline="always")
-def _after(text, i, n, token):
-    """Past `token` if it comes next (after spaces), else -1."""
+@njit(cache=True)
+def _after(text, i, n, byte):
+    """Past `byte` if it comes next (after spaces), else -1."""
     i = _skip_space_until(text, i, n)
-    if i + token.shape[0] > n:
-        return -1
-    for k in range(token.shape[0]):
-        if _at(text, i + k) != token[k]:
-            return -1
-    return i + token.shape[0]
+    return i + 1 if i < n and text[np.uint64(i)] == byte else -1
+
+
+@njit(cache=True)
+def _after_key(text, i, n, key):
+    """Past `key` (its bytes) if it comes next (after spaces), else -1."""
+    i = _skip_space_until(text, i, n)
+    return i + key.shape[0] if _is_text(text, i, min(i + key.shape[0], n), key) else -1
 
 
 @njit(cache=True, nogil=True)
@@ -322,16 +324,16 @@ def array_items(text, key):
     Items are found by their brackets and strings alone: this is no JSON check (decoding
     each item is)."""
     n = text.shape[0]
-    i = _after(text, 0, n, _OBJECT_OPENING)
-    i = _after(text, i, n, key) if i >= 0 else -1
-    i = _after(text, i, n, _COLON_OPENING) if i >= 0 else -1
-    i = _after(text, i, n, _ARRAY_OPENING) if i >= 0 else -1
+    i = _after(text, 0, n, _OPEN_OBJECT)
+    i = _after_key(text, i, n, key) if i >= 0 else -1
+    i = _after(text, i, n, _COLON) if i >= 0 else -1
+    i = _after(text, i, n, _OPEN) if i >= 0 else -1
     if i < 0:
         return None
     bounds = np.empty(64, dtype=np.int64)
     count = 0
     i = _skip_space_until(text, i, n)
-    if i < n and _at(text, i) == _CLOSE:
+    if i < n and text[np.uint64(i)] == _CLOSE:
         i += 1
     else:
         while True:
@@ -346,19 +348,153 @@ def array_items(text, key):
             bounds[2 * count + 1] = end
             count += 1
             i = _skip_space_until(text, end, n)
-            if i < n and _at(text, i) == _CLOSE:
+            if i < n and text[np.uint64(i)] == _CLOSE:
                 i += 1
                 break
-            if i == n or _at(text, i) != _COMMA:
+            if i == n or text[np.uint64(i)] != _COMMA:
                 return None
             i = _skip_space_until(text, i + 1, n)
-    i = _after(text, i, n, _OBJECT_CLOSING)
+    i = _after(text, i, n, _CLOSE_OBJECT)
     if i < 0 or _skip_space_until(text, i, n) != n:
         return None
     return bounds[:2 * count]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
+def _grown(array, needed):
+    if needed <= array.shape[0]:
+        return array
+    more = np.empty(2 * needed, dtype=array.dtype)
+    more[:array.shape[0]] = array
+    return more
+
+
+@njit(cache=True)
+def _is_text(text, begin, end, token):
+    if end - begin != token.shape[0]:
+        return False
+    for k in range(token.shape[0]):
+        if text[np.uint64(begin + k)] != token[k]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _most_ids(text):
+    """No list in `text` holds more ids than its commas, one more per list."""
+    most = 1
+    for i in range(text.shape[0]):
+        most += (text[i] == _COMMA) | (text[i] == _OPEN)
+    return most
+
+
+@njit(cache=True)
+def _plain_run_end(text, i, n):
+    """Past the whole words from `i` holding no quote and no bracket (token ids, mostly)."""
+    while i + 8 <= n:
+        word = _word_at(text, i)
+        if _has_byte(word, _QUOTES) or (word | (word + _TO_HIGH_BIT)) & _HIGH_BITS:
+            break
+        i += 8
+    return i
+
+
+@njit(cache=True)
+def _copy(text, begin, end, out, o):
+    for k in range(begin, end):
+        out[o] = text[np.uint64(k)]
+        o += 1
+    return o
+
+
+@njit(cache=True)
+def _cut_member(text, colon, n, out, o, ids, count):
+    """Parse the list after the `:` at `colon` and drop its member (and a comma) from
+    `out`, which ends before its key: (where the text goes on, where `out` goes on, ids
+    written), or (-1, ...) if it is not a plain list of uint32 ids in a plain member."""
+    start = _skip_space_until(text, colon + 1, n)
+    if text[np.uint64(start)] != _OPEN:
+        return -1, o, 0
+    end, written, status = _parse_array(text, start, ids, count)
+    if status != LIST_OK:
+        return -1, o, 0
+    before = o - 1
+    while before >= 0 and _IS_SPACE[out[before]]:
+        before -= 1
+    after = _skip_space_until(text, end, n)
+    if before < 0 or (out[before] != _COMMA and out[before] != _OPEN_OBJECT) \
+            or (text[np.uint64(after)] != _COMMA and text[np.uint64(after)] != _CLOSE_OBJECT):
+        return -1, o, 0
+    if out[before] == _COMMA:  # `, "token_ids": [...]` goes
+        return end, before, written
+    # The first member: `"token_ids": [...] ,` goes.
+    return (after + 1 if text[np.uint64(after)] == _COMMA else end), before + 1, written
+
+
+@njit(cache=True, nogil=True)
+def cut_token_lists(text, entries_key, token_ids_key):
+    """`text` (a JSON object) without the member `token_ids_key` of each object in its
+    list under `entries_key`, and those members' lists parsed: (the text, ids (uint32),
+    where each list's ids end (int64, cumulative), its entry (int64); in the text's order,
+    so an entry's last is the one msgspec reads). None unless all are plain lists of
+    uint32 ids and `entries_key` comes once. Found by brackets and strings, no JSON check
+    (the cut text's decoding is: it refuses what the text would be refused for)."""
+    n = text.shape[0]
+    if n == 0 or text[np.uint64(n - 1)] != _CLOSE_OBJECT:  # where every scan stops
+        return None
+    out = np.empty(n, dtype=np.uint8)
+    ids = np.empty(_most_ids(text), dtype=np.uint32)
+    id_ends = np.empty(64, dtype=np.int64)
+    entry_of = np.empty(64, dtype=np.int64)
+    lists = count = o = i = depth = 0
+    entries_at = entries_depth = entry = -1
+    while i < n:
+        run = _plain_run_end(text, i, n)
+        if run > i:
+            o = _copy(text, i, run, out, o)
+            i = run
+            continue
+        c = text[np.uint64(i)]
+        if c == _QUOTE:
+            end = _string_end(text, i + 1, n)
+            if end < 0:
+                return None
+            colon = _skip_space_until(text, end, n)
+            if text[np.uint64(colon)] == _COLON and _is_text(text, i, end, entries_key) \
+                    and depth == 1:
+                if entries_at >= 0:
+                    return None
+                entries_at = _skip_space_until(text, colon + 1, n)
+            elif text[np.uint64(colon)] == _COLON and _is_text(text, i, end, token_ids_key):
+                if depth != 3 or entries_depth != 2:
+                    return None  # not an entry's: msgspec ignores it
+                i, o, written = _cut_member(text, colon, n, out, o, ids, count)
+                if i < 0:
+                    return None
+                count += written
+                id_ends, entry_of = _grown(id_ends, lists + 1), _grown(entry_of, lists + 1)
+                id_ends[lists], entry_of[lists] = count, entry
+                lists += 1
+                continue
+            o, i = _copy(text, i, end, out, o), end
+            continue
+        if c == _OPEN_OBJECT or c == _OPEN:
+            depth += 1
+            if i == entries_at and c == _OPEN:
+                entries_depth = depth
+            elif depth == 3 and entries_depth == 2:
+                entry += 1
+        elif c == _CLOSE_OBJECT or c == _CLOSE:
+            if depth == entries_depth:
+                entries_depth = -1
+            depth -= 1
+        out[o] = c
+        o += 1
+        i += 1
+    return out[:o], ids[:count], id_ends[:lists], entry_of[:lists]
+
+
+@njit(cache=True)
 def _decimal_width(v):
     if v < 100000:
         if v < 100:

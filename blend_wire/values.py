@@ -5,6 +5,7 @@ packing and the loopback rule. docs/WIRE.md.
 
 from __future__ import annotations
 
+import binascii
 import ipaddress
 from typing import Annotated, Any, NamedTuple
 
@@ -102,15 +103,14 @@ def chunk_hash_of_hex(text: str) -> bytes | None:
     """The chunk hash `text` names on the wire, or None unless it is 2 to
     `MAX_CHUNK_HASH_HEX_CHARS` hex digits, an even number, nothing else (no whitespace, so
     `"ab cd"` and `"abcd"` cannot name one chunk twice). The one hex rule of the wire."""
-    if len(text) > MAX_CHUNK_HASH_HEX_CHARS:
+    if type(text) is not str:
+        raise TypeError(f"a chunk hash's hex is a str, not {type(text).__name__}")
+    if not 2 <= len(text) <= MAX_CHUNK_HASH_HEX_CHARS:
         return None
     try:
-        chunk_hash = bytes.fromhex(text)
-    except ValueError:
+        return binascii.unhexlify(text)  # ASCII hex digit pairs only (bytes.fromhex
+    except ValueError:                   # skips spaces, and takes twice as long)
         return None
-    # fromhex skips whitespace between digit pairs: a hash of fewer bytes than half the
-    # text's length had some.
-    return chunk_hash if chunk_hash and 2 * len(chunk_hash) == len(text) else None
 
 
 def hex_refusal(value: Any, field: str) -> str:

@@ -19,7 +19,8 @@ from typing import Callable
 
 import msgspec
 
-from blend_wire import CacheEventBatch, EventsReply, WireError, batches_of, decode, encode
+from blend_wire import (CacheEventBatch, EventsReply, WireError, batches_of, decode,
+                        decode_batch, encode)
 from coordinator_stub.errors import Forbidden
 from coordinator_stub.scopes import Scope
 
@@ -302,7 +303,7 @@ def _validated_batch(body: bytes, raws: list[msgspec.Raw], index: int,
 
 def _decode_batch(raw: msgspec.Raw, index: int) -> CacheEventBatch:
     try:
-        return decode(raw, CacheEventBatch)
+        return decode_batch(raw)
     except WireError as exc:
         # Name the field as a whole-body decode would: `$.batches[3].seq`, not `$.seq`.
         message = str(exc)
