@@ -25,8 +25,8 @@ from blend_wire.values import (MAX_INT64, MAX_KV_RANK, MAX_NAME_CHARS, MAX_OBJEC
 
 class EncodedObjectKey(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """A stored object's key. Checked when decoded (field constraints, naming the field)
-    and when built in code (`__post_init__`), so a client cannot queue a key the
-    coordinator would refuse."""
+    and, decoded or built in code, by `__post_init__` (the hex rule in msgspec's words
+    for `ChunkHashHex`), so a client cannot queue a key the coordinator would refuse."""
 
     chunk_hash_hex: HexOfLength  # and hex digit pairs, `__post_init__` (ChunkHashHex)
     model_name: Name
