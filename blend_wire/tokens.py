@@ -36,7 +36,7 @@ def as_tokens(values) -> np.ndarray:
     return array_.astype(np.uint32)
 
 
-def _kernels():
+def kernels():
     """blend_wire.token_kernels, imported on the first decode (numba is not needed before:
     a process that only encodes, a router, never loads it)."""
     global _KERNELS
@@ -79,7 +79,7 @@ def decode_tokens(text: str) -> np.ndarray:
     if raw.size % 4:
         raise _bad_tokens(f"tokens_b64 is not valid base64: its length {raw.size} is not a "
                           "multiple of 4 (padding missing?)", text)
-    decoded, bad_at = _kernels().b64_decode(raw, _B64_VALUES)
+    decoded, bad_at = kernels().b64_decode(raw, _B64_VALUES)
     if bad_at >= 0:
         raise _bad_tokens(f"tokens_b64 is not valid base64: character {chr(raw[bad_at])!r} "
                           f"at position {bad_at}", text)
@@ -110,18 +110,19 @@ def token_lists_from_json(lists: Sequence[msgspec.Raw]) -> list[TokenIds]:
         return []
     ends = np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)))
     text = np.frombuffer(b"".join(lists), dtype=np.uint8)
-    ids, id_ends, status = _kernels().parse_lists(text, ends)
+    ids, id_ends, status = kernels().parse_lists(text, ends)
+    bounds = [0, *id_ends.tolist()]
+    if not status.any():  # the usual case: every list plain and in range
+        return [ids[bounds[k]:bounds[k + 1]] for k in range(len(lists))]
     out: list[TokenIds] = []
-    begin = 0
-    for k, end in enumerate(id_ends.tolist()):
-        if status[k] == LIST_OK:
-            out.append(ids[begin:end])
+    for k, list_status in enumerate(status.tolist()):
+        if list_status == LIST_OK:
+            out.append(ids[bounds[k]:bounds[k + 1]])
         else:  # rare: an id outside uint32, or not a list of integers at all
             try:
                 out.append(_from_ints(_INT_LIST.decode(lists[k])))
             except msgspec.ValidationError as exc:
                 raise BadTokenList(_under_token_ids(str(exc)), k) from None
-        begin = end
     return out
 
 
@@ -134,7 +135,7 @@ def token_lists_to_json(arrays: Sequence[np.ndarray]) -> list[msgspec.Raw]:
     ends = np.cumsum(np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)))
     tokens = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
     out = np.empty(11 * tokens.size + 2 * len(arrays), dtype=np.uint8)  # ids of <= 10 digits
-    list_ends = _kernels().write_lists(tokens, ends, out, _DIGIT_PAIRS)
+    list_ends = kernels().write_lists(tokens, ends, out, _DIGIT_PAIRS)
     # One bytes object for the batch; each list a view of it (no copy per list).
     text = memoryview(out[:list_ends[-1]].tobytes())
     bounds = [0, *list_ends.tolist()]

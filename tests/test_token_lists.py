@@ -106,6 +106,30 @@ def test_every_list_of_integers_takes_the_kernel_path(text):
         assert ids.dtype == np.uint32 and ids.tolist() == values
 
 
+# Long lists of ids of every width (the kernel reads up to 7 digits and a comma as one
+# word), sometimes with one item in the way: a leading zero, a sign, a fraction.
+_WIDE_ID = st.one_of(st.integers(0, 10**12), st.integers(0, 10**7), st.integers(-9, 9)).map(str)
+_ODD_ITEM = st.from_regex(r"-?0[0-9]{1,8}|-[0-9]{1,9}|[0-9]{1,8}\.[0-9]|[0-9]{1,8}e1",
+                          fullmatch=True)
+
+
+@st.composite
+def _long_lists(draw) -> bytes:
+    items = draw(st.lists(_WIDE_ID, max_size=40))
+    if items and draw(st.booleans()):
+        items[draw(st.integers(0, len(items) - 1))] = draw(_ODD_ITEM)
+    separators = [draw(st.sampled_from([",", ",", ", ", " ,", ",\n "])) for _ in items]
+    body = "".join(sep + item for sep, item in zip(separators, items))[len(separators[0]):] \
+        if items else ""
+    return ("[" + body + draw(st.sampled_from(["", " "])) + "]").encode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(_long_lists())
+def test_the_kernel_agrees_with_msgspec_on_long_lists_of_every_width(text):
+    _check_kernel(text)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(_list_texts(), _VALID), min_size=1, max_size=6))
 def test_lists_parsed_together_are_each_what_they_are_alone(texts):
