@@ -22,7 +22,8 @@ from __future__ import annotations
 from blend_wire.chunk_keys import MAX_TOKEN_IDS, lookup_kv_ranks, prefix_chunk_hashes
 from blend_wire.codec import convert_query, decode, encode
 from blend_wire.events import (CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
-                               EventsRequest, EventType, Tier, batches_of, decode_batch)
+                               EventsRequest, EventType, Tier, batches_of, compile_decoding,
+                               decode_batch)
 from blend_wire.fleet import (MAX_METADATA_CHARS, MAX_REGISTRATION_BODY_BYTES, BlendIndexStats,
                               ChunkSizeBindReply, ChunkSizeBindRequest, DirectoryKeyInfo,
                               DirectoryKeysQuery, DirectoryKeysReply, DirectoryLookupReply,

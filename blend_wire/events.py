@@ -9,9 +9,9 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
-from blend_wire.codec import decode
-from blend_wire.tokens import (NO_TOKEN_IDS, BadTokenList, kernels, token_ids_of,
-                               token_lists_from_json)
+from blend_wire.codec import decode, encode
+from blend_wire.tokens import (NO_TOKEN_IDS, BadTokenList, decode_tokens, kernels,
+                               token_ids_of, token_lists_from_json)
 from blend_wire.values import (MAX_INT64, MAX_KV_RANK, MAX_NAME_CHARS, MAX_OBJECT_GROUP_ID,
                                UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                                HexOfLength, Name, NonNegative, TokenOffset, check_cache_salt,
@@ -166,3 +166,17 @@ class EventsReply(msgspec.Struct, kw_only=True):
     applied: int
     duplicates: int
     stale: int
+
+
+def compile_decoding() -> None:
+    """Compile (or load from numba's cache) every kernel a server's decoding of `/events`
+    bodies and blend queries runs, so that no request waits for a compilation (a cold
+    cache takes seconds; a server calls this before it listens)."""
+    entry = {"key": {"chunk_hash_hex": "ab", "model_name": "m", "kv_rank": 0},
+             "token_ids": [1, 2], "token_offset": 0}
+    body = encode({"batches": [{"instance_id": "i", "seq": 1, "event_type": "store",
+                                "tier": "l1", "backend": "b", "entries": [entry]}]})
+    for raw in batches_of(body):
+        decode_batch(raw)
+    decode(body, EventsRequest)  # a batch decoded whole, as the event log's replay does
+    decode_tokens("AAAAAA==")
