@@ -16,6 +16,7 @@ _S27 = np.uint64(27)
 _S31 = np.uint64(31)
 _ONE = np.uint64(1)
 _SIX = np.uint64(6)
+_TWELVE = np.uint64(12)
 _LOW6 = np.uint64(63)
 
 BLOCK_BITS = 14
@@ -64,8 +65,17 @@ def _fingerprint(row, salt, base):
 
 
 @njit(cache=True, inline="always")
-def _filter_test(filter_words, slot):
-    return (filter_words[slot >> _SIX] >> (slot & _LOW6)) & _ONE
+def _filter_bits(fp):
+    """The three bits of `fp` in its filter word, from its low bits (the word is chosen
+    by its top bits, so the two are independent)."""
+    return ((_ONE << (fp & _LOW6)) | (_ONE << ((fp >> _SIX) & _LOW6))
+            | (_ONE << ((fp >> _TWELVE) & _LOW6)))
+
+
+@njit(cache=True, inline="always")
+def _filter_test(filter_words, filter_shift, fp):
+    bits = _filter_bits(fp)
+    return (filter_words[fp >> filter_shift] & bits) == bits
 
 
 @njit(cache=True, inline="always")
@@ -101,25 +111,24 @@ def _window_fingerprints(query, stride, salt, base, base_pow, width, scratch):
 
 
 @njit(cache=True, inline="always")
-def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table_fp,
-                table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch,
-                found):
+def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
+                table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
     if query.shape[0] < width:
         return 0, 0
     num_probes = _window_fingerprints(query, stride, salt, base, base_pow, width, scratch)
     # Pass 2: filter, table, namespace pre-test, tokens. The filter loads are independent
     # of each other here, so the CPU overlaps their cache misses.
     n = query.shape[0]
-    table_mask = table_cid.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     firsts = repeats = 0
     for k in range(num_probes):
         fp = scratch[n + k]
-        if _filter_test(filter_words, fp >> filter_shift):
+        if _filter_test(filter_words, filter_shift, fp):
             p = k * stride
             s = np.int64(fp >> table_shift)
-            while table_cid[s] != -1:
-                cid = table_cid[s]
-                if table_fp[s] == fp and (ns_mask[cid] & ns_bit) != 0:
+            while table[2 * s + 1] != 0:
+                cid = np.int64(table[2 * s + 1]) - 1
+                if table[2 * s] == fp and (ns_mask[cid] & ns_bit) != 0:
                     if seen[cid] == epoch:
                         found[2, repeats] = p
                         found[3, repeats] = cid
@@ -134,8 +143,8 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
 
 
 @njit(cache=True, nogil=True)
-def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table_fp,
-          table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
+def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table, table_shift,
+          blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
     """Where stored contents occur in `query`: first occurrences verified, repeats not yet.
 
     Windows start at multiples of `stride`. A candidate must pass the filter, have its
@@ -148,9 +157,8 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table
     to ``found[2]``, ``found[3]`` (each row at least as long as the number of probes;
     `scratch` at least the query plus that); returns (firsts, repeats).
     """
-    return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
-                       table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen,
-                       epoch, scratch, found)
+    return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
+                       table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found)
 
 
 @njit(cache=True, inline="always")
@@ -199,10 +207,10 @@ def take_occupants(query, found, firsts, repeats, cursor, first, next_slot, slot
 
 
 @njit(cache=True, nogil=True)
-def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift,
-                    table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen,
-                    epoch, scratch, found, head, slot_ns, ns_id, other_heads, next_slot,
-                    slot_offset, cursor, first, out):
+def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
+                    table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found,
+                    head, slot_ns, ns_id, other_heads, next_slot, slot_offset, cursor, first,
+                    out):
     """`probe`, the heads of the requester's lists, then `take_occupants`, in one call.
 
     The head of namespace `ns_id`'s list on a content is ``head[cid]`` when that slot is
@@ -212,8 +220,8 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
     `other_heads` that content has no list of `ns_id`. Returns (firsts, repeats,
     matches)."""
     firsts, repeats = _probe_into(query, stride, salt, base, base_pow, filter_words,
-                                  filter_shift, table_fp, table_cid, table_shift, blocks,
-                                  width, ns_mask, ns_bit, seen, epoch, scratch, found)
+                                  filter_shift, table, table_shift, blocks, width, ns_mask,
+                                  ns_bit, seen, epoch, scratch, found)
     for i in range(firsts):
         cid = found[1, i]
         slot = head[cid]
@@ -300,32 +308,32 @@ def walk_lists(heads, limits, next_slot):
 
 
 @njit(cache=True, inline="always")
-def _find(row, fp, blocks, table_fp, table_cid, table_shift):
+def _find(row, fp, blocks, table, table_shift):
     """The id of the stored content equal to `row`, or -1."""
-    table_mask = table_cid.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     s = np.int64(fp >> table_shift)
-    while table_cid[s] != -1:
-        if table_fp[s] == fp and _same_tokens(row, 0, _row(blocks, table_cid[s])):
-            return table_cid[s]
+    while table[2 * s + 1] != 0:
+        cid = np.int64(table[2 * s + 1]) - 1
+        if table[2 * s] == fp and _same_tokens(row, 0, _row(blocks, cid)):
+            return cid
         s = (s + 1) & table_mask
     return -1
 
 
 @njit(cache=True, inline="always")
-def _place(fp, cid, table_fp, table_cid, table_shift, filter_words, filter_shift):
-    table_mask = table_cid.shape[0] - 1
+def _place(fp, cid, table, table_shift, filter_words, filter_shift):
+    table_mask = (table.shape[0] >> 1) - 1
     s = np.int64(fp >> table_shift)
-    while table_cid[s] != -1:
+    while table[2 * s + 1] != 0:
         s = (s + 1) & table_mask
-    table_fp[s] = fp
-    table_cid[s] = cid
-    slot = fp >> filter_shift
-    filter_words[slot >> _SIX] |= _ONE << (slot & _LOW6)
+    table[2 * s] = fp
+    table[2 * s + 1] = np.uint64(cid + 1)
+    filter_words[fp >> filter_shift] |= _filter_bits(fp)
 
 
 @njit(cache=True)
-def insert_rows(rows, salt, base, blocks, table_fp, table_cid, table_shift,
-                filter_words, filter_shift, free_ids, free_top):
+def insert_rows(rows, salt, base, blocks, table, table_shift, filter_words, filter_shift,
+                free_ids, free_top):
     """Find-or-insert every row; returns (content ids, 1 where newly stored).
 
     The caller guarantees room: at least ``len(rows)`` free ids and a table that
@@ -336,29 +344,48 @@ def insert_rows(rows, salt, base, blocks, table_fp, table_cid, table_shift,
     fresh = np.zeros(n, dtype=np.uint8)
     for i in range(n):
         fp = _fingerprint(rows[i], salt, base)
-        cid = _find(rows[i], fp, blocks, table_fp, table_cid, table_shift)
+        cid = _find(rows[i], fp, blocks, table, table_shift)
         if cid == -1:
             free_top[0] -= 1
             cid = free_ids[free_top[0]]
             _row(blocks, cid)[:] = rows[i]
-            _place(fp, cid, table_fp, table_cid, table_shift, filter_words, filter_shift)
+            _place(fp, cid, table, table_shift, filter_words, filter_shift)
             fresh[i] = 1
         cids[i] = cid
     return cids, fresh
 
 
+@njit(cache=True, inline="always")
+def _refill_filter_word(word, table, table_shift, filter_words, filter_shift):
+    """Set filter word `word` from the live entries that map to it. Their home slots are
+    the word's run of slots (the word's bits are the top bits of a home slot), so each
+    sits in that run or in the cluster running on from its end."""
+    table_mask = (table.shape[0] >> 1) - 1
+    run = np.int64(1) << np.int64(filter_shift - table_shift)
+    start = np.int64(word) * run
+    bits = np.uint64(0)
+    i = 0
+    while i < run or table[2 * ((start + i) & table_mask) + 1] != 0:
+        s = (start + i) & table_mask
+        fp = table[2 * s]
+        if table[2 * s + 1] != 0 and (fp >> filter_shift) == word:
+            bits |= _filter_bits(fp)
+        i += 1
+    filter_words[word] = bits
+
+
 @njit(cache=True)
-def remove_contents(cids, salt, base, blocks, table_fp, table_cid, table_shift,
-                    filter_words, filter_shift, free_ids, free_top):
+def remove_contents(cids, salt, base, blocks, table, table_shift, filter_words, filter_shift,
+                    free_ids, free_top):
     """Drop stored contents by id and return their ids to the free list."""
-    table_mask = table_cid.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     for k in range(cids.shape[0]):
         cid = cids[k]
         fp = _fingerprint(_row(blocks, cid), salt, base)
-        home = np.int64(fp >> table_shift)
-        s = home
-        while table_cid[s] != cid:
-            if table_cid[s] == -1:  # not stored: nothing to do
+        s = np.int64(fp >> table_shift)
+        stored = np.uint64(cid + 1)
+        while table[2 * s + 1] != stored:
+            if table[2 * s + 1] == 0:  # not stored: nothing to do
                 s = -1
                 break
             s = (s + 1) & table_mask
@@ -369,37 +396,29 @@ def remove_contents(cids, salt, base, blocks, table_fp, table_cid, table_shift,
         j = s
         while True:
             j = (j + 1) & table_mask
-            if table_cid[j] == -1:
+            if table[2 * j + 1] == 0:
                 break
-            want = np.int64(table_fp[j] >> table_shift)
+            want = np.int64(table[2 * j] >> table_shift)
             if hole <= j:
                 stays = hole < want <= j
             else:
                 stays = hole < want or want <= j
             if not stays:
-                table_fp[hole] = table_fp[j]
-                table_cid[hole] = table_cid[j]
+                table[2 * hole] = table[2 * j]
+                table[2 * hole + 1] = table[2 * j + 1]
                 hole = j
-        table_cid[hole] = -1
-        # Clear the filter bit unless another entry of the cluster maps to it.
-        slot = fp >> filter_shift
-        shared = False
-        j = home
-        while table_cid[j] != -1:
-            if (table_fp[j] >> filter_shift) == slot:
-                shared = True
-                break
-            j = (j + 1) & table_mask
-        if not shared:
-            filter_words[slot >> _SIX] &= ~(_ONE << (slot & _LOW6))
+        table[2 * hole] = 0
+        table[2 * hole + 1] = 0
+        _refill_filter_word(fp >> filter_shift, table, table_shift, filter_words,
+                            filter_shift)
         free_ids[free_top[0]] = cid
         free_top[0] += 1
 
 
 @njit(cache=True)
-def rebuild_table(old_fp, old_cid, table_fp, table_cid, table_shift, filter_words, filter_shift):
-    """Re-place every live entry of an old table into fresh (empty) arrays."""
-    for s in range(old_cid.shape[0]):
-        if old_cid[s] != -1:
-            _place(old_fp[s], old_cid[s], table_fp, table_cid, table_shift,
+def rebuild_table(old_table, table, table_shift, filter_words, filter_shift):
+    """Re-place every live entry of an old table into fresh (zeroed) arrays."""
+    for s in range(old_table.shape[0] >> 1):
+        if old_table[2 * s + 1] != 0:
+            _place(old_table[2 * s], np.int64(old_table[2 * s + 1]) - 1, table, table_shift,
                    filter_words, filter_shift)
