@@ -34,6 +34,13 @@ def _as_u64(value: int) -> np.uint64:
     return np.uint64(value & _MASK64)
 
 
+def _grown(array_: np.ndarray, size: int) -> np.ndarray:
+    """`array_` followed by zeros up to `size` elements."""
+    out = np.zeros(size, dtype=array_.dtype)
+    out[: len(array_)] = array_
+    return out
+
+
 class ContentStore:
     _warmed = False
 
@@ -137,15 +144,15 @@ class ContentStore:
                 self._blocks = kernels.new_blocks(block)
             else:
                 kernels.append_block(self._blocks, block)
-            self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
-            self._first = np.concatenate([self._first, np.zeros(new - old, dtype=np.int64)])
-            self._cursor = np.concatenate([self._cursor, np.zeros(new - old, dtype=np.int64)])
-            self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
-            free = int(self._free_top[0])
-            free_ids = np.empty(new, dtype=np.int64)
-            free_ids[: new - old] = np.arange(new - 1, old - 1, -1)
-            free_ids[new - old: new - old + free] = self._free_ids[:free]
-            self._free_ids = free_ids
+            if len(self._seen) < new:  # grown by doubling: copying them per block is O(n**2)
+                size = max(new, 2 * len(self._seen))
+                self.ns_mask, self._first, self._cursor, self._seen, self._free_ids = (
+                    _grown(a, size) for a in (self.ns_mask, self._first, self._cursor,
+                                              self._seen, self._free_ids))
+            # The new ids go under the free ones, lowest on top: reused ids are taken first.
+            free, ids = int(self._free_top[0]), self._free_ids
+            ids[new - old: new - old + free] = ids[:free].copy()
+            ids[: new - old] = np.arange(new - 1, old - 1, -1)
             self._free_top[0] = free + new - old
         bits = max(4, (2 * self.capacity - 1).bit_length())
         if (1 << bits) > self.table_size:
