@@ -9,11 +9,9 @@ import numpy as np
 from numba import njit
 from numba.typed import List
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
+_SCRAMBLE_FACTOR = np.uint64(0x9E3779B97F4A7C15)
+_FINISH_FACTOR = np.uint64(0xBF58476D1CE4E5B9)
+_S32 = np.uint64(32)
 _ONE = np.uint64(1)
 _SIX = np.uint64(6)
 _TWELVE = np.uint64(12)
@@ -40,15 +38,21 @@ def append_block(blocks, block):
 
 
 @njit(cache=True, inline="always")
-def _mix(x):
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
+def _mix(x, factor):
+    """One multiply, then the high half folded into the low: a bijection of 64-bit
+    words whose every output bit depends on many input bits (the top ones on all)."""
+    x = x * factor
+    return x ^ (x >> _S32)
 
 
 @njit(cache=True, inline="always")
 def _scramble(token, salt):
-    return _mix(np.uint64(token) + salt)
+    return _mix(np.uint64(token) + salt, _SCRAMBLE_FACTOR)
+
+
+@njit(cache=True, inline="always")
+def _finish(h, salt):
+    return _mix(h ^ salt, _FINISH_FACTOR)
 
 
 @njit(cache=True, inline="always")
@@ -61,7 +65,7 @@ def _fingerprint(row, salt, base):
     h = np.uint64(0)
     for j in range(row.shape[0]):
         h = h * base + _scramble(row[j], salt)
-    return _mix(h ^ salt)
+    return _finish(h, salt)
 
 
 @njit(cache=True, inline="always")
@@ -87,10 +91,13 @@ def _same_tokens(query, start, stored):
 
 
 @njit(cache=True, inline="always")
-def _window_fingerprints(query, stride, salt, base, base_pow, width, scratch):
-    """Pass 1 of `probe` (pure arithmetic): the fingerprint of every window of `width`
-    tokens starting at a multiple of `stride`, into ``scratch[n:n + count]`` (the first
-    n hold the scrambled tokens); returns the count."""
+def _filter_passes(query, stride, salt, base, base_pow, width, filter_words, filter_shift,
+                   scratch):
+    """Pass 1 of `probe`: the fingerprint of every window of `width` tokens starting at a
+    multiple of `stride`, tested against the filter as soon as it is made (the filter
+    loads do not feed the rolling arithmetic, so the CPU overlaps them with it). The
+    windows that pass go to ``scratch[n:]`` as (position, fingerprint) pairs, after the n
+    scrambled tokens; returns how many passed."""
     n = query.shape[0]
     for i in range(n):
         scratch[i] = _scramble(query[i], salt)
@@ -101,13 +108,16 @@ def _window_fingerprints(query, stride, salt, base, base_pow, width, scratch):
     next_probe, k = 0, n  # a counter, not p % stride: division would dominate the loop
     for p in range(last + 1):
         if p == next_probe:
-            scratch[k] = _mix(h ^ salt)
-            k += 1
+            fp = _finish(h, salt)
+            if _filter_test(filter_words, filter_shift, fp):
+                scratch[k] = p
+                scratch[k + 1] = fp
+                k += 2
             next_probe += stride
         if p < last:
             # h*B - s[p]*B**C + s[p+C]: only one multiply-add depends on the previous h.
             h = h * base + (scratch[p + width] - scratch[p] * base_pow)
-    return k - n
+    return (k - n) // 2
 
 
 @njit(cache=True, inline="always")
@@ -115,30 +125,29 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
                 table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
     if query.shape[0] < width:
         return 0, 0
-    num_probes = _window_fingerprints(query, stride, salt, base, base_pow, width, scratch)
-    # Pass 2: filter, table, namespace pre-test, tokens. The filter loads are independent
-    # of each other here, so the CPU overlaps their cache misses.
+    passes = _filter_passes(query, stride, salt, base, base_pow, width, filter_words,
+                            filter_shift, scratch)
+    # Pass 2, for the few windows that passed: table, namespace pre-test, tokens.
     n = query.shape[0]
     table_mask = (table.shape[0] >> 1) - 1
     firsts = repeats = 0
-    for k in range(num_probes):
-        fp = scratch[n + k]
-        if _filter_test(filter_words, filter_shift, fp):
-            p = k * stride
-            s = np.int64(fp >> table_shift)
-            while table[2 * s + 1] != 0:
-                cid = np.int64(table[2 * s + 1]) - 1
-                if table[2 * s] == fp and (ns_mask[cid] & ns_bit) != 0:
-                    if seen[cid] == epoch:
-                        found[2, repeats] = p
-                        found[3, repeats] = cid
-                        repeats += 1
-                    elif _same_tokens(query, p, _row(blocks, cid)):
-                        seen[cid] = epoch
-                        found[0, firsts] = p
-                        found[1, firsts] = cid
-                        firsts += 1
-                s = (s + 1) & table_mask
+    for i in range(passes):
+        p = np.int64(scratch[n + 2 * i])
+        fp = scratch[n + 2 * i + 1]
+        s = np.int64(fp >> table_shift)
+        while table[2 * s + 1] != 0:
+            cid = np.int64(table[2 * s + 1]) - 1
+            if table[2 * s] == fp and (ns_mask[cid] & ns_bit) != 0:
+                if seen[cid] == epoch:
+                    found[2, repeats] = p
+                    found[3, repeats] = cid
+                    repeats += 1
+                elif _same_tokens(query, p, _row(blocks, cid)):
+                    seen[cid] = epoch
+                    found[0, firsts] = p
+                    found[1, firsts] = cid
+                    firsts += 1
+            s = (s + 1) & table_mask
     return firsts, repeats
 
 
@@ -155,7 +164,7 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table
     as many as the content has occupants to offer). Writes, ascending by position, the
     first occurrences' positions and ids to ``found[0]``, ``found[1]`` and the repeats'
     to ``found[2]``, ``found[3]`` (each row at least as long as the number of probes;
-    `scratch` at least the query plus that); returns (firsts, repeats).
+    `scratch` at least the query plus twice that); returns (firsts, repeats).
     """
     return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
                        table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found)

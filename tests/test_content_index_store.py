@@ -20,18 +20,18 @@ C = 3
 MASK = 2**64 - 1
 
 
-def _mix(x: int) -> int:
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
-    return x ^ (x >> 31)
+def _mix(x: int, factor: int) -> int:
+    x = (x * factor) & MASK
+    return x ^ (x >> 32)
 
 
 def fingerprint(tokens, salt: int, base: int) -> int:
-    """docs/CONTRACTS.md, `local_matcher.kernels`: mix(sum_j mix(t_j + salt) B**(C-1-j) ^ salt)."""
+    """docs/CONTRACTS.md, `local_matcher.kernels`: v_j = mix(t_j + salt, K1),
+    fp = mix(sum_j v_j B**(C-1-j) ^ salt, K2)."""
     h = 0
     for token in tokens:
-        h = (h * base + _mix((int(token) + salt) & MASK)) & MASK
-    return _mix(h ^ salt)
+        h = (h * base + _mix((int(token) + salt) & MASK, 0x9E3779B97F4A7C15)) & MASK
+    return _mix(h ^ salt, 0xBF58476D1CE4E5B9)
 
 
 def _filter_bits(fp: int) -> int:
