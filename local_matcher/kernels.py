@@ -6,7 +6,10 @@ The rest of its contract: docs/CONTRACTS.md, `local_matcher.kernels`.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 from numba.typed import List
 
 _SCRAMBLE_FACTOR = np.uint64(0x9E3779B97F4A7C15)
@@ -58,6 +61,31 @@ def _finish(h, salt):
 @njit(cache=True, inline="always")
 def _row(blocks, cid):
     return blocks[cid >> BLOCK_BITS][cid & _BLOCK_MASK]
+
+
+@intrinsic
+def _prefetch(typingctx, array_, index):
+    """Ask the CPU to start loading the cache line of ``array_[index]`` (no result)."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array_value = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, array_value,
+                                           [args[1]], wraparound=False)
+        byte_pointer, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        # A read, kept in every cache level, of data (not instructions).
+        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(array_, index), codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(row):
+    for j in range(0, row.shape[0], 16):  # 16 tokens: one 64-byte cache line
+        _prefetch(row, j)
+    _prefetch(row, row.shape[0] - 1)  # the last line, should the row not start a line
 
 
 @njit(cache=True, inline="always")
@@ -127,27 +155,50 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
         return 0, 0
     passes = _filter_passes(query, stride, salt, base, base_pow, width, filter_words,
                             filter_shift, scratch)
-    # Pass 2, for the few windows that passed: table, namespace pre-test, tokens.
     n = query.shape[0]
     table_mask = (table.shape[0] >> 1) - 1
-    firsts = repeats = 0
+    # Pass 2, for the windows that passed: the table and the namespace pre-test give each
+    # its candidate content, into found[2:4] (pass 3 reads it back before writing there),
+    # whose row is prefetched: the rows arrive together instead of one after another.
+    candidates = 0
     for i in range(passes):
         p = np.int64(scratch[n + 2 * i])
         fp = scratch[n + 2 * i + 1]
+        cid = -1
         s = np.int64(fp >> table_shift)
         while table[2 * s + 1] != 0:
-            cid = np.int64(table[2 * s + 1]) - 1
-            if table[2 * s] == fp and (ns_mask[cid] & ns_bit) != 0:
-                if seen[cid] == epoch:
-                    found[2, repeats] = p
-                    found[3, repeats] = cid
-                    repeats += 1
-                elif _same_tokens(query, p, _row(blocks, cid)):
-                    seen[cid] = epoch
-                    found[0, firsts] = p
-                    found[1, firsts] = cid
-                    firsts += 1
+            if table[2 * s] == fp and (ns_mask[np.int64(table[2 * s + 1]) - 1] & ns_bit):
+                # Several contents with this fingerprint (a collision): -2 - i says pass 3
+                # must find the one holding the window.
+                cid = np.int64(table[2 * s + 1]) - 1 if cid == -1 else -2 - i
             s = (s + 1) & table_mask
+        if cid != -1:
+            found[2, candidates] = p
+            found[3, candidates] = cid
+            candidates += 1
+            if cid >= 0:
+                _prefetch_row(_row(blocks, cid))
+    # Pass 3, in position order: a content's first candidate is compared token by token
+    # and marked seen; later ones are kept unverified as repeats. Each candidate yields one
+    # entry at most, so neither list outgrows the windows.
+    firsts = repeats = 0
+    for i in range(candidates):
+        p, cid = found[2, i], found[3, i]
+        verified = False
+        if cid < 0:  # the one content that can hold the window, if it is one of those
+            cid = _find(query, p, scratch[n + 2 * (-2 - cid) + 1], blocks, table, table_shift)
+            if cid == -1 or (ns_mask[cid] & ns_bit) == 0:
+                continue
+            verified = True
+        if seen[cid] == epoch:
+            found[2, repeats] = p
+            found[3, repeats] = cid
+            repeats += 1
+        elif verified or _same_tokens(query, p, _row(blocks, cid)):
+            seen[cid] = epoch
+            found[0, firsts] = p
+            found[1, firsts] = cid
+            firsts += 1
     return firsts, repeats
 
 
@@ -317,13 +368,14 @@ def walk_lists(heads, limits, next_slot):
 
 
 @njit(cache=True, inline="always")
-def _find(row, fp, blocks, table, table_shift):
-    """The id of the stored content equal to `row`, or -1."""
+def _find(tokens, start, fp, blocks, table, table_shift):
+    """The id of the stored content equal to the window of `tokens` at `start` (whose
+    fingerprint is `fp`), or -1."""
     table_mask = (table.shape[0] >> 1) - 1
     s = np.int64(fp >> table_shift)
     while table[2 * s + 1] != 0:
         cid = np.int64(table[2 * s + 1]) - 1
-        if table[2 * s] == fp and _same_tokens(row, 0, _row(blocks, cid)):
+        if table[2 * s] == fp and _same_tokens(tokens, start, _row(blocks, cid)):
             return cid
         s = (s + 1) & table_mask
     return -1
@@ -353,7 +405,7 @@ def insert_rows(rows, salt, base, blocks, table, table_shift, filter_words, filt
     fresh = np.zeros(n, dtype=np.uint8)
     for i in range(n):
         fp = _fingerprint(rows[i], salt, base)
-        cid = _find(rows[i], fp, blocks, table, table_shift)
+        cid = _find(rows[i], 0, fp, blocks, table, table_shift)
         if cid == -1:
             free_top[0] -= 1
             cid = free_ids[free_top[0]]
