@@ -178,6 +178,7 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
             candidates += 1
             if cid >= 0:
                 _prefetch_row(_row(blocks, cid))
+                _prefetch(seen, cid)
     # Pass 3, in position order: a content's first candidate is compared token by token
     # and marked seen; later ones are kept unverified as repeats. Each candidate yields one
     # entry at most, so neither list outgrows the windows.
@@ -282,6 +283,10 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
     firsts, repeats = _probe_into(query, stride, salt, base, base_pow, filter_words,
                                   filter_shift, table, table_shift, blocks, width, ns_mask,
                                   ns_bit, seen, epoch, scratch, found)
+    for i in range(firsts):  # the contents' entries, one miss each: all in flight at once
+        _prefetch(head, found[1, i])
+        _prefetch(cursor, found[1, i])
+        _prefetch(first, found[1, i])
     for i in range(firsts):
         cid = found[1, i]
         slot = head[cid]
