@@ -120,12 +120,13 @@ def _same_tokens(query, start, stored):
 
 @njit(cache=True, inline="always")
 def _filter_passes(query, stride, salt, base, base_pow, width, filter_words, filter_shift,
-                   scratch):
+                   scratch, found):
     """Pass 1 of `probe`: the fingerprint of every window of `width` tokens starting at a
-    multiple of `stride`, tested against the filter as soon as it is made (the filter
-    loads do not feed the rolling arithmetic, so the CPU overlaps them with it). The
-    windows that pass go to ``scratch[n:]`` as (position, fingerprint) pairs, after the n
-    scrambled tokens; returns how many passed."""
+    multiple of `stride`, into ``scratch[n:]`` after the n scrambled tokens, its filter
+    word prefetched as soon as it is made (the loads, all in flight at once, overlap the
+    rolling arithmetic; a test right away would wait for each), then the filter test.
+    The windows that pass go to ``found[2]`` (position) and ``found[3]`` (fingerprint);
+    returns how many passed."""
     n = query.shape[0]
     for i in range(n):
         scratch[i] = _scramble(query[i], salt)
@@ -137,15 +138,21 @@ def _filter_passes(query, stride, salt, base, base_pow, width, filter_words, fil
     for p in range(last + 1):
         if p == next_probe:
             fp = _finish(h, salt)
-            if _filter_test(filter_words, filter_shift, fp):
-                scratch[k] = p
-                scratch[k + 1] = fp
-                k += 2
+            scratch[k] = fp
+            k += 1
+            _prefetch(filter_words, fp >> filter_shift)
             next_probe += stride
         if p < last:
             # h*B - s[p]*B**C + s[p+C]: only one multiply-add depends on the previous h.
             h = h * base + (scratch[p + width] - scratch[p] * base_pow)
-    return (k - n) // 2
+    passes = 0
+    for i in range(k - n):
+        fp = scratch[n + i]
+        if _filter_test(filter_words, filter_shift, fp):
+            found[2, passes] = i * stride
+            found[3, passes] = np.int64(fp)
+            passes += 1
+    return passes
 
 
 @njit(cache=True, inline="always")
@@ -154,23 +161,23 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
     if query.shape[0] < width:
         return 0, 0
     passes = _filter_passes(query, stride, salt, base, base_pow, width, filter_words,
-                            filter_shift, scratch)
+                            filter_shift, scratch, found)
     n = query.shape[0]
     table_mask = (table.shape[0] >> 1) - 1
     # Pass 2, for the windows that passed: the table and the namespace pre-test give each
-    # its candidate content, into found[2:4] (pass 3 reads it back before writing there),
+    # its candidate content, written back over found[2:4] (one at most per window read),
     # whose row is prefetched: the rows arrive together instead of one after another.
     candidates = 0
     for i in range(passes):
-        p = np.int64(scratch[n + 2 * i])
-        fp = scratch[n + 2 * i + 1]
+        p = found[2, i]
+        fp = np.uint64(found[3, i])
         cid = -1
         s = np.int64(fp >> table_shift)
         while table[2 * s + 1] != 0:
             if table[2 * s] == fp and (ns_mask[np.int64(table[2 * s + 1]) - 1] & ns_bit):
-                # Several contents with this fingerprint (a collision): -2 - i says pass 3
+                # Several contents with this fingerprint (a collision): -2 says pass 3
                 # must find the one holding the window.
-                cid = np.int64(table[2 * s + 1]) - 1 if cid == -1 else -2 - i
+                cid = np.int64(table[2 * s + 1]) - 1 if cid == -1 else -2
             s = (s + 1) & table_mask
         if cid != -1:
             found[2, candidates] = p
@@ -186,8 +193,8 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
     for i in range(candidates):
         p, cid = found[2, i], found[3, i]
         verified = False
-        if cid < 0:  # the one content that can hold the window, if it is one of those
-            cid = _find(query, p, scratch[n + 2 * (-2 - cid) + 1], blocks, table, table_shift)
+        if cid == -2:  # the one content that can hold the window, if it is one of those
+            cid = _find(query, p, scratch[n + p // stride], blocks, table, table_shift)
             if cid == -1 or (ns_mask[cid] & ns_bit) == 0:
                 continue
             verified = True
@@ -216,7 +223,7 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table
     as many as the content has occupants to offer). Writes, ascending by position, the
     first occurrences' positions and ids to ``found[0]``, ``found[1]`` and the repeats'
     to ``found[2]``, ``found[3]`` (each row at least as long as the number of probes;
-    `scratch` at least the query plus twice that); returns (firsts, repeats).
+    `scratch` at least the query plus that); returns (firsts, repeats).
     """
     return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
                        table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found)

@@ -263,7 +263,7 @@ class ContentStore:
             return
         else:
             size = n
-        self._scratch = np.empty(3 * size, dtype=np.uint64)
+        self._scratch = np.empty(2 * size, dtype=np.uint64)
         self._found = np.empty((4, size), dtype=np.int64)
         self._out = np.empty((3, size), dtype=np.int64)
 
