@@ -42,8 +42,9 @@ def append_block(blocks, block):
 
 @njit(cache=True, inline="always")
 def _mix(x, factor):
-    """One multiply, then the high half folded into the low: a bijection of 64-bit
-    words whose every output bit depends on many input bits (the top ones on all)."""
+    """One multiply (which carries every input bit into all the bits above it), then the
+    high half folded into the low: a cheap bijection of 64-bit words (CONTRACTS.md says
+    why it is enough)."""
     x = x * factor
     return x ^ (x >> _S32)
 
@@ -220,7 +221,9 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table
     over-approximation of "claimed by the requester"). The first candidate of a content
     is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
     its later candidates are kept unverified as repeats (`take_occupants` compares only
-    as many as the content has occupants to offer). Writes, ascending by position, the
+    as many as the content has occupants to offer). A window whose fingerprint several
+    candidates share is resolved at once to the one content holding it, if any: each
+    window yields one entry at most. Writes, ascending by position, the
     first occurrences' positions and ids to ``found[0]``, ``found[1]`` and the repeats'
     to ``found[2]``, ``found[3]`` (each row at least as long as the number of probes;
     `scratch` at least the query plus that); returns (firsts, repeats).

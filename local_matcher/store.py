@@ -9,7 +9,8 @@ Not thread-safe: `ContentIndex` serialises every call under its lock.
 Sizing invariants:
 - Tokens live in blocks of `kernels.BLOCK_ROWS` contents; growing adds a block and
   never copies stored tokens. Ids of unused slots sit on a free stack and are reused,
-  so any number of insert/remove cycles never exhausts the store.
+  so any number of insert/remove cycles never exhausts the store. The arrays indexed by
+  content id are at least `capacity` long and grow by doubling.
 - The table has at least `2 * capacity` slots (never more than half full) and the
   filter 8 bits per table slot, 3 per content in one 64-bit word: at most about 1 probe
   in 125 passes the filter by chance (1 in 500 at a quarter full).
