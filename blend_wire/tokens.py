@@ -74,6 +74,11 @@ def encode_tokens(tokens) -> str:
 _B64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _B64_VALUES = np.full(256, 255, dtype=np.uint8)
 _B64_VALUES[np.frombuffer(_B64_ALPHABET, dtype=np.uint8)] = np.arange(64, dtype=np.uint8)
+# Two characters at once (the first in the low byte, as a little-endian uint16 reads them):
+# their 12 bits, or 0xFFFF when either is not base64.
+_B64_PAIRS = np.where((_B64_VALUES[:, None] == 255) | (_B64_VALUES[None, :] == 255), 0xFFFF,
+                      (_B64_VALUES[None, :].astype(np.uint16) << 6)
+                      | _B64_VALUES[:, None].astype(np.uint16)).astype(np.uint16).ravel()
 
 
 def _bad_tokens(message: str, text: str) -> WireError:
@@ -90,7 +95,7 @@ def decode_tokens(text: str) -> np.ndarray:
     if raw.size % 4:
         raise _bad_tokens(f"tokens_b64 is not valid base64: its length {raw.size} is not a "
                           "multiple of 4 (padding missing?)", text)
-    decoded, bad_at = kernels().b64_decode(raw, _B64_VALUES)
+    decoded, bad_at = kernels().b64_decode(raw, _B64_VALUES, _B64_PAIRS)
     if bad_at >= 0:
         raise _bad_tokens(f"tokens_b64 is not valid base64: character {chr(raw[bad_at])!r} "
                           f"at position {bad_at}", text)
