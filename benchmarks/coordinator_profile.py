@@ -41,10 +41,10 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_parser import HttpRequestParser
 from aiohttp.web_protocol import RequestPayloadError
 
-from blend_wire import (BlendLookupReply, EventsReply, WireBlendMatch, decode,
+from blend_wire import (BlendLookupReply, EventsReply, WireBlendMatch,
                         decode_tokens, encode)
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.writes.local import FairIngest, _decode_batch, _Outline
+from coordinator_stub.writes.local import FairIngest, _decode_batch, _outline
 from coordinator_stub.service.matchpool import FairPool
 from coordinator_stub.http.metrics import CoordinatorMetrics
 from coordinator_stub.launch.process import start_coordinator
@@ -115,10 +115,10 @@ def ingest_stages(coordinator: Coordinator, per_instance: list[list[bytes]]) -> 
         for requests in per_instance:
             if r >= len(requests):
                 continue
-            took, outline = _cpu(decode, _split(requests[r]), _Outline)
+            took, raws = _cpu(_outline, _split(requests[r]))
             spent["outline"] += took
             counts = [0, 0, 0]
-            for i, raw in enumerate(outline.batches):
+            for i, raw in enumerate(raws):
                 took, batch = _cpu(_decode_batch, raw, i)
                 spent["decode"] += took
                 # What the local write path does with a validated batch.
@@ -273,7 +273,7 @@ def profile(per_instance: list[list[bytes]], lookups: list[bytes], chunk_size: i
     ingest_breakdown = Breakdown("ingested chunk", whole_chunk_us, {
         "HTTP parsing (aiohttp's parser, in process)": parse_body_us * bodies / chunks,
         "HTTP serving, all of it (canned-reply server)": serve_ingest_s * per_chunk,
-        "outline scan (msgspec Raw)": seconds["outline"] * per_chunk,
+        "outline scan (kernel)": seconds["outline"] * per_chunk,
         "decode + validate batches (msgspec + token-list kernel)":
             seconds["decode"] * per_chunk,
         "hand-off to the ingest thread and back": ingest_handoff_us * bodies / chunks,

@@ -22,7 +22,8 @@ from __future__ import annotations
 from blend_wire.chunk_keys import MAX_TOKEN_IDS, lookup_kv_ranks, prefix_chunk_hashes
 from blend_wire.codec import convert_query, decode, encode
 from blend_wire.events import (CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
-                               EventsRequest, EventType, Tier)
+                               EventsRequest, EventType, Tier, batches_of, compile_decoding,
+                               decode_batch)
 from blend_wire.fleet import (MAX_METADATA_CHARS, MAX_REGISTRATION_BODY_BYTES, BlendIndexStats,
                               ChunkSizeBindReply, ChunkSizeBindRequest, DirectoryKeyInfo,
                               DirectoryKeysQuery, DirectoryKeysReply, DirectoryLookupReply,
@@ -44,8 +45,9 @@ from blend_wire.values import (CACHE_SALT_FORBIDDEN, CANDIDATE_SPARE_CHUNKS,
                                MAX_CHUNK_HASH_HEX_CHARS, MAX_INT64, MAX_KV_RANK, MAX_NAME_CHARS,
                                MAX_OBJECT_GROUP_ID, MAX_TOKEN_ID, MAX_TOKEN_OFFSET,
                                MAX_WORLD_SIZE, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
-                               ChunkHashHex, Name, NonNegative, TokenOffset, WireError,
-                               check_cache_salt, check_chunk_hash_hex, check_lookup_namespace,
-                               check_model_name, chunk_hash_of_hex,
+                               ChunkHashHex, HexOfLength, Name, NonNegative, TokenOffset,
+                               WireError, check_cache_salt, check_chunk_hash_hex,
+                               check_lookup_namespace, check_model_name, chunk_hash_of_hex,
+                               hex_refusal,
                                check_token_offset, is_loopback_host, pack_kv_rank,
                                world_size_of)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+from array import array as _ints
 from typing import Sequence, Union
 
 import msgspec
@@ -20,10 +21,20 @@ TokenIds = Union[np.ndarray, list]
 #: `token_ids` of an entry that carries none (read-only: shared by every such entry).
 NO_TOKEN_IDS = np.zeros(0, dtype=np.uint32)
 NO_TOKEN_IDS.flags.writeable = False
+#: The `array` type code of a 4-byte unsigned int (None where there is none).
+_UINT32_CODE = next((code for code in "IL" if _ints(code).itemsize == 4), None)
 
 
 def as_tokens(values) -> np.ndarray:
     """A contiguous uint32 array of token ids; ValueError for ids outside uint32."""
+    if type(values) is list and values and type(values[0]) is int and _UINT32_CODE:
+        # What a serving process hands over: a list of ints. `array` converts it in C,
+        # several times faster than numpy; any id it refuses (outside uint32, not an
+        # integer) goes the general way below, which says why, as before.
+        try:
+            return np.frombuffer(_ints(_UINT32_CODE, values), dtype=np.uint32)
+        except (OverflowError, TypeError):
+            pass
     array_ = np.asarray(values)
     if array_.dtype == np.uint32:
         return np.ascontiguousarray(array_)
@@ -36,7 +47,7 @@ def as_tokens(values) -> np.ndarray:
     return array_.astype(np.uint32)
 
 
-def _kernels():
+def kernels():
     """blend_wire.token_kernels, imported on the first decode (numba is not needed before:
     a process that only encodes, a router, never loads it)."""
     global _KERNELS
@@ -63,6 +74,11 @@ def encode_tokens(tokens) -> str:
 _B64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _B64_VALUES = np.full(256, 255, dtype=np.uint8)
 _B64_VALUES[np.frombuffer(_B64_ALPHABET, dtype=np.uint8)] = np.arange(64, dtype=np.uint8)
+# Two characters at once (the first in the low byte, as a little-endian uint16 reads them):
+# their 12 bits, or 0xFFFF when either is not base64.
+_B64_PAIRS = np.where((_B64_VALUES[:, None] == 255) | (_B64_VALUES[None, :] == 255), 0xFFFF,
+                      (_B64_VALUES[None, :].astype(np.uint16) << 6)
+                      | _B64_VALUES[:, None].astype(np.uint16)).astype(np.uint16).ravel()
 
 
 def _bad_tokens(message: str, text: str) -> WireError:
@@ -79,7 +95,7 @@ def decode_tokens(text: str) -> np.ndarray:
     if raw.size % 4:
         raise _bad_tokens(f"tokens_b64 is not valid base64: its length {raw.size} is not a "
                           "multiple of 4 (padding missing?)", text)
-    decoded, bad_at = _kernels().b64_decode(raw, _B64_VALUES)
+    decoded, bad_at = kernels().b64_decode(raw, _B64_VALUES, _B64_PAIRS)
     if bad_at >= 0:
         raise _bad_tokens(f"tokens_b64 is not valid base64: character {chr(raw[bad_at])!r} "
                           f"at position {bad_at}", text)
@@ -110,18 +126,19 @@ def token_lists_from_json(lists: Sequence[msgspec.Raw]) -> list[TokenIds]:
         return []
     ends = np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)))
     text = np.frombuffer(b"".join(lists), dtype=np.uint8)
-    ids, id_ends, status = _kernels().parse_lists(text, ends)
+    ids, id_ends, status = kernels().parse_lists(text, ends)
+    bounds = [0, *id_ends.tolist()]
+    if not status.any():  # the usual case: every list plain and in range
+        return [ids[bounds[k]:bounds[k + 1]] for k in range(len(lists))]
     out: list[TokenIds] = []
-    begin = 0
-    for k, end in enumerate(id_ends.tolist()):
-        if status[k] == LIST_OK:
-            out.append(ids[begin:end])
+    for k, list_status in enumerate(status.tolist()):
+        if list_status == LIST_OK:
+            out.append(ids[bounds[k]:bounds[k + 1]])
         else:  # rare: an id outside uint32, or not a list of integers at all
             try:
                 out.append(_from_ints(_INT_LIST.decode(lists[k])))
             except msgspec.ValidationError as exc:
                 raise BadTokenList(_under_token_ids(str(exc)), k) from None
-        begin = end
     return out
 
 
@@ -134,7 +151,7 @@ def token_lists_to_json(arrays: Sequence[np.ndarray]) -> list[msgspec.Raw]:
     ends = np.cumsum(np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)))
     tokens = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
     out = np.empty(11 * tokens.size + 2 * len(arrays), dtype=np.uint8)  # ids of <= 10 digits
-    list_ends = _kernels().write_lists(tokens, ends, out, _DIGIT_PAIRS)
+    list_ends = kernels().write_lists(tokens, ends, out, _DIGIT_PAIRS)
     # One bytes object for the batch; each list a view of it (no copy per list).
     text = memoryview(out[:list_ends[-1]].tobytes())
     bounds = [0, *list_ends.tolist()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from functools import partial
 from itertools import groupby
 from typing import Hashable, Iterable, Sequence
 
@@ -21,6 +22,7 @@ from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, B
                                  ContentCandidates)
 
 log = logging.getLogger(__name__)
+_blend_match = partial(tuple.__new__, BlendMatch)  # no Python-level __new__ per match
 
 
 class IndexBusy(RuntimeError):
@@ -204,7 +206,8 @@ class ContentIndex:
         match compared token by token. `wait=False`: `IndexBusy` rather than wait for a
         writer (an event loop must not block on ingest).
         """
-        return list(map(BlendMatch, *self.match_columns(query, namespace, wait=wait)))
+        return list(map(_blend_match,
+                        zip(*self.match_columns(query, namespace, wait=wait))))
 
     def match_columns(self, query, namespace: Hashable, *, wait: bool = True
                       ) -> tuple[list[Hashable], list[int], list[int]]:

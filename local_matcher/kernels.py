@@ -6,16 +6,18 @@ The rest of its contract: docs/CONTRACTS.md, `local_matcher.kernels`.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 from numba.typed import List
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
+_SCRAMBLE_FACTOR = np.uint64(0x9E3779B97F4A7C15)
+_FINISH_FACTOR = np.uint64(0xBF58476D1CE4E5B9)
+_S32 = np.uint64(32)
 _ONE = np.uint64(1)
 _SIX = np.uint64(6)
+_TWELVE = np.uint64(12)
 _LOW6 = np.uint64(63)
 
 BLOCK_BITS = 14
@@ -39,15 +41,22 @@ def append_block(blocks, block):
 
 
 @njit(cache=True, inline="always")
-def _mix(x):
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
+def _mix(x, factor):
+    """One multiply (which carries every input bit into all the bits above it), then the
+    high half folded into the low: a cheap bijection of 64-bit words (CONTRACTS.md says
+    why it is enough)."""
+    x = x * factor
+    return x ^ (x >> _S32)
 
 
 @njit(cache=True, inline="always")
 def _scramble(token, salt):
-    return _mix(np.uint64(token) + salt)
+    return _mix(np.uint64(token) + salt, _SCRAMBLE_FACTOR)
+
+
+@njit(cache=True, inline="always")
+def _finish(h, salt):
+    return _mix(h ^ salt, _FINISH_FACTOR)
 
 
 @njit(cache=True, inline="always")
@@ -55,17 +64,51 @@ def _row(blocks, cid):
     return blocks[cid >> BLOCK_BITS][cid & _BLOCK_MASK]
 
 
+@intrinsic
+def _prefetch(typingctx, array_, index):
+    """Ask the CPU to start loading the cache line of ``array_[index]`` (no result)."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array_value = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, array_value,
+                                           [args[1]], wraparound=False)
+        byte_pointer, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        # A read, kept in every cache level, of data (not instructions).
+        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(array_, index), codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(row):
+    for j in range(0, row.shape[0], 16):  # 16 tokens: one 64-byte cache line
+        _prefetch(row, j)
+    _prefetch(row, row.shape[0] - 1)  # the last line, should the row not start a line
+
+
 @njit(cache=True, inline="always")
 def _fingerprint(row, salt, base):
     h = np.uint64(0)
     for j in range(row.shape[0]):
         h = h * base + _scramble(row[j], salt)
-    return _mix(h ^ salt)
+    return _finish(h, salt)
 
 
 @njit(cache=True, inline="always")
-def _filter_test(filter_words, slot):
-    return (filter_words[slot >> _SIX] >> (slot & _LOW6)) & _ONE
+def _filter_bits(fp):
+    """The three bits of `fp` in its filter word, from its low bits (the word is chosen
+    by its top bits, so the two are independent)."""
+    return ((_ONE << (fp & _LOW6)) | (_ONE << ((fp >> _SIX) & _LOW6))
+            | (_ONE << ((fp >> _TWELVE) & _LOW6)))
+
+
+@njit(cache=True, inline="always")
+def _filter_test(filter_words, filter_shift, fp):
+    bits = _filter_bits(fp)
+    return (filter_words[fp >> filter_shift] & bits) == bits
 
 
 @njit(cache=True, inline="always")
@@ -77,10 +120,14 @@ def _same_tokens(query, start, stored):
 
 
 @njit(cache=True, inline="always")
-def _window_fingerprints(query, stride, salt, base, base_pow, width, scratch):
-    """Pass 1 of `probe` (pure arithmetic): the fingerprint of every window of `width`
-    tokens starting at a multiple of `stride`, into ``scratch[n:n + count]`` (the first
-    n hold the scrambled tokens); returns the count."""
+def _filter_passes(query, stride, salt, base, base_pow, width, filter_words, filter_shift,
+                   scratch, found):
+    """Pass 1 of `probe`: the fingerprint of every window of `width` tokens starting at a
+    multiple of `stride`, into ``scratch[n:]`` after the n scrambled tokens, its filter
+    word prefetched as soon as it is made (the loads, all in flight at once, overlap the
+    rolling arithmetic; a test right away would wait for each), then the filter test.
+    The windows that pass go to ``found[2]`` (position) and ``found[3]`` (fingerprint);
+    returns how many passed."""
     n = query.shape[0]
     for i in range(n):
         scratch[i] = _scramble(query[i], salt)
@@ -91,51 +138,82 @@ def _window_fingerprints(query, stride, salt, base, base_pow, width, scratch):
     next_probe, k = 0, n  # a counter, not p % stride: division would dominate the loop
     for p in range(last + 1):
         if p == next_probe:
-            scratch[k] = _mix(h ^ salt)
+            fp = _finish(h, salt)
+            scratch[k] = fp
             k += 1
+            _prefetch(filter_words, fp >> filter_shift)
             next_probe += stride
         if p < last:
             # h*B - s[p]*B**C + s[p+C]: only one multiply-add depends on the previous h.
             h = h * base + (scratch[p + width] - scratch[p] * base_pow)
-    return k - n
+    passes = 0
+    for i in range(k - n):
+        fp = scratch[n + i]
+        if _filter_test(filter_words, filter_shift, fp):
+            found[2, passes] = i * stride
+            found[3, passes] = np.int64(fp)
+            passes += 1
+    return passes
 
 
 @njit(cache=True, inline="always")
-def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table_fp,
-                table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch,
-                found):
+def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
+                table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
     if query.shape[0] < width:
         return 0, 0
-    num_probes = _window_fingerprints(query, stride, salt, base, base_pow, width, scratch)
-    # Pass 2: filter, table, namespace pre-test, tokens. The filter loads are independent
-    # of each other here, so the CPU overlaps their cache misses.
+    passes = _filter_passes(query, stride, salt, base, base_pow, width, filter_words,
+                            filter_shift, scratch, found)
     n = query.shape[0]
-    table_mask = table_cid.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
+    # Pass 2, for the windows that passed: the table and the namespace pre-test give each
+    # its candidate content, written back over found[2:4] (one at most per window read),
+    # whose row is prefetched: the rows arrive together instead of one after another.
+    candidates = 0
+    for i in range(passes):
+        p = found[2, i]
+        fp = np.uint64(found[3, i])
+        cid = -1
+        s = np.int64(fp >> table_shift)
+        while table[2 * s + 1] != 0:
+            if table[2 * s] == fp and (ns_mask[np.int64(table[2 * s + 1]) - 1] & ns_bit):
+                # Several contents with this fingerprint (a collision): -2 says pass 3
+                # must find the one holding the window.
+                cid = np.int64(table[2 * s + 1]) - 1 if cid == -1 else -2
+            s = (s + 1) & table_mask
+        if cid != -1:
+            found[2, candidates] = p
+            found[3, candidates] = cid
+            candidates += 1
+            if cid >= 0:
+                _prefetch_row(_row(blocks, cid))
+                _prefetch(seen, cid)
+    # Pass 3, in position order: a content's first candidate is compared token by token
+    # and marked seen; later ones are kept unverified as repeats. Each candidate yields one
+    # entry at most, so neither list outgrows the windows.
     firsts = repeats = 0
-    for k in range(num_probes):
-        fp = scratch[n + k]
-        if _filter_test(filter_words, fp >> filter_shift):
-            p = k * stride
-            s = np.int64(fp >> table_shift)
-            while table_cid[s] != -1:
-                cid = table_cid[s]
-                if table_fp[s] == fp and (ns_mask[cid] & ns_bit) != 0:
-                    if seen[cid] == epoch:
-                        found[2, repeats] = p
-                        found[3, repeats] = cid
-                        repeats += 1
-                    elif _same_tokens(query, p, _row(blocks, cid)):
-                        seen[cid] = epoch
-                        found[0, firsts] = p
-                        found[1, firsts] = cid
-                        firsts += 1
-                s = (s + 1) & table_mask
+    for i in range(candidates):
+        p, cid = found[2, i], found[3, i]
+        verified = False
+        if cid == -2:  # the one content that can hold the window, if it is one of those
+            cid = _find(query, p, scratch[n + p // stride], blocks, table, table_shift)
+            if cid == -1 or (ns_mask[cid] & ns_bit) == 0:
+                continue
+            verified = True
+        if seen[cid] == epoch:
+            found[2, repeats] = p
+            found[3, repeats] = cid
+            repeats += 1
+        elif verified or _same_tokens(query, p, _row(blocks, cid)):
+            seen[cid] = epoch
+            found[0, firsts] = p
+            found[1, firsts] = cid
+            firsts += 1
     return firsts, repeats
 
 
 @njit(cache=True, nogil=True)
-def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table_fp,
-          table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
+def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table, table_shift,
+          blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
     """Where stored contents occur in `query`: first occurrences verified, repeats not yet.
 
     Windows start at multiples of `stride`. A candidate must pass the filter, have its
@@ -143,14 +221,15 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table
     over-approximation of "claimed by the requester"). The first candidate of a content
     is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
     its later candidates are kept unverified as repeats (`take_occupants` compares only
-    as many as the content has occupants to offer). Writes, ascending by position, the
+    as many as the content has occupants to offer). A window whose fingerprint several
+    candidates share is resolved at once to the one content holding it, if any: each
+    window yields one entry at most. Writes, ascending by position, the
     first occurrences' positions and ids to ``found[0]``, ``found[1]`` and the repeats'
     to ``found[2]``, ``found[3]`` (each row at least as long as the number of probes;
     `scratch` at least the query plus that); returns (firsts, repeats).
     """
-    return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
-                       table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen,
-                       epoch, scratch, found)
+    return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
+                       table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found)
 
 
 @njit(cache=True, inline="always")
@@ -199,10 +278,10 @@ def take_occupants(query, found, firsts, repeats, cursor, first, next_slot, slot
 
 
 @njit(cache=True, nogil=True)
-def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift,
-                    table_fp, table_cid, table_shift, blocks, width, ns_mask, ns_bit, seen,
-                    epoch, scratch, found, head, slot_ns, ns_id, other_heads, next_slot,
-                    slot_offset, cursor, first, out):
+def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
+                    table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found,
+                    head, slot_ns, ns_id, other_heads, next_slot, slot_offset, cursor, first,
+                    out):
     """`probe`, the heads of the requester's lists, then `take_occupants`, in one call.
 
     The head of namespace `ns_id`'s list on a content is ``head[cid]`` when that slot is
@@ -212,8 +291,12 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
     `other_heads` that content has no list of `ns_id`. Returns (firsts, repeats,
     matches)."""
     firsts, repeats = _probe_into(query, stride, salt, base, base_pow, filter_words,
-                                  filter_shift, table_fp, table_cid, table_shift, blocks,
-                                  width, ns_mask, ns_bit, seen, epoch, scratch, found)
+                                  filter_shift, table, table_shift, blocks, width, ns_mask,
+                                  ns_bit, seen, epoch, scratch, found)
+    for i in range(firsts):  # the contents' entries, one miss each: all in flight at once
+        _prefetch(head, found[1, i])
+        _prefetch(cursor, found[1, i])
+        _prefetch(first, found[1, i])
     for i in range(firsts):
         cid = found[1, i]
         slot = head[cid]
@@ -300,32 +383,33 @@ def walk_lists(heads, limits, next_slot):
 
 
 @njit(cache=True, inline="always")
-def _find(row, fp, blocks, table_fp, table_cid, table_shift):
-    """The id of the stored content equal to `row`, or -1."""
-    table_mask = table_cid.shape[0] - 1
+def _find(tokens, start, fp, blocks, table, table_shift):
+    """The id of the stored content equal to the window of `tokens` at `start` (whose
+    fingerprint is `fp`), or -1."""
+    table_mask = (table.shape[0] >> 1) - 1
     s = np.int64(fp >> table_shift)
-    while table_cid[s] != -1:
-        if table_fp[s] == fp and _same_tokens(row, 0, _row(blocks, table_cid[s])):
-            return table_cid[s]
+    while table[2 * s + 1] != 0:
+        cid = np.int64(table[2 * s + 1]) - 1
+        if table[2 * s] == fp and _same_tokens(tokens, start, _row(blocks, cid)):
+            return cid
         s = (s + 1) & table_mask
     return -1
 
 
 @njit(cache=True, inline="always")
-def _place(fp, cid, table_fp, table_cid, table_shift, filter_words, filter_shift):
-    table_mask = table_cid.shape[0] - 1
+def _place(fp, cid, table, table_shift, filter_words, filter_shift):
+    table_mask = (table.shape[0] >> 1) - 1
     s = np.int64(fp >> table_shift)
-    while table_cid[s] != -1:
+    while table[2 * s + 1] != 0:
         s = (s + 1) & table_mask
-    table_fp[s] = fp
-    table_cid[s] = cid
-    slot = fp >> filter_shift
-    filter_words[slot >> _SIX] |= _ONE << (slot & _LOW6)
+    table[2 * s] = fp
+    table[2 * s + 1] = np.uint64(cid + 1)
+    filter_words[fp >> filter_shift] |= _filter_bits(fp)
 
 
 @njit(cache=True)
-def insert_rows(rows, salt, base, blocks, table_fp, table_cid, table_shift,
-                filter_words, filter_shift, free_ids, free_top):
+def insert_rows(rows, salt, base, blocks, table, table_shift, filter_words, filter_shift,
+                free_ids, free_top):
     """Find-or-insert every row; returns (content ids, 1 where newly stored).
 
     The caller guarantees room: at least ``len(rows)`` free ids and a table that
@@ -336,29 +420,48 @@ def insert_rows(rows, salt, base, blocks, table_fp, table_cid, table_shift,
     fresh = np.zeros(n, dtype=np.uint8)
     for i in range(n):
         fp = _fingerprint(rows[i], salt, base)
-        cid = _find(rows[i], fp, blocks, table_fp, table_cid, table_shift)
+        cid = _find(rows[i], 0, fp, blocks, table, table_shift)
         if cid == -1:
             free_top[0] -= 1
             cid = free_ids[free_top[0]]
             _row(blocks, cid)[:] = rows[i]
-            _place(fp, cid, table_fp, table_cid, table_shift, filter_words, filter_shift)
+            _place(fp, cid, table, table_shift, filter_words, filter_shift)
             fresh[i] = 1
         cids[i] = cid
     return cids, fresh
 
 
+@njit(cache=True, inline="always")
+def _refill_filter_word(word, table, table_shift, filter_words, filter_shift):
+    """Set filter word `word` from the live entries that map to it. Their home slots are
+    the word's run of slots (the word's bits are the top bits of a home slot), so each
+    sits in that run or in the cluster running on from its end."""
+    table_mask = (table.shape[0] >> 1) - 1
+    run = np.int64(1) << np.int64(filter_shift - table_shift)
+    start = np.int64(word) * run
+    bits = np.uint64(0)
+    i = 0
+    while i < run or table[2 * ((start + i) & table_mask) + 1] != 0:
+        s = (start + i) & table_mask
+        fp = table[2 * s]
+        if table[2 * s + 1] != 0 and (fp >> filter_shift) == word:
+            bits |= _filter_bits(fp)
+        i += 1
+    filter_words[word] = bits
+
+
 @njit(cache=True)
-def remove_contents(cids, salt, base, blocks, table_fp, table_cid, table_shift,
-                    filter_words, filter_shift, free_ids, free_top):
+def remove_contents(cids, salt, base, blocks, table, table_shift, filter_words, filter_shift,
+                    free_ids, free_top):
     """Drop stored contents by id and return their ids to the free list."""
-    table_mask = table_cid.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     for k in range(cids.shape[0]):
         cid = cids[k]
         fp = _fingerprint(_row(blocks, cid), salt, base)
-        home = np.int64(fp >> table_shift)
-        s = home
-        while table_cid[s] != cid:
-            if table_cid[s] == -1:  # not stored: nothing to do
+        s = np.int64(fp >> table_shift)
+        stored = np.uint64(cid + 1)
+        while table[2 * s + 1] != stored:
+            if table[2 * s + 1] == 0:  # not stored: nothing to do
                 s = -1
                 break
             s = (s + 1) & table_mask
@@ -369,37 +472,29 @@ def remove_contents(cids, salt, base, blocks, table_fp, table_cid, table_shift,
         j = s
         while True:
             j = (j + 1) & table_mask
-            if table_cid[j] == -1:
+            if table[2 * j + 1] == 0:
                 break
-            want = np.int64(table_fp[j] >> table_shift)
+            want = np.int64(table[2 * j] >> table_shift)
             if hole <= j:
                 stays = hole < want <= j
             else:
                 stays = hole < want or want <= j
             if not stays:
-                table_fp[hole] = table_fp[j]
-                table_cid[hole] = table_cid[j]
+                table[2 * hole] = table[2 * j]
+                table[2 * hole + 1] = table[2 * j + 1]
                 hole = j
-        table_cid[hole] = -1
-        # Clear the filter bit unless another entry of the cluster maps to it.
-        slot = fp >> filter_shift
-        shared = False
-        j = home
-        while table_cid[j] != -1:
-            if (table_fp[j] >> filter_shift) == slot:
-                shared = True
-                break
-            j = (j + 1) & table_mask
-        if not shared:
-            filter_words[slot >> _SIX] &= ~(_ONE << (slot & _LOW6))
+        table[2 * hole] = 0
+        table[2 * hole + 1] = 0
+        _refill_filter_word(fp >> filter_shift, table, table_shift, filter_words,
+                            filter_shift)
         free_ids[free_top[0]] = cid
         free_top[0] += 1
 
 
 @njit(cache=True)
-def rebuild_table(old_fp, old_cid, table_fp, table_cid, table_shift, filter_words, filter_shift):
-    """Re-place every live entry of an old table into fresh (empty) arrays."""
-    for s in range(old_cid.shape[0]):
-        if old_cid[s] != -1:
-            _place(old_fp[s], old_cid[s], table_fp, table_cid, table_shift,
+def rebuild_table(old_table, table, table_shift, filter_words, filter_shift):
+    """Re-place every live entry of an old table into fresh (zeroed) arrays."""
+    for s in range(old_table.shape[0] >> 1):
+        if old_table[2 * s + 1] != 0:
+            _place(old_table[2 * s], np.int64(old_table[2 * s + 1]) - 1, table, table_shift,
                    filter_words, filter_shift)

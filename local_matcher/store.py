@@ -9,9 +9,11 @@ Not thread-safe: `ContentIndex` serialises every call under its lock.
 Sizing invariants:
 - Tokens live in blocks of `kernels.BLOCK_ROWS` contents; growing adds a block and
   never copies stored tokens. Ids of unused slots sit on a free stack and are reused,
-  so any number of insert/remove cycles never exhausts the store.
+  so any number of insert/remove cycles never exhausts the store. The arrays indexed by
+  content id are at least `capacity` long and grow by doubling.
 - The table has at least `2 * capacity` slots (never more than half full) and the
-  filter 16 bits per table slot, so at most 1 probe in 32 passes the filter by chance.
+  filter 8 bits per table slot, 3 per content in one 64-bit word: at most about 1 probe
+  in 125 passes the filter by chance (1 in 500 at a quarter full).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from array import array
 import numpy as np
 from local_matcher import kernels
 
-_FILTER_BITS_PER_SLOT_LOG2 = 4
+_FILTER_BITS_PER_SLOT_LOG2 = 3
 # Probe buffers are kept for queries up to this many tokens (a few MB); longer ones
 # allocate their own, so one huge query does not hold its memory for good.
 _KEPT_BUFFER_TOKENS = 1 << 17
@@ -31,6 +33,13 @@ _MASK64 = 2**64 - 1
 
 def _as_u64(value: int) -> np.uint64:
     return np.uint64(value & _MASK64)
+
+
+def _grown(array_: np.ndarray, size: int) -> np.ndarray:
+    """`array_` followed by zeros up to `size` elements."""
+    out = np.zeros(size, dtype=array_.dtype)
+    out[: len(array_)] = array_
+    return out
 
 
 class ContentStore:
@@ -108,22 +117,21 @@ class ContentStore:
 
     @property
     def table_size(self) -> int:
-        return self._table_cid.shape[0]
+        return self._table.shape[0] >> 1
 
     @property
     def nbytes(self) -> int:
         arrays = (*self._block_arrays, self.ns_mask, self._first, self._cursor, self._seen,
                   self._free_ids,
-                  self._table_fp, self._table_cid, self._filter)
+                  self._table, self._filter)
         return sum(a.nbytes for a in arrays)
 
     def _allocate_table(self, bits: int) -> None:
-        filter_bits = bits + _FILTER_BITS_PER_SLOT_LOG2
+        word_bits = bits + _FILTER_BITS_PER_SLOT_LOG2 - 6
         self._table_shift = np.uint64(64 - bits)
-        self._filter_shift = np.uint64(64 - filter_bits)
-        self._table_fp = np.zeros(1 << bits, dtype=np.uint64)
-        self._table_cid = np.full(1 << bits, -1, dtype=np.int32)
-        self._filter = np.zeros(max(1, (1 << filter_bits) // 64), dtype=np.uint64)
+        self._filter_shift = np.uint64(64 - word_bits)
+        self._table = np.zeros(2 << bits, dtype=np.uint64)
+        self._filter = np.zeros(1 << word_bits, dtype=np.uint64)
 
     def _reserve(self, extra: int) -> None:
         """Make room for `extra` new contents: whole blocks, and a table to match."""
@@ -137,22 +145,22 @@ class ContentStore:
                 self._blocks = kernels.new_blocks(block)
             else:
                 kernels.append_block(self._blocks, block)
-            self.ns_mask = np.concatenate([self.ns_mask, np.zeros(new - old, dtype=np.uint64)])
-            self._first = np.concatenate([self._first, np.zeros(new - old, dtype=np.int64)])
-            self._cursor = np.concatenate([self._cursor, np.zeros(new - old, dtype=np.int64)])
-            self._seen = np.concatenate([self._seen, np.zeros(new - old, dtype=np.int64)])
-            free = int(self._free_top[0])
-            free_ids = np.empty(new, dtype=np.int64)
-            free_ids[: new - old] = np.arange(new - 1, old - 1, -1)
-            free_ids[new - old: new - old + free] = self._free_ids[:free]
-            self._free_ids = free_ids
+            if len(self._seen) < new:  # grown by doubling: copying them per block is O(n**2)
+                size = max(new, 2 * len(self._seen))
+                self.ns_mask, self._first, self._cursor, self._seen, self._free_ids = (
+                    _grown(a, size) for a in (self.ns_mask, self._first, self._cursor,
+                                              self._seen, self._free_ids))
+            # The new ids go under the free ones, lowest on top: reused ids are taken first.
+            free, ids = int(self._free_top[0]), self._free_ids
+            ids[new - old: new - old + free] = ids[:free].copy()
+            ids[: new - old] = np.arange(new - 1, old - 1, -1)
             self._free_top[0] = free + new - old
         bits = max(4, (2 * self.capacity - 1).bit_length())
         if (1 << bits) > self.table_size:
-            old_fp, old_cid = self._table_fp, self._table_cid
+            old_table = self._table
             self._allocate_table(bits)
-            kernels.rebuild_table(old_fp, old_cid, self._table_fp, self._table_cid,
-                                  self._table_shift, self._filter, self._filter_shift)
+            kernels.rebuild_table(old_table, self._table, self._table_shift, self._filter,
+                                  self._filter_shift)
 
     # --- operations -------------------------------------------------------------------
 
@@ -163,15 +171,15 @@ class ContentStore:
         content was stored by this call.
         """
         self._reserve(rows.shape[0])
-        return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table_fp,
-                                   self._table_cid, self._table_shift, self._filter,
-                                   self._filter_shift, self._free_ids, self._free_top)
+        return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
+                                   self._table_shift, self._filter, self._filter_shift,
+                                   self._free_ids, self._free_top)
 
     def remove(self, cids: np.ndarray) -> None:
         """Forget stored contents by id (each id once); their slots become reusable."""
-        kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._table_fp,
-                                self._table_cid, self._table_shift, self._filter,
-                                self._filter_shift, self._free_ids, self._free_top)
+        kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._table,
+                                self._table_shift, self._filter, self._filter_shift,
+                                self._free_ids, self._free_top)
 
     def row(self, cid: int) -> np.ndarray:
         """The stored tokens of content `cid` (a view)."""
@@ -190,9 +198,9 @@ class ContentStore:
         self._epoch += 1
         self._probed = kernels.probe(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
-            self._filter_shift, self._table_fp, self._table_cid, self._table_shift,
-            self._blocks, self.chunk_size, self.ns_mask, np.uint64(ns_bit), self._seen,
-            self._epoch, self._scratch, self._found)
+            self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
+            self.ns_mask, np.uint64(ns_bit), self._seen, self._epoch, self._scratch,
+            self._found)
         return self._probed_views()
 
     def match_occupants(self, query: np.ndarray, stride: int, ns_bit: int, ns_id: int,
@@ -208,10 +216,10 @@ class ContentStore:
         self._epoch += 1
         firsts, repeats, matches = kernels.match_occupants(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
-            self._filter_shift, self._table_fp, self._table_cid, self._table_shift,
-            self._blocks, self.chunk_size, self.ns_mask, np.uint64(ns_bit), self._seen,
-            self._epoch, self._scratch, self._found, head, slot_ns, ns_id, other_heads,
-            next_slot, slot_offset, self._cursor, self._first, self._out)
+            self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
+            self.ns_mask, np.uint64(ns_bit), self._seen, self._epoch, self._scratch,
+            self._found, head, slot_ns, ns_id, other_heads, next_slot, slot_offset,
+            self._cursor, self._first, self._out)
         self._probed = firsts, repeats
         return None if matches < 0 else self._out[:, :matches]
 

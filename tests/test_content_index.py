@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -324,3 +325,26 @@ def test_add_many_with_shared_rows_claims_each_chunk_with_its_row(index):
     assert index.stats()["num_contents"] == 2
     with pytest.raises(ValueError, match="row_of"):
         index.add_many(rows, [b"z"], [0], A, row_of=[2])
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_many_contents_sharing_one_fingerprint_are_found_where_they_occur(stride):
+    # Base 1: all six orders of three tokens share a fingerprint, and every window of the
+    # query is a candidate for each of them. Each window can hold only one; the index must
+    # report the same as a direct comparison (and stay within its buffers doing so).
+    index = ContentIndex(chunk_size=3, probe_stride=stride, fingerprint_key=(99, 1))
+    orders = [list(order) for order in itertools.permutations([0, 1, 2])]
+    for i, order in enumerate(orders):
+        index.add(order, f"h{i}".encode(), 0, A)
+    query = [t for order in orders for t in order] * 3
+    at = {tuple(order): i for i, order in enumerate(orders)}
+    where = [(p, at[tuple(query[p:p + 3])]) for p in range(0, len(query) - 2, stride)
+             if tuple(query[p:p + 3]) in at]
+    first = {}
+    for p, i in where:
+        first.setdefault(i, p)
+    assert index.match(query, A) == [BlendMatch(f"h{i}".encode(), 0, p)
+                                     for p, i in sorted((p, i) for i, p in first.items())]
+    found = index.candidates(query, A)
+    assert {c.chunks[0][0]: c.positions for c in found} == {
+        f"h{i}".encode(): tuple(p for p, j in where if j == i) for i in first}

@@ -149,3 +149,66 @@ def test_a_matcher_given_an_executor_runs_on_it_and_leaves_it_open():
         matcher.close()
         assert not set(_matcher_threads()) - before
         assert pool.submit(lambda: 42).result() == 42  # still the owner's to shut down
+
+
+def test_a_range_longer_than_a_staging_buffer_and_many_small_ones_are_all_indexed():
+    from local_matcher import kernels
+    chunk = 4
+    matcher = LocalMatcher(chunk_size=chunk)
+    count = kernels.BLOCK_ROWS + 100  # more rows than one staging buffer holds
+    sequence = np.arange(count * chunk, dtype=np.uint32)
+    matcher.register(sequence, range(count))
+    small = np.arange(count * chunk, (count + 300) * chunk, dtype=np.uint32)
+    for i in range(300):  # fills the rest of a buffer and moves on to the next
+        matcher.register(small[i * chunk:(i + 1) * chunk], [count + i])
+    found = matcher.match(np.concatenate([sequence, small]))
+    assert [m.hash for m in found] == list(range(count + 300))
+
+
+def test_stores_during_matches_from_other_threads_are_all_found():
+    matcher = LocalMatcher(chunk_size=C)
+    stored = tokens(400 * C, seed=13)
+    errors: list[BaseException] = []
+
+    def store() -> None:
+        try:
+            for i in range(0, 400, 4):
+                matcher.register(stored[i * C:(i + 4) * C], range(i, i + 4), position_offset=i * C)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    writer = threading.Thread(target=store)
+    writer.start()
+    while writer.is_alive():
+        found = matcher.match(stored)
+        assert [m.hash for m in found] == list(range(len(found)))  # stored in order
+    writer.join()
+    assert errors == []
+    assert [m.cur_st for m in matcher.match(stored)] == [i * C for i in range(400)]
+
+
+class _IdleExecutor:
+    """Runs nothing: what is queued stays queued until the test flushes."""
+
+    def submit(self, fn, *args, **kwargs):
+        return None
+
+
+def test_a_failed_batch_is_dropped_and_the_operations_queued_after_it_still_apply():
+    matcher = LocalMatcher(chunk_size=C, executor=_IdleExecutor())
+    first, second = tokens(C, seed=14), tokens(C, seed=15)
+    matcher.register(first, [b"first"], namespace="a")
+    matcher.register(second, [b"second"], namespace="b")
+    add_many = matcher._index.add_many
+
+    def fail_once(*args, **kwargs):
+        matcher._index.add_many = add_many
+        raise MemoryError("injected")
+
+    matcher._index.add_many = fail_once
+    try:
+        matcher.flush()
+    except MemoryError:
+        pass
+    assert matcher.match(first, namespace="a") == []
+    assert [m.hash for m in matcher.match(second, namespace="b")] == [b"second"]

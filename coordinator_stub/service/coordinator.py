@@ -38,6 +38,7 @@ from blend_wire import (
     WirePlacement,
     check_cache_salt,
     check_model_name,
+    compile_decoding,
     convert_query,
     decode,
     decode_tokens,
@@ -71,7 +72,7 @@ class Coordinator:
         self.instances = InstanceRegistry()
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
-        decode_tokens("AAAAAA==")  # compile (or load) the codec kernel before any request
+        compile_decoding()  # before any request, which would otherwise wait for it
         if config.enable_blend_lookup:
             _rehearse(config)
 

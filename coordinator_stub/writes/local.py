@@ -19,7 +19,8 @@ from typing import Callable
 
 import msgspec
 
-from blend_wire import CacheEventBatch, EventsReply, WireError, decode, encode
+from blend_wire import (CacheEventBatch, EventsReply, WireError, batches_of, decode,
+                        decode_batch, encode)
 from coordinator_stub.errors import Forbidden
 from coordinator_stub.scopes import Scope
 
@@ -213,7 +214,7 @@ class FairIngest:
         or the error that rejects it), to be settled once it has left its queue."""
         if job.phase == _SCAN:
             try:
-                job.raws = decode(job.body, _Outline).batches
+                job.raws = _outline(job.body)
             except WireError as exc:
                 return exc
             keep = len(job.body) <= self.keep_decoded_bytes
@@ -221,14 +222,11 @@ class FairIngest:
                 if keep and self._kept + len(job.body) <= self.keep_decoded_bytes:
                     job.kept = len(job.body)
                     self._kept += job.kept
-            job.body = None  # the raws are views of it; nothing else needs it
             job.phase = _VALIDATE
             return _reply(job) if not job.raws else None
         if job.phase == _VALIDATE:
             try:
-                batch = _decode_batch(job.raws[job.next], job.next)
-                if job.scope is not None:
-                    job.scope.check_batch(batch, job.next)
+                batch = _validated_batch(job.body, job.raws, job.next, job.scope)
             except (WireError, Forbidden) as exc:
                 return exc
             if job.kept:
@@ -281,9 +279,31 @@ def _route(job: _Job) -> str:
 _COUNT_OF = {"applied": 0, "duplicate": 1, "stale": 2}
 
 
+def _outline(body: bytes) -> list[msgspec.Raw]:
+    """The body's batches as raw JSON: found by a byte scan, or when the body is not
+    plainly `{"batches": [...]}`, by msgspec (which refuses it, or finds them)."""
+    raws = batches_of(body)
+    return decode(body, _Outline).batches if raws is None else raws
+
+
+def _validated_batch(body: bytes, raws: list[msgspec.Raw], index: int,
+                     scope: Scope | None) -> CacheEventBatch:
+    """Batch `index` decoded and within `scope`, or the error that refuses the body: the
+    body's own, when its JSON is broken anywhere (the scan that found the batches does
+    not check it), as if it had been decoded whole first."""
+    try:
+        batch = _decode_batch(raws[index], index)
+        if scope is not None:
+            scope.check_batch(batch, index)
+    except (WireError, Forbidden):
+        decode(body, _Outline)
+        raise
+    return batch
+
+
 def _decode_batch(raw: msgspec.Raw, index: int) -> CacheEventBatch:
     try:
-        return decode(raw, CacheEventBatch)
+        return decode_batch(raw)
     except WireError as exc:
         # Name the field as a whole-body decode would: `$.batches[3].seq`, not `$.seq`.
         message = str(exc)
@@ -301,14 +321,8 @@ def validated_batches(body: bytes, scope: Scope | None = None
     (`WireError` names the first that is not, `Forbidden` the first outside `scope`, as
     `FairIngest` would). For the event log: it forwards the raw JSON, and the replica that
     took the body applies the decoded batches."""
-    raws = decode(body, _Outline).batches
-    batches = []
-    for i, raw in enumerate(raws):
-        batch = _decode_batch(raw, i)
-        if scope is not None:
-            scope.check_batch(batch, i)
-        batches.append(batch)
-    return raws, batches
+    raws = _outline(body)
+    return raws, [_validated_batch(body, raws, i, scope) for i in range(len(raws))]
 
 
 def _reply(job: _Job) -> EventsReply:

@@ -1,0 +1,111 @@
+"""ContentStore's table and filter against their invariants, under random inserts and removals.
+
+The kernels keep a multimap table (fingerprint and content id side by side, linear probing,
+backward-shift deletion) and a blocked filter whose words hold exactly the bits of the live
+entries mapping to them. A 16-slot table, a tiny alphabet and, in most runs, base 1 (every
+permutation of a row collides) make clusters, shared words and equal fingerprints common.
+The fingerprints are checked against the contract's formula written out in Python."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from local_matcher.store import ContentStore
+
+LANE = "unit"
+
+C = 3
+MASK = 2**64 - 1
+
+
+def _mix(x: int, factor: int) -> int:
+    x = (x * factor) & MASK
+    return x ^ (x >> 32)
+
+
+def fingerprint(tokens, salt: int, base: int) -> int:
+    """docs/CONTRACTS.md, `local_matcher.kernels`: v_j = mix(t_j + salt, K1),
+    fp = mix(sum_j v_j B**(C-1-j) ^ salt, K2)."""
+    h = 0
+    for token in tokens:
+        h = (h * base + _mix((int(token) + salt) & MASK, 0x9E3779B97F4A7C15)) & MASK
+    return _mix(h ^ salt, 0xBF58476D1CE4E5B9)
+
+
+def _filter_bits(fp: int) -> int:
+    return (1 << (fp & 63)) | (1 << ((fp >> 6) & 63)) | (1 << ((fp >> 12) & 63))
+
+
+def check_invariants(store: ContentStore, live: dict[tuple, int]) -> None:
+    slots = store.table_size
+    table = store._table.reshape(-1, 2)
+    table_shift, filter_shift = int(store._table_shift), int(store._filter_shift)
+    salt, base = int(store._salt), int(store._base)
+    occupied = table[:, 1] != 0
+    assert sorted(int(c) - 1 for c in table[occupied, 1]) == sorted(live.values())
+    expected_words = np.zeros_like(store._filter)
+    for s in np.flatnonzero(occupied).tolist():
+        fp, cid = int(table[s, 0]), int(table[s, 1]) - 1
+        assert fp == fingerprint(store.row(cid), salt, base)
+        home = fp >> table_shift
+        # Reachable from its home slot: no empty slot between them.
+        j = home
+        while j != s:
+            assert occupied[j], "an entry sits beyond an empty slot"
+            j = (j + 1) % slots
+        expected_words[fp >> filter_shift] |= np.uint64(_filter_bits(fp))
+    assert np.array_equal(store._filter, expected_words)
+    for tokens, cid in live.items():
+        assert tuple(store.row(cid).tolist()) == tokens
+
+
+def small_store(salt: int, base: int) -> ContentStore:
+    """A store whose table has 16 slots (two filter words of 8 home slots each), kept there:
+    clusters, wrap-around and shared words are the rule. The caller keeps it at most half
+    full, as `ContentStore._reserve` would by growing it."""
+    store = ContentStore(C, fingerprint_key=(salt, base))
+    store._allocate_table(4)
+    store._reserve = lambda extra: None
+    return store
+
+
+rows = st.lists(st.tuples(*[st.integers(0, 2)] * C), min_size=1, max_size=8)
+operations = st.lists(st.tuples(st.sampled_from(["insert", "remove"]), rows), max_size=25)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations=operations, base=st.sampled_from([1, 1, 0x9E3779B97F4A7C15]),
+       salt=st.integers(0, MASK))
+def test_table_and_filter_keep_their_invariants(operations, base, salt):
+    store = small_store(salt, base)
+    live: dict[tuple, int] = {}
+    for kind, batch in operations:
+        if kind == "insert":
+            room = 8 - len(live)
+            batch = [tokens for tokens in batch if tokens in live or (room := room - 1) >= 0]
+            if not batch:
+                continue
+            cids, fresh = store.insert(np.array(batch, dtype=np.uint32))
+            for tokens, cid, new in zip(batch, cids.tolist(), fresh.tolist()):
+                assert new == (tokens not in live)
+                assert live.setdefault(tokens, cid) == cid
+        else:
+            gone = [live.pop(tokens) for tokens in dict.fromkeys(batch) if tokens in live]
+            store.remove(np.array(gone, dtype=np.int64))
+        check_invariants(store, live)
+
+
+def test_every_window_fingerprint_equals_its_rows():
+    """A query's rolled fingerprints are the stored rows' own: a stored row is found at
+    every offset and every probe stride that lands on it."""
+    rng = np.random.default_rng(7)
+    store = ContentStore(5, fingerprint_key=(12345, 0x9E3779B97F4A7C15))
+    query = rng.integers(0, 2**32, size=200, dtype=np.uint32)
+    cids, _ = store.insert(np.stack([query[p:p + 5] for p in range(0, 196, 7)]))
+    store.ns_mask[cids] = 1
+    for stride in (1, 7):
+        first_pos, first_cid, _, _ = store.probe(query, stride, 1)
+        assert first_pos.tolist() == list(range(0, 196, 7))
+        assert first_cid.tolist() == cids.tolist()
