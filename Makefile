@@ -18,7 +18,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile bench-memory soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile bench-memory soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
@@ -69,6 +69,10 @@ bench-store: $(STAMP)
 
 bench-coordinator: $(STAMP)
 	$(PY) -m benchmarks.bench_coordinator $(ARGS)
+
+# The key directory applying mixed STORE batches, in process; ARGS="--against main" for A/B.
+bench-directory: $(STAMP)
+	$(PY) -m benchmarks.bench_directory_batches $(ARGS)
 
 bench-cluster: $(STAMP)
 	$(PY) -m benchmarks.bench_cluster $(ARGS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from itertools import groupby
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -19,6 +20,11 @@ _FEW_CLAIMS = 8  # claims on one chunk kept in a tuple (scanned); past this, a _
 def mask_bit(ns_id: int) -> int:
     """The bit of a namespace in the content store's namespace masks."""
     return 1 << (ns_id & 63)
+
+
+def mask_bits(ns_ids: np.ndarray) -> np.ndarray:
+    """`mask_bit` of each id."""
+    return np.left_shift(np.uint64(1), (ns_ids & 63).astype(np.uint64))
 
 
 class ClaimLists:
@@ -58,22 +64,18 @@ class ClaimLists:
         """{namespace: id} of every namespace with a claim (read only)."""
         return self._namespaces.ids
 
-    def namespace_id(self, namespace: Hashable) -> int:
-        """The id of `namespace`, given one if it has none."""
-        return self._namespaces.id_of(namespace)
-
     def claim_all(self, chunk_hashes: Sequence[Hashable], cids: list[int], offsets: list[int],
-                  namespaces: Sequence[Hashable], ns_bits: np.ndarray) -> list[int]:
+                  namespaces: Sequence[Hashable], ns_ids: np.ndarray) -> list[int]:
         """Each chunk claimed by its namespace on its content at its offset, in order
-        (`ContentIndex.add` says what changes). Sets `ns_bits[i]` to row i's namespace
-        bit; returns the contents claims moved away from (to be settled)."""
+        (`ContentIndex.add` says what changes). Sets `ns_ids[i]` to row i's namespace
+        id; returns the contents claims moved away from (to be settled)."""
         chunks, slot_cid, slot_offset = self.chunks, self.slot_cid, self.slot_offset
         vacated, current, ns_id = [], object(), NONE
         for i, (chunk_hash, cid, offset, name) in enumerate(zip(
                 chunk_hashes, cids, offsets, namespaces)):
             if name is not current:  # adding never retires an id: safe to keep
-                current, ns_id = name, self.namespace_id(name)
-            ns_bits[i] = mask_bit(ns_id)
+                current, ns_id = name, self._namespaces.id_of(name)
+            ns_ids[i] = ns_id
             claim = chunks.get(chunk_hash)
             slot = NONE if claim is None else self._slot_of(claim, ns_id)
             if slot == NONE:  # a new claim: O(1) however many the chunk has
@@ -87,33 +89,39 @@ class ClaimLists:
                 self._move(claim, slot, cid, offset)
         return vacated
 
-    def claim_fresh(self, chunk_hashes: Sequence[Hashable], cids: np.ndarray,
-                    offsets: np.ndarray, namespace: Hashable) -> int:
-        """`claim_all` for the common batch, in a few array operations: one namespace,
-        every chunk hash new to the index and distinct, every content just stored (so
-        without occupants). Returns the namespace's id; for any other batch NONE, and
-        nothing changed."""
+    def claim_new(self, chunk_hashes: Sequence[Hashable], cids: np.ndarray,
+                  offsets: np.ndarray, namespaces: Sequence[Hashable] | Hashable,
+                  fresh: np.ndarray) -> np.ndarray | int:
+        """`claim_all` of chunk hashes new to the index and distinct (the caller's word),
+        in a few array operations: each a new occupant, the newest on its content, so its
+        claim goes last in its list. `namespaces`: a list (one per row) or one; `fresh`: 1
+        on the first row of each content just stored, which starts a list of its own (the
+        others are linked at their list's tail, O(1)). Returns the namespace ids (a
+        list's, or the one)."""
         count = len(chunk_hashes)
-        new = dict.fromkeys(chunk_hashes)
-        if len(new) != count or not self.chunks.keys().isdisjoint(new):
-            return NONE
-        ns_id = self.namespace_id(namespace)
+        ns_ids = self._namespaces.claimed(namespaces, count)
+        self.num_claims += count
         slots = self._new_slots(chunk_hashes)
         i32, i64 = np.int32, np.int64
-        np.frombuffer(self.slot_ns, dtype=i32)[slots] = ns_id
+        np.frombuffer(self.slot_ns, dtype=i32)[slots] = ns_ids
         np.frombuffer(self.slot_cid, dtype=i32)[slots] = cids
         np.frombuffer(self.slot_offset, dtype=i64)[slots] = offsets
         np.frombuffer(self._slot_order, dtype=i64)[slots] = np.arange(
             self._next_order, self._next_order + count)
-        np.frombuffer(self.next_slot, dtype=i32)[slots] = slots  # each its own list
-        np.frombuffer(self._prev, dtype=i32)[slots] = slots
-        np.frombuffer(self.head, dtype=i32)[cids] = slots
-        np.frombuffer(self.num_chunks, dtype=i32)[cids] = 1
-        self.chunks.update(zip(chunk_hashes, slots.tolist()))
         self._next_order += count
         self.num_occupants += count
-        self._count_claims(ns_id, count)
-        return ns_id
+        self.chunks.update(zip(chunk_hashes, slots.tolist()))
+        own = fresh.view(bool)
+        alone, alone_cids = (slots, cids) if own.all() else (slots[own], cids[own])
+        np.frombuffer(self.next_slot, dtype=i32)[alone] = alone  # each its own list
+        np.frombuffer(self._prev, dtype=i32)[alone] = alone
+        np.frombuffer(self.head, dtype=i32)[alone_cids] = alone
+        np.frombuffer(self.num_chunks, dtype=i32)[alone_cids] = 1
+        if len(alone) < count:  # on contents held before, or earlier in the batch
+            np.add.at(np.frombuffer(self.num_chunks, dtype=i32), cids[~own], 1)
+            for slot in slots[~own].tolist():
+                self._link(slot)
+        return ns_ids
 
     def _new_slots(self, chunk_hashes: Sequence[Hashable]) -> np.ndarray:
         """Slots for these chunks (their other fields still to be written): free ones
@@ -124,9 +132,8 @@ class ClaimLists:
         if reused:
             slots[:reused] = np.frombuffer(free, dtype=np.int32)[::-1][:reused]
             del free[len(free) - reused:]
-            slot_chunk = self.slot_chunk
             for slot, chunk_hash in zip(slots[:reused].tolist(), chunk_hashes[:reused]):
-                slot_chunk[slot] = chunk_hash
+                self.slot_chunk[slot] = chunk_hash
         grown = count - reused
         if grown:
             start = len(self.slot_ns)
@@ -443,6 +450,21 @@ class _NamespaceIds:
                 self._claims.append(0)
             self.ids[namespace] = ns_id
         return ns_id
+
+    def claimed(self, namespaces, count: int) -> np.ndarray | int:
+        """The ids of `count` new claims' namespaces (a list, one per claim, or one for
+        all), given in the order `ClaimLists.claim_all` gives them, and counted."""
+        if type(namespaces) is not list:
+            ns_id = self.id_of(namespaces)
+            self.count(ns_id, count)
+            return ns_id
+        # By runs of one namespace (a batch's keys come in runs): one lookup per run.
+        ids, lengths = [], []
+        for name, run in groupby(namespaces):
+            ids.append(self.id_of(name))
+            lengths.append(len(list(run)))
+            self.count(ids[-1], lengths[-1])
+        return np.repeat(np.array(ids, dtype=np.int32), lengths)
 
     def count(self, ns_id: int, claimed: int) -> None:
         """`claimed` more claims (or fewer) of a namespace; its id retires at none."""

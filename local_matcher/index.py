@@ -9,13 +9,14 @@ import contextlib
 import logging
 import threading
 from functools import partial
+from itertools import groupby
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from blend_wire.tokens import as_tokens
 from local_matcher import kernels
-from local_matcher.claims import NONE, ClaimLists, mask_bit
+from local_matcher.claims import NONE, ClaimLists, mask_bit, mask_bits
 from local_matcher.store import ContentStore
 from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, BlendMatch,
                                  ContentCandidates)
@@ -79,27 +80,56 @@ class ContentIndex:
         if batch is None:
             return
         rows, chunk_hashes, offsets, namespace, row_of = batch
-        per_row = type(namespace) is list
-        namespaces = namespace if per_row else (namespace,) * len(chunk_hashes)
         with self._lock:
             cids, fresh = self._store.insert(np.ascontiguousarray(rows))
             self._claims.grow(self._store.capacity)
-            if not per_row and row_of is None and fresh.all():
-                ns_id = self._claims.claim_fresh(chunk_hashes, cids, offsets, namespace)
-                if ns_id != NONE:
-                    self._store.ns_mask[cids] |= np.uint64(mask_bit(ns_id))
-                    return
-            if row_of is not None:
-                cids = cids[row_of]
-            ns_bits = np.empty(len(cids), dtype=np.uint64)
-            vacated = self._claims.claim_all(chunk_hashes, cids.tolist(), offsets.tolist(),
-                                             namespaces, ns_bits)
-            if per_row:
-                np.bitwise_or.at(self._store.ns_mask, cids, ns_bits)
+            if row_of is not None:  # a content just stored is fresh for its first chunk
+                first = np.zeros(len(row_of), dtype=np.uint8)
+                first[np.unique(row_of, return_index=True)[1]] = 1
+                cids, fresh = cids[row_of], fresh[row_of] & first
+            ns_ids, vacated = self._claim(chunk_hashes, cids, offsets, namespace, fresh)
+            if type(ns_ids) is not np.ndarray:  # one namespace
+                self._store.ns_mask[cids] |= np.uint64(mask_bit(ns_ids))
+            elif fresh.all():  # contents of their own: each once
+                self._store.ns_mask[cids] |= mask_bits(ns_ids)
             else:
-                self._store.ns_mask[cids] |= ns_bits[0]
+                np.bitwise_or.at(self._store.ns_mask, cids, mask_bits(ns_ids))
             # Released only now: a later row of this batch may have found that content.
             self._settle(vacated)
+
+    def _claim(self, chunk_hashes, cids: np.ndarray, offsets: np.ndarray, namespace,
+               fresh: np.ndarray) -> tuple[np.ndarray | int, list[int]]:
+        """Each chunk claimed, in row order: runs of chunk hashes new to the index (and to
+        the batch) in bulk (`ClaimLists.claim_new`), the others one by one (`claim_all`).
+        Returns the rows' namespace ids (or the one) and the contents claims left."""
+        claims, count = self._claims, len(chunk_hashes)
+        distinct = len(set(chunk_hashes)) == count
+        if distinct and claims.chunks.keys().isdisjoint(chunk_hashes):  # the common batch
+            return claims.claim_new(chunk_hashes, cids, offsets, namespace, fresh), []
+        known = list(map(claims.chunks.__contains__, chunk_hashes))
+        if not distinct:  # a hash again: known by then
+            seen: set = set()
+            for i, chunk_hash in enumerate(chunk_hashes):
+                known[i] = known[i] or chunk_hash in seen
+                seen.add(chunk_hash)
+        per_row = type(namespace) is list
+        ns_ids = np.empty(count, dtype=np.int32)
+        vacated: list[int] = []
+        start = 0
+        for was_known, run in groupby(known):
+            stop = start + len(list(run))
+            names = namespace[start:stop] if per_row else namespace
+            if not was_known:
+                ns_ids[start:stop] = claims.claim_new(
+                    chunk_hashes[start:stop], cids[start:stop], offsets[start:stop], names,
+                    fresh[start:stop])
+            else:
+                vacated += claims.claim_all(
+                    chunk_hashes[start:stop], cids[start:stop].tolist(),
+                    offsets[start:stop].tolist(),
+                    names if per_row else (names,) * (stop - start), ns_ids[start:stop])
+            start = stop
+        return (ns_ids if per_row else int(ns_ids[0])), vacated
 
     def _batch(self, rows, chunk_hashes, token_offsets, namespace, row_of):
         """`add_many`'s arguments checked and converted, chunks with an unknown offset

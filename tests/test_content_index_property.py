@@ -14,6 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import claim_one_by_one
 from local_matcher import ContentIndex
 from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS
 
@@ -183,3 +184,51 @@ def run_against_model(operations, stride) -> None:
         assert (stats["num_contents"], stats["num_chunks"], stats["num_claims"],
                 stats["num_namespaces"]) == model.stats()
 
+
+
+# --- the bulk claim against the per-chunk one -------------------------------------------------
+
+BULK_HASHES = [bytes([i]) for i in range(24)]
+bulk_operation = st.one_of(
+    # A batch of rows, one namespace for all or one per row: new, distinct chunk hashes take
+    # `ClaimLists.claim_new` (contents new, held before, or twice in the batch).
+    st.tuples(st.just("add_many"),
+              st.lists(st.tuples(tokens, st.sampled_from(BULK_HASHES), st.integers(-1, 50),
+                                 st.sampled_from(NAMESPACES)), min_size=1, max_size=8),
+              st.booleans()),
+    st.tuples(st.just("remove_claim"), st.sampled_from(BULK_HASHES),
+              st.sampled_from(NAMESPACES)),
+    st.tuples(st.just("remove_chunk"), st.sampled_from(BULK_HASHES)),
+)
+
+
+def _claims_state(index: ContentIndex) -> tuple:
+    claims = index._claims
+    return (dict(claims.chunks), list(claims.slot_chunk),
+            *(bytes(a) for a in (claims.slot_ns, claims.slot_cid, claims.slot_offset,
+                                 claims._slot_order, claims.next_slot, claims._prev,
+                                 claims.head, claims.num_chunks, claims._free_slots)),
+            dict(claims._more_heads), dict(claims.ns_ids), claims.num_claims,
+            claims.num_occupants, claims._next_order, index._store.ns_mask.tobytes())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(bulk_operation, max_size=30))
+def test_the_bulk_claim_leaves_what_claiming_chunk_by_chunk_does(operations):
+    """Two indexes take the same operations, one claiming every batch chunk by chunk
+    (`claim_all`): every slot, list, order number and mask must be the same."""
+    key = (12345, 6789 | 1)
+    bulk = ContentIndex(chunk_size=C, fingerprint_key=key)
+    each = ContentIndex(chunk_size=C, fingerprint_key=key)
+    each._claims.claim_new = lambda *args: claim_one_by_one(each._claims, *args)
+    for op in operations:
+        for index in (bulk, each):
+            if op[0] == "add_many":
+                rows, hashes, offsets, namespaces = zip(*op[1])
+                index.add_many(np.array(rows, dtype=np.uint32), list(hashes), list(offsets),
+                               list(namespaces) if op[2] else namespaces[0])
+            elif op[0] == "remove_claim":
+                index.remove_claim(None, op[1], op[2])
+            else:
+                index.remove_chunk(None, op[1])
+        assert _claims_state(bulk) == _claims_state(each)

@@ -1,8 +1,11 @@
-"""A STORE batch of chunks new to the directory is recorded in bulk (`new_chunks.py`); every
-other batch entry by entry (`Bindings._store`). The two must agree exactly: random
-histories are applied to a directory as it runs and to one that takes every batch entry by
-entry, and after each batch everything either reports, and everything it holds, must be
-the same. A failure while a bulk batch is applied leaves nothing of it.
+"""Runs of a STORE batch's entries that name chunks new to the directory are recorded in bulk
+(`new_chunks.py`), and the index claims new chunk hashes in bulk (`ClaimLists.claim_new`);
+the rest goes entry by entry (`Bindings._store`) and chunk by chunk (`claim_all`). The two
+must agree exactly: random histories (batches mixing keys, sizes, token lengths, known and
+repeated hashes, content known under new hashes) are applied to a directory as it runs and
+to one that takes every entry and every claim one by one, and after each batch everything
+either reports, and everything it holds, must be the same. A failure while a bulk batch is
+applied leaves nothing of it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from blend_wire import (
     encode,
     pack_kv_rank,
 )
-from coordinator_stub.directory import KeyDirectory, bindings
+from coordinator_stub.directory import KeyDirectory, bindings, new_chunks
 from coordinator_stub.directory.writer import IndexWriter
 from local_matcher import ContentIndex
+from helpers import claim_one_by_one
+from local_matcher.claims import ClaimLists
 
 LANE = "unit"
 
@@ -39,35 +44,44 @@ NAMESPACES = sorted({BlendNamespace(m, s, ws) for m, s, ws, _, _ in SPACES})
 
 
 class _EntryByEntry:
-    """While in use, every batch takes the entry-by-entry path."""
+    """While in use, every batch takes the entry-by-entry path, and the index claims chunk
+    by chunk."""
 
     def __enter__(self):
-        self.bulk = bindings.store_new_chunks
-        bindings.store_new_chunks = lambda *args: False
+        self.runs, self.claim_new = new_chunks.store_runs, ClaimLists.claim_new
+        new_chunks.store_runs = lambda entries, *args: [(0, len(entries), False)]
+        ClaimLists.claim_new = claim_one_by_one
 
     def __exit__(self, *exc):
-        bindings.store_new_chunks = self.bulk
+        new_chunks.store_runs, ClaimLists.claim_new = self.runs, self.claim_new
 
 
 class _Counted:
-    """While in use, counts the batches the bulk path took."""
+    """While in use, counts the batches split into several runs, the runs the bulk path
+    took, and the bulk claims in the index on content held before."""
 
     def __init__(self):
-        self.taken = 0
+        self.mixed = self.runs = self.joined = 0
 
     def __enter__(self):
-        self.bulk = bulk = bindings.store_new_chunks
+        self.split, self.claim_new = split, claim_new = new_chunks.store_runs, \
+            ClaimLists.claim_new
 
         def counted(*args):
-            taken = bulk(*args)
-            self.taken += taken
-            return taken
+            runs = split(*args)
+            self.mixed += len(runs) > 1
+            self.runs += sum(bulk for _, _, bulk in runs)
+            return runs
 
-        bindings.store_new_chunks = counted
+        def claimed(claims, hashes, cids, offsets, namespaces, fresh):
+            self.joined += not fresh.all()
+            return claim_new(claims, hashes, cids, offsets, namespaces, fresh)
+
+        new_chunks.store_runs, ClaimLists.claim_new = counted, claimed
         return self
 
     def __exit__(self, *exc):
-        bindings.store_new_chunks = self.bulk
+        new_chunks.store_runs, ClaimLists.claim_new = self.split, self.claim_new
 
 
 def _entry(rng: random.Random, h: str, space, length: int, offset: int) -> CacheEventEntry:
@@ -84,14 +98,24 @@ def _entry(rng: random.Random, h: str, space, length: int, offset: int) -> Cache
 
 
 def _store_entries(rng: random.Random, fresh: list[str], known: list[str]) -> list:
-    """Mostly the bulk path's batch (new hashes, one key, one size, one length), with one
-    thing in it now and then that takes it off that path."""
+    """What a reporter sends: runs of entries of one key, size and token length (a request's
+    chunks), mostly new hashes, some known or repeated in the batch, with one thing in a
+    run now and then that takes it off the bulk path."""
+    entries: list[CacheEventEntry] = []
+    for _ in range(rng.choice([1, 1, 2, 3, 4])):
+        entries += _run(rng, fresh, known + [e.key.chunk_hash_hex for e in entries])
+    for entry in entries:
+        known.append(entry.key.chunk_hash_hex)
+    return entries
+
+
+def _run(rng: random.Random, fresh: list[str], known: list[str]) -> list:
     space = rng.choice(SPACES)
     length = rng.choice([C, C, C, C, 0, 3])
     size = rng.choice([0, 100])
     entries = []
     for _ in range(rng.randint(1, 6)):
-        h = fresh.pop() if rng.random() < 0.9 or not known else rng.choice(known)
+        h = fresh.pop() if rng.random() < 0.8 or not known else rng.choice(known)
         entry = _entry(rng, h, space, length, rng.choice([0, 4, 8, 8, 12, -1]))
         entry.size_bytes = size
         entries.append(entry)
@@ -103,8 +127,8 @@ def _store_entries(rng: random.Random, fresh: list[str], known: list[str]) -> li
         entries[-1].size_bytes += 1
     elif spoil < 0.18 and len(entries) > 1:
         entries[-1].key = entries[0].key  # a hash twice in the batch
-    for entry in entries:
-        known.append(entry.key.chunk_hash_hex)
+    elif spoil < 0.22 and length == C:
+        entries[-1].token_ids = [2**32] * C  # an id outside uint32
     return entries
 
 
@@ -149,6 +173,15 @@ def _plain(binding: tuple) -> tuple:
     return (content, offset, holds, accesses, binding[4])
 
 
+def _copied(value):
+    """A copy of a value made of dicts, lists and sets (a state taken now stays as it is)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return set(value) if isinstance(value, set) else value
+
+
 def _state(directory: KeyDirectory, ordered: bool = True) -> dict:
     """Everything the directory reports, and everything it holds, comparably; not
     `ordered`: whatever the order chunks were stored in (a rolled-back batch puts the
@@ -156,8 +189,10 @@ def _state(directory: KeyDirectory, ordered: bool = True) -> dict:
     stats = directory.stats()
     for stream in stats["ingest_streams"].values():
         del stream["last_event_time"]  # the clock's, when each applied its batch
+    del stats["blend_bytes"]  # an estimate: what lists over-allocated differs by how grown
     placements = directory._placements
-    held = {name: value for name, value in vars(placements).items() if name != "_journal"}
+    held = {name: _copied(value) for name, value in vars(placements).items()
+            if name != "_journal"}
     table = directory._bindings.table
     if not ordered:
         table = dict(sorted(table.items()))
@@ -184,7 +219,10 @@ def _state(directory: KeyDirectory, ordered: bool = True) -> dict:
                            *(bytes(a) for a in (claims.slot_ns, claims.slot_cid,
                                                 claims.slot_offset, claims._slot_order,
                                                 claims.next_slot, claims._prev, claims.head,
-                                                claims.num_chunks)))
+                                                claims.num_chunks, claims._free_slots)),
+                           dict(claims._more_heads), dict(claims.ns_ids),
+                           claims.num_occupants, claims._next_order,
+                           index._store.ns_mask.tobytes())
     return state
 
 
@@ -206,7 +244,9 @@ def test_bulk_and_entry_by_entry_agree(seed, blend, trust):
             with _EntryByEntry():
                 assert each.ingest([copy]) == reply
             assert _state(bulk) == _state(each), step
-    assert counted.taken > 40  # the bulk path was taken, and often
+    # The bulk paths were taken, and often: mixed batches, claims on known content.
+    assert counted.runs > 100 and counted.mixed > 40
+    assert counted.joined > (10 if blend else -1)
 
 
 # --- all or nothing --------------------------------------------------------------------------
@@ -250,7 +290,7 @@ def test_a_failure_in_the_index_after_a_fence_puts_the_index_back(monkeypatch):
     the index: the fenced chunks are indexed again, and a retry applies."""
     directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
     directory.ingest([_bulk_batch(["a1", "a2"], seq=1)])
-    before = _state(directory, ordered=False)
+    before = _reported(directory)
     real = ContentIndex.add_many
 
     def fail_once(self, *args, **kwargs):
@@ -260,9 +300,7 @@ def test_a_failure_in_the_index_after_a_fence_puts_the_index_back(monkeypatch):
     monkeypatch.setattr(ContentIndex, "add_many", fail_once)
     with pytest.raises(_Boom):
         directory.ingest([_bulk_batch(["b1", "b2"], seq=1, incarnation=1, first_content=1)])
-    after = _state(directory, ordered=False)
-    assert {k: v for k, v in after.items() if k != "claims"} == {
-        k: v for k, v in before.items() if k != "claims"}  # re-indexed: other slots
+    assert _reported(directory) == before  # re-indexed: other slots
     assert directory.ingest([_bulk_batch(["b1", "b2"], seq=1, incarnation=1,
                                          first_content=1)]).applied == 1
     assert sorted(directory._bindings.table) == [bytes.fromhex("b1"), bytes.fromhex("b2")]
@@ -292,8 +330,11 @@ def test_rows_queued_as_a_block_are_answered_and_sent_as_one_by_one_adds_are():
             writer.add_rows(a.reshape(1, C), [b"h3"], np.array([12]), t1)
         else:
             writer.add(a.tobytes(), b"h3", 12, t1)
+        calls = []
+        writer.index.add_many = lambda *args, _real=writer.index.add_many: (
+            calls.append(len(args[1])), _real(*args))
         writer.flush()
-        assert writer.sent == (4 if in_blocks else 3)
+        assert calls == [3, 1]  # a run of adds, blocks or not, as one call
         indexes.append(writer.index)
     query = np.concatenate([a, b, c])
     for namespace in (t0, t1):
@@ -303,3 +344,79 @@ def test_rows_queued_as_a_block_are_answered_and_sent_as_one_by_one_adds_are():
         del figures["bytes"]  # an estimate: what lists and arrays over-allocated differs
     assert stats[0] == stats[1]
     assert [tuple(m) for m in indexes[0].match(query, t1)] == [(b"h3", 12, 0)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_mixed_batch_failing_anywhere_changes_nothing_and_a_retry_applies(seed, monkeypatch):
+    """Batches of several runs fail at a random step (a run recorded in bulk, an entry
+    stored alone, a block queued for the index): nothing of them is left, and applied
+    again they leave what the entry-by-entry directory holds."""
+    rng = random.Random(seed)
+    bulk = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    each = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    failed = 0
+    for batch, act in _history(seed, 120):
+        if act == "drop":
+            continue
+        with _EntryByEntry():
+            reply = each.ingest([pickle.loads(pickle.dumps(batch))])
+        if batch.event_type == "store" and len(new_chunks.store_runs(
+                batch.entries, new_chunks.chunk_hashes(batch.entries), bulk._bindings.table,
+                bulk._bindings.writer)) > 1:
+            before = _reported(bulk)
+            if not _fail_at_some_step(rng, monkeypatch, lambda: bulk.ingest(
+                    [pickle.loads(pickle.dumps(batch))])):
+                continue  # it had fewer such steps: applied
+            assert _reported(bulk) == before
+            failed += 1
+        assert bulk.ingest([batch]) == reply
+        assert _reported(bulk) == _reported(each)
+    assert failed > 10
+
+
+def _reported(directory: KeyDirectory) -> dict:
+    """What `_state` holds but by name, not number: a rolled-back batch frees the key and
+    place numbers it took (a retry may take them in another order), and leaves sets it
+    restored iterating in another order, so a later fence may free index slots in another
+    order. Every answer and every binding is compared."""
+    state = _state(directory, ordered=False)
+    placements = directory._placements
+    keys, places = placements.key_raw, placements.places
+
+    def named(binding: tuple) -> tuple:
+        content, offset, holds, accesses, reported = _plain(binding)
+        pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple
+                 else ((k, p) for k, held in holds[0].items() for p in held))
+        counts = (dict(zip(accesses[0::2], accesses[1::2])) if type(accesses) is tuple
+                  else accesses)
+        return (content, offset, sorted((keys[k], places[p]) for k, p in pairs),
+                {keys[k]: n for k, n in counts.items()}, reported)
+
+    state["bindings"] = {h: named(b) for h, b in directory._bindings.table.items()}
+    state["placements"] = {name: state["placements"][name] for name in (
+        "num_keys", "num_placements", "tier_totals", "l1_by_instance")}
+    del state["claims"]
+    return state
+
+
+def _fail_at_some_step(rng: random.Random, monkeypatch, ingest) -> bool:
+    """Run `ingest` with one of the steps of a batch failing at a random call; whether
+    it failed (a batch with fewer such calls applies)."""
+    owner, name = rng.choice([(new_chunks, "store_new_chunks"), (bindings.Bindings, "_store"),
+                              (IndexWriter, "add_rows")])
+    real, calls, fail_at = getattr(owner, name), [0], rng.randint(1, 3)
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise _Boom("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, step)
+    try:
+        ingest()
+    except _Boom:
+        return True
+    finally:
+        monkeypatch.setattr(owner, name, real)
+    return False

@@ -24,7 +24,7 @@ from blend_wire import (
     TokenIds,
 )
 from coordinator_stub.directory.journal import Journal, JournaledDict
-from coordinator_stub.directory.new_chunks import digest, store_new_chunks
+from coordinator_stub.directory.new_chunks import digest, store_batch
 from coordinator_stub.directory.placements import (
     FEW,
     INSTANCE,
@@ -92,9 +92,7 @@ class Bindings:
             if held is None:
                 self.held_by[batch.instance_id] = set()  # stored as a journaled set
                 held = self.held_by[batch.instance_id]
-            if not store_new_chunks(batch, self.table, held, placements, self.writer):
-                for entry in batch.entries:
-                    self._store(entry, placements.place_no(batch, entry.size_bytes), held)
+            store_batch(batch, self.table, held, placements, self.writer, self._store)
             self._counters["entries_stored"] += len(batch.entries)
         elif kind == "delete":
             ident = placements.place_idents[placements.place_no(batch, 0)]
@@ -165,10 +163,11 @@ class Bindings:
 
     # --- the lifecycle table, one step per row ----------------------------------------
 
-    def _store(self, entry: CacheEventEntry, place_no: int, held: set[bytes]) -> None:
-        """One STORE entry: record the placement, then the binding's content and offset."""
+    def _store(self, entry: CacheEventEntry, chunk_hash: bytes, place_no: int,
+               held: set[bytes]) -> None:
+        """One STORE entry (of `chunk_hash`, its key's): record the placement, then the
+        binding's content and offset."""
         key_no = self._placements.key_no(entry.key)
-        chunk_hash = bytes.fromhex(entry.key.chunk_hash_hex)
         binding = self.table.get(chunk_hash)
         content, offset, holds, accesses, reported = binding if binding is not None else (
             None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES, None)

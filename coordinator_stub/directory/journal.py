@@ -149,12 +149,14 @@ class JournaledSet(set):
             records.append((_undo_member, self, element, True))
         set.discard(self, element)
 
-    def add_all(self, elements) -> None:
+    def add_all(self, elements: list) -> None:
         """`add` of each element: one record for them all."""
-        added = set(elements).difference(self)
         records = self.journal.records
-        if records is not None and added:
-            records.append((_undo_members_added, self, added, None))
+        if records is not None:
+            # Usually none is here yet: then the list itself says what to take out.
+            added = elements if self.isdisjoint(elements) else set(elements).difference(self)
+            if added:
+                records.append((_undo_members_added, self, added, None))
         set.update(self, elements)  # in their order: the set `add` by `add` would leave
 
     def remove(self, element) -> None:

@@ -156,10 +156,8 @@ class KeyDirectory:
             self._counters.update(counters)
             self._placements.restore(totals)
             self._gate.restore(batch.instance_id, position)
-            if bindings.writer is not None:
-                bindings.writer.discard()
-                if bindings.writer.sent:
-                    bindings.reindex(touched)
+            if bindings.writer is not None and bindings.writer.discard():
+                bindings.reindex(touched)  # its flush failed part-way: repair the index
             log.exception("batch %d of %s failed while being applied; rolled back, nothing "
                           "of it is applied", batch.seq, batch.instance_id)
             self._placements.free_unused()
@@ -269,8 +267,10 @@ class KeyDirectory:
 
     def state_parts(self) -> tuple:
         """The objects whose fields make up a snapshot's layout (`snapshot.layout_of`),
-        but the index's."""
-        return self, self._placements, self._bindings, self._gate
+        but the index's (the index writer's with blend lookup on)."""
+        writer = self._bindings.writer
+        return (self, self._placements, self._bindings, self._gate,
+                *(() if writer is None else (writer,)))
 
     # --- inspection ---------------------------------------------------------------------
 

@@ -1,18 +1,20 @@
-"""A STORE batch of chunks the directory does not hold yet, recorded in bulk: the common
-batch (a serving process reports the chunks it just stored) at a few operations per batch
-instead of a dozen calls per entry. It records what the entry-by-entry path
-(`Bindings._store`) would; tests/test_coordinator_directory_bulk.py holds the two to the
-same state over random batches. Also `digest`, what a binding keeps of indexed tokens.
+"""STORE entries of chunks the directory does not hold yet, recorded in bulk: a serving
+process reports the chunks it just stored, runs of them under one key, so most of a batch
+costs a few operations per run instead of a dozen calls per entry. `store_batch` splits a
+batch into maximal runs the bulk path can take and the entries between them, which go
+entry by entry (`Bindings._store`), in order. The bulk path records what the entry-by-entry
+one would; tests/test_coordinator_directory_bulk.py holds the two to the same state over
+random batches. Also `digest`, what a binding keeps of indexed tokens.
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, ne
 
 import numpy as np
 
-from blend_wire import UNKNOWN_TOKEN_OFFSET, CacheEventBatch
+from blend_wire import UNKNOWN_TOKEN_OFFSET, CacheEventBatch, CacheEventEntry
 from coordinator_stub.directory.journal import JournaledDict, JournaledSet
 from coordinator_stub.directory.placements import Placements
 
@@ -27,77 +29,164 @@ _HEX = attrgetter("chunk_hash_hex")
 _KEY_FIELDS = attrgetter("model_name", "cache_salt", "kv_rank", "object_group_id")
 
 
-def store_new_chunks(batch: CacheEventBatch, table: JournaledDict, held: JournaledSet,
-                     placements: Placements, writer) -> bool:
-    """Record a STORE batch whose entries name chunks new to the directory (absent from
-    `table`, each once), one key but for the chunk hash, one size, and token lists of one
-    length (with blend lookup on, `writer` set: none, or a chunk): their bindings, their
-    placements, `held` (the emitter's chunks), the index adds. False, and nothing changed,
-    for any other batch."""
-    entries = batch.entries
-    keys = list(map(_KEY, entries))
-    if (not keys or len(set(map(_KEY_FIELDS, keys))) != 1
-            or len(set(map(_SIZE, entries))) != 1):
-        return False
-    hashes = _chunk_hashes(list(map(_HEX, keys)))
-    if len(set(hashes)) != len(hashes) or not table.keys().isdisjoint(hashes):
-        return False
-    token_lists = list(map(_TOKENS, entries))
-    if set(map(type, token_lists)) != {np.ndarray} or len(set(map(len, token_lists))) != 1:
-        return False  # an id outside uint32 (a list), or lists of several lengths
-    length = len(token_lists[0])
-    if writer is not None and length not in (0, writer.chunk_size):
-        return False  # not indexable: counted and warned of entry by entry
-    rows = np.concatenate(token_lists).reshape(len(entries), length) if length else None
-    if rows is not None and rows.dtype != np.uint32:
-        return False
-    key_no = placements.key_no(keys[0])
-    holds = placements.add_first(key_no, placements.place_no(batch, entries[0].size_bytes),
-                                 len(hashes))
-    if rows is None:  # no tokens: nothing known of the content, nothing indexed
-        table.insert_absent(hashes, repeat((None, UNKNOWN_TOKEN_OFFSET, holds, (), None)))
-    elif writer is None:  # blend lookup off: the tokens are kept to be shown
-        table.insert_absent(hashes, zip(repeat(None), repeat(UNKNOWN_TOKEN_OFFSET),
-                                        repeat(holds), repeat(()), _row_bytes(rows)))
-    else:
-        offsets = list(map(_OFFSET, entries))
-        table.insert_absent(hashes, zip(_contents(rows, offsets), offsets, repeat(holds),
-                                        repeat(()), repeat(None)))
-        _add_rows(writer, rows, hashes, offsets, placements.key_ns[key_no])
-    held.add_all(hashes)
-    return True
-
-
-def _chunk_hashes(hexes: list[str]) -> list[bytes]:
-    """Each (validated) hex chunk hash as bytes: of one length, all decoded at once."""
+def chunk_hashes(entries: list[CacheEventEntry]) -> list[bytes]:
+    """Each entry's (validated) hex chunk hash as bytes; of one length, all decoded at
+    once."""
+    hexes = [key.chunk_hash_hex for key in map(_KEY, entries)]
     if len(set(map(len, hexes))) != 1:
         return [bytes.fromhex(text) for text in hexes]
     return np.frombuffer(bytes.fromhex("".join(hexes)),
                          dtype=np.dtype((np.void, len(hexes[0]) // 2))).tolist()
 
 
-def _row_bytes(rows: np.ndarray) -> list[bytes]:
-    """Each row of a contiguous array as bytes (what `tobytes()` of it gives)."""
-    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).ravel().tolist()
+def store_batch(batch: CacheEventBatch, table: JournaledDict, held: JournaledSet,
+                placements: Placements, writer, store_one) -> None:
+    """A STORE batch's entries in order: the runs `store_runs` finds in bulk, the entries
+    between them one by one (`store_one(entry, chunk_hash, place_no, held)`:
+    `Bindings._store`)."""
+    entries = batch.entries
+    hashes = chunk_hashes(entries)
+    runs = store_runs(entries, hashes, table, writer)
+    tokens = run_tokens(entries, runs, writer is not None)
+    for start, stop, bulk in runs:
+        if bulk:
+            store_new_chunks(batch, entries[start:stop], hashes[start:stop],
+                             tokens.get(start), table, held, placements, writer)
+            continue
+        for i in range(start, stop):
+            entry = entries[i]
+            store_one(entry, hashes[i], placements.place_no(batch, entry.size_bytes), held)
 
 
-def _contents(rows: np.ndarray, offsets: list[int]) -> list:
-    """A binding's content per chunk STOREd with tokens: their digest once indexed (a
-    known offset), else the tokens themselves (`Bindings._fill_content`)."""
-    tokens = _row_bytes(rows)
-    if min(offsets) >= 0:
-        return list(map(digest, tokens))
-    return [digest(row) if offset >= 0 else row for row, offset in zip(tokens, offsets)]
+def store_runs(entries: list[CacheEventEntry], hashes: list[bytes], table: dict,
+               writer) -> list[tuple[int, int, bool]]:
+    """A STORE batch's entries as maximal runs `(start, stop, True)` the bulk path can take
+    and the entries between them `(start, stop, False)`, in order. A bulk run's entries
+    name chunks absent from `table` and from the batch before them, under one key but for
+    the hash, of one size, with token lists of one length (arrays: every id in uint32,
+    `TokenIds`) that is none or a chunk when blend lookup is on (`writer` set): anything
+    else is counted, warned of, or merged with what the chunk holds, entry by entry.
+    A few passes over the batch in C, then O(runs)."""
+    count = len(entries)
+    fields = list(map(_KEY_FIELDS, map(_KEY, entries)))
+    sizes = list(map(_SIZE, entries))
+    tokens = list(map(_TOKENS, entries))
+    lengths = list(map(len, tokens))
+    cuts = {0, count}  # where a run may start: the key, size or length changes
+    for values in (fields, sizes, lengths):
+        cuts.update(compress(range(1, count), map(ne, values[1:], values)))
+    alone = _one_by_one(hashes, tokens, lengths, table, writer)
+    cuts.update(alone)
+    cuts.update(i + 1 for i in alone)
+    runs: list[tuple[int, int, bool]] = []
+    bounds = sorted(cuts)
+    for start, stop in zip(bounds, bounds[1:]):
+        bulk = start not in alone  # an entry alone is a run of its own
+        if not bulk and runs and not runs[-1][2]:
+            runs[-1] = (runs[-1][0], stop, False)
+        else:
+            runs.append((start, stop, bulk))
+    return runs
 
 
-def _add_rows(writer, rows: np.ndarray, hashes: list[bytes], offsets: list[int],
-              namespace) -> None:
+def _one_by_one(hashes: list[bytes], tokens: list, lengths: list[int], table: dict,
+                writer) -> set[int]:
+    """The entries `store_runs` leaves to the entry-by-entry path (by position)."""
+    alone: set[int] = set()
+    if not table.keys().isdisjoint(hashes):
+        alone.update(i for i, chunk_hash in enumerate(hashes) if chunk_hash in table)
+    if len(set(hashes)) != len(hashes):  # a hash again: known by then
+        seen: set[bytes] = set()
+        for i, chunk_hash in enumerate(hashes):
+            if chunk_hash in seen:
+                alone.add(i)
+            seen.add(chunk_hash)
+    if set(map(type, tokens)) != {np.ndarray}:  # an id outside uint32: a list
+        alone.update(i for i, ids in enumerate(tokens) if type(ids) is not np.ndarray)
+    if writer is not None and not set(lengths) <= {0, writer.chunk_size}:
+        alone.update(i for i, length in enumerate(lengths)  # not indexable: warned of
+                     if length and length != writer.chunk_size)
+    return alone
+
+
+def run_tokens(entries: list[CacheEventEntry], runs: list[tuple[int, int, bool]],
+               indexed: bool) -> dict[int, "RunTokens"]:
+    """Per bulk run carrying tokens (by its start), its token lists converted: for the
+    whole batch at once when they have one length (always, blend lookup on)."""
+    spans = [(start, stop) for start, stop, bulk in runs
+             if bulk and len(entries[start].token_ids)]
+    if len({len(entries[start].token_ids) for start, _ in spans}) > 1:
+        return {start: RunTokens(entries[start:stop], indexed) for start, stop in spans}
+    if not spans:
+        return {}
+    whole = RunTokens(entries if spans == [(0, len(entries))] else
+                      [e for start, stop in spans for e in entries[start:stop]], indexed)
+    found, first = {}, 0
+    for start, stop in spans:
+        found[start] = whole.part(first, first + stop - start)
+        first += stop - start
+    return found
+
+
+class RunTokens:
+    """Bulk entries' token lists (of one length) as rows of one array, each row's bytes,
+    and with blend lookup on (`indexed`) their offsets and binding contents (the digest
+    of the tokens once indexed, at a known offset, else the tokens:
+    `Bindings._fill_content`)."""
+
+    __slots__ = ("rows", "row_bytes", "offsets", "positions", "contents")
+
+    def __init__(self, entries: list[CacheEventEntry], indexed: bool) -> None:
+        lists = list(map(_TOKENS, entries))
+        self.rows = np.concatenate(lists).reshape(len(lists), len(lists[0]))
+        self.row_bytes = self.rows.view(
+            np.dtype((np.void, self.rows.shape[1] * self.rows.itemsize))).ravel().tolist()
+        self.offsets = self.positions = self.contents = None
+        if indexed:
+            self.offsets = list(map(_OFFSET, entries))
+            self.positions = np.array(self.offsets, dtype=np.int64)
+            self.contents = (list(map(digest, self.row_bytes)) if min(self.offsets) >= 0
+                             else [digest(row) if offset >= 0 else row
+                                   for row, offset in zip(self.row_bytes, self.offsets)])
+
+    def part(self, start: int, stop: int) -> "RunTokens":
+        part = RunTokens.__new__(RunTokens)
+        part.rows, part.row_bytes = self.rows[start:stop], self.row_bytes[start:stop]
+        part.offsets = part.positions = part.contents = None
+        if self.offsets is not None:
+            part.offsets, part.contents = self.offsets[start:stop], self.contents[start:stop]
+            part.positions = self.positions[start:stop]
+        return part
+
+
+def store_new_chunks(batch: CacheEventBatch, entries: list[CacheEventEntry],
+                     hashes: list[bytes], tokens: RunTokens | None, table: JournaledDict,
+                     held: JournaledSet, placements: Placements, writer) -> None:
+    """Record a bulk run of `store_runs` (`hashes`: its entries' chunk hashes, `tokens`
+    theirs from `run_tokens`): their bindings, their placements, `held` (the emitter's
+    chunks), the index adds."""
+    key_no = placements.key_no(entries[0].key)
+    holds = placements.add_first(key_no, placements.place_no(batch, entries[0].size_bytes),
+                                 len(hashes))
+    if tokens is None:  # no tokens: nothing known of the content, nothing indexed
+        table.insert_absent(hashes, repeat((None, UNKNOWN_TOKEN_OFFSET, holds, (), None)))
+    elif writer is None:  # blend lookup off: the tokens are kept to be shown
+        table.insert_absent(hashes, zip(repeat(None), repeat(UNKNOWN_TOKEN_OFFSET),
+                                        repeat(holds), repeat(()), tokens.row_bytes))
+    else:
+        table.insert_absent(hashes, zip(tokens.contents, tokens.offsets, repeat(holds),
+                                        repeat(()), repeat(None)))
+        _add_rows(writer, tokens, hashes, placements.key_ns[key_no])
+    held.add_all(hashes)
+
+
+def _add_rows(writer, tokens: RunTokens, hashes: list[bytes], namespace) -> None:
     """The chunks with a known offset join the index, for the key's namespace."""
-    positions = np.array(offsets, dtype=np.int64)
-    known = positions >= 0
-    if not known.all():
-        kept = np.flatnonzero(known)
+    rows, positions = tokens.rows, tokens.positions
+    if min(tokens.offsets) < 0:
+        kept = np.flatnonzero(positions >= 0)
+        if not kept.size:
+            return
         rows, positions = rows[kept], positions[kept]
         hashes = [hashes[i] for i in kept.tolist()]
-    if len(hashes):
-        writer.add_rows(rows, hashes, positions, namespace)
+    writer.add_rows(rows, hashes, positions, namespace)

@@ -105,12 +105,13 @@ class Placements:
     # --- a batch's totals (the journal covers the rest) -------------------------------
 
     def checkpoint(self) -> tuple:
-        """The totals the journal does not cover, for `restore` if the batch fails."""
-        return (self.num_keys, self.num_placements,
+        """The totals the journal does not cover, for `restore` if the batch fails (and
+        the next identity number: a retry numbers what the failed batch did alike)."""
+        return (self.num_keys, self.num_placements, self._next_ident,
                 {tier: list(values) for tier, values in self.tier_totals.items()})
 
     def restore(self, checkpoint: tuple) -> None:
-        self.num_keys, self.num_placements, tier_totals = checkpoint
+        self.num_keys, self.num_placements, self._next_ident, tier_totals = checkpoint
         for tier, values in tier_totals.items():
             self.tier_totals[tier][:] = values  # in place: `totals()` reads them unlocked
 

@@ -16,6 +16,7 @@ import pytest
 
 from blend_wire import BlendNamespace, CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_kv_rank
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory import bindings
 from coordinator_stub.directory.bindings import Bindings
 from local_matcher import ContentIndex
 
@@ -108,22 +109,18 @@ class _Boom(RuntimeError):
 def test_failure_while_applying_changes_nothing_and_a_retry_applies(seeded, monkeypatch):
     directory, contents = seeded
     before = _state(directory, contents)
-    calls = {"n": 0}
-    real_store = Bindings._store
-    last = len(_failing_batch(directory, contents).entries)
+    real_store = bindings.store_batch
 
-    def store_then_fail(self, *args):
-        calls["n"] += 1
-        if calls["n"] == last:  # the last entry, after the others were applied
-            raise _Boom("injected")
-        return real_store(self, *args)
+    def store_then_fail(*args):
+        real_store(*args)
+        raise _Boom("injected")  # every entry applied (some in bulk), the index not yet
 
-    monkeypatch.setattr(Bindings, "_store", store_then_fail)
+    monkeypatch.setattr(bindings, "store_batch", store_then_fail)
     with pytest.raises(_Boom):
         directory.ingest([_failing_batch(directory, contents)])
     assert _state(directory, contents) == before
 
-    monkeypatch.setattr(Bindings, "_store", real_store)
+    monkeypatch.setattr(bindings, "store_batch", real_store)
     reply = directory.ingest([_failing_batch(directory, contents)])  # the same batch, same seq
     assert reply.applied == 1
     after = _state(directory, contents)
@@ -156,6 +153,31 @@ def test_failure_inside_the_index_changes_nothing_and_a_retry_applies(seeded, mo
     assert after["cursor"] == (1, 1)
     assert after["found"]["b", ""] == []  # fenced: only what the restarted instance sent
     assert after["found"]["a", "t1"] == [("aa", 40, 0)]
+
+
+def test_a_batch_failing_before_its_flush_leaves_the_index_in_order(monkeypatch):
+    """The index is written only when a batch's directory part is done: a batch failing
+    before that leaves it untouched. Before: the writer still counted the updates of the
+    last batch that reached the index as sent, so the failed batch's chunks were removed
+    and indexed again, last in LMCache's occupant order (another chunk's name answered)."""
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    text = _tokens()
+    directory.ingest([_batch(_entry("aa", text, 0), seq=1),
+                      _batch(_entry("bb", text, 0), seq=2)])  # both on one content, aa first
+    query = np.array(text, dtype=np.uint32)
+    assert [m.chunk_hash for m in directory.match(query, NS)] == [bytes.fromhex("aa")]
+    real_store, calls = Bindings._store, [0]
+
+    def fail_second(self, *args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise _Boom("injected")
+        return real_store(self, *args)
+
+    monkeypatch.setattr(Bindings, "_store", fail_second)
+    with pytest.raises(_Boom):  # aa stored again, then the failure
+        directory.ingest([_batch(_entry("aa", text, 0), _entry("aa", _tokens(), 0), seq=3)])
+    assert [m.chunk_hash for m in directory.match(query, NS)] == [bytes.fromhex("aa")]
 
 
 def test_an_instance_without_placements_costs_nothing(seeded):
