@@ -1,7 +1,10 @@
 """Coordinator replicas over a NATS JetStream event log, with real processes.
 
-Each test starts its own 3-node NATS cluster on free loopback ports (stream replicas 3)
-and coordinator replicas with `--event-log`, and checks what an operator relies on:
+The module shares one 3-node NATS cluster on free loopback ports (JetStream takes ~2 s
+to elect its meta leader after the nodes start: paid once), each test with an event-log
+stream (replicas 3) and snapshot bucket of its own on it, and the test that takes a node
+down with a cluster of its own; the tests start coordinator replicas with `--event-log`
+and check what an operator relies on:
 events taken by one replica are found by lookups on another; a replica killed with
 SIGKILL mid-ingest and restarted loses nothing; ingest and lookups go on with one NATS
 node down; replicas restarted from snapshots hold the same state; a replica that fell
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import random
 import signal
 import subprocess
@@ -22,6 +26,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,7 +41,7 @@ from blend_wire import (
     encode_tokens,
     pack_kv_rank,
 )
-from coordinator_stub.launch.nats_process import launch_nats_cluster
+from coordinator_stub.launch.nats_process import NatsCluster, launch_nats_cluster
 from coordinator_stub.launch.process import launch_coordinator, start_coordinator
 from helpers import wait_until
 
@@ -54,19 +59,53 @@ settled = functools.partial(wait_until, timeout=60.0, interval=0.1)
 http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
-@pytest.fixture
-def nats(tmp_path):
-    with launch_nats_cluster(3, tmp_path / "nats") as cluster:
+@dataclass
+class Cluster:
+    """A NATS cluster and the event-log stream a test's replicas use on it (the snapshot
+    bucket is named after it: `<stream>-snapshots`)."""
+
+    nodes: NatsCluster
+    stream: str
+
+    @property
+    def urls(self) -> str:
+        return self.nodes.urls
+
+    def url(self, node: int) -> str:
+        return self.nodes.url(node)
+
+
+@pytest.fixture(scope="module")
+def shared_nats(tmp_path_factory):
+    with launch_nats_cluster(3, tmp_path_factory.mktemp("nats")) as cluster:
         yield cluster
 
 
-def replica_flags(nats, *extra: str, stream: str = "blend-test") -> tuple[str, ...]:
+_streams = itertools.count(1)
+
+
+@pytest.fixture
+def nats(shared_nats):
+    """The module's cluster, with a stream of this test's own (a name no other test used)."""
+    assert all(p is not None and p.poll() is None for p in shared_nats.processes), \
+        "a node of the shared cluster is down"
+    return Cluster(shared_nats, f"blend-test-{next(_streams)}")
+
+
+@pytest.fixture
+def own_nats(tmp_path):
+    """A cluster for this test alone (it takes a node down)."""
+    with launch_nats_cluster(3, tmp_path / "nats") as cluster:
+        yield Cluster(cluster, "blend-test")
+
+
+def replica_flags(nats: Cluster, *extra: str, stream: str | None = None) -> tuple[str, ...]:
     # No reaper unless a test asks for one (a later --health-check-interval wins): these
     # emitters never register, so one fenced and holding nothing is an id a reaper tick
     # appends a `reap` record for, among the records a test counts (a tick falls inside
     # a test whenever it runs past the 10 s interval, as on a loaded machine).
     return ("--enable-blend-lookup", "--chunk-size", str(CHUNK), "--event-log", nats.urls,
-            "--event-log-stream", stream, "--event-log-replicas", "3",
+            "--event-log-stream", stream or nats.stream, "--event-log-replicas", "3",
             "--health-check-interval", "0", *extra)
 
 
@@ -271,7 +310,8 @@ def test_replica_killed_mid_ingest_restarts_from_its_snapshot_and_loses_nothing(
             running.stop()
 
 
-def test_ingest_and_lookups_go_on_with_one_nats_node_down(nats):
+def test_ingest_and_lookups_go_on_with_one_nats_node_down(own_nats):
+    nats = own_nats
     workload = Workload(seed=3)
     bodies = workload.bodies(80)
     a, b, reference = start_replicas(replica_flags(nats, "--replica-name", "a"),
@@ -280,7 +320,7 @@ def test_ingest_and_lookups_go_on_with_one_nats_node_down(nats):
     try:
         for body in bodies[:40]:
             post(a.url, body)
-        nats.stop_node(0)
+        nats.nodes.stop_node(0)
         for i, body in enumerate(bodies[40:]):
             post((a if i % 2 else b).url, body)
         wait_applied(a.url, 80)
@@ -507,7 +547,7 @@ def test_a_fresh_replica_starts_from_a_peers_snapshot_in_the_object_store(nats, 
             post(b.url, body)
         # A peer's newer snapshot, damaged on its way in: refused, never loaded.
         assert not list(tmp_path.glob("**/*.blendsnap")), "nothing on local disk"
-        bucket = "blend-test-snapshots"
+        bucket = f"{nats.stream}-snapshots"
         copy_object_damaged(nats.url(0), bucket, "snapshot-00000000000000000060-a.blendsnap",
                             "snapshot-00000000000000000070-x.blendsnap")
         log_path = tmp_path / "c.log"
