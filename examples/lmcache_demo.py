@@ -94,8 +94,8 @@ def run(workdir: Path, log_dir: Path, stack: contextlib.ExitStack) -> int:
     fleet = stack.enter_context(ServerFleet(
         coordinator_url=url, l2_dir=f"{workdir}/l2", log_dir=str(log_dir),
         module_config={"builtin_lookup": True}, env={"LMCACHE_LOG_LEVEL": "INFO"}))
-    for name in ("A", "B"):
-        client = fleet.start(name, instance_id=f"demo-{name}")
+    clients = fleet.start_many({name: dict(instance_id=f"demo-{name}") for name in ("A", "B")})
+    for name, client in zip(("A", "B"), clients):  # started side by side
         print(f"lmcache server {name}: {fleet.servers[name].rpc_url} (plugin loaded, "
               f"reporting by {client.status()['reporting']})")
     a, b = fleet.clients["A"], fleet.clients["B"]

@@ -40,8 +40,7 @@ def fleet(tmp_path_factory):
                           client_options={"block_size": 48, "chunk_alignment": 48,
                                           "num_blocks": 768})
     try:
-        for name in ("A", "B"):
-            servers.start(name, instance_id=f"server-{name}")
+        servers.start_many({name: dict(instance_id=f"server-{name}") for name in ("A", "B")})
         servers.url = coordinator.url
         yield servers
     finally:

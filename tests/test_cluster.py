@@ -1,7 +1,10 @@
 """Coordinator replicas over a NATS JetStream event log, with real processes.
 
-Each test starts its own 3-node NATS cluster on free loopback ports (stream replicas 3)
-and coordinator replicas with `--event-log`, and checks what an operator relies on:
+The module shares one 3-node NATS cluster on free loopback ports (JetStream takes ~2 s
+to elect its meta leader after the nodes start: paid once), each test with an event-log
+stream (replicas 3) and snapshot bucket of its own on it, and the test that takes a node
+down with a cluster of its own; the tests start coordinator replicas with `--event-log`
+and check what an operator relies on:
 events taken by one replica are found by lookups on another; a replica killed with
 SIGKILL mid-ingest and restarted loses nothing; ingest and lookups go on with one NATS
 node down; replicas restarted from snapshots hold the same state; a replica that fell
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import random
 import signal
 import subprocess
@@ -22,6 +26,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,7 +41,7 @@ from blend_wire import (
     encode_tokens,
     pack_kv_rank,
 )
-from coordinator_stub.launch.nats_process import launch_nats_cluster
+from coordinator_stub.launch.nats_process import NatsCluster, launch_nats_cluster
 from coordinator_stub.launch.process import launch_coordinator, start_coordinator
 from helpers import wait_until
 
@@ -46,21 +51,61 @@ CHUNK = 16
 MODELS = ("m", "n")
 # Outcomes across processes (replicas, NATS): generous deadlines for a loaded machine.
 settled = functools.partial(wait_until, timeout=60.0, interval=0.1)
+# Every request of this module goes through this one client: `httpx.post(...)` and the like
+# build a client, SSL context included (~45 ms here), per call, which once took most of
+# these tests' time. No keep-alive: each request still opens its own connection, so none
+# outlives the replica it went to (replicas are killed, and restarted on the same port).
+# Shared by the threads that post and heartbeat (httpx's pool locks its state).
+http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
-@pytest.fixture
-def nats(tmp_path):
-    with launch_nats_cluster(3, tmp_path / "nats") as cluster:
+@dataclass
+class Cluster:
+    """A NATS cluster and the event-log stream a test's replicas use on it (the snapshot
+    bucket is named after it: `<stream>-snapshots`)."""
+
+    nodes: NatsCluster
+    stream: str
+
+    @property
+    def urls(self) -> str:
+        return self.nodes.urls
+
+    def url(self, node: int) -> str:
+        return self.nodes.url(node)
+
+
+@pytest.fixture(scope="module")
+def shared_nats(tmp_path_factory):
+    with launch_nats_cluster(3, tmp_path_factory.mktemp("nats")) as cluster:
         yield cluster
 
 
-def replica_flags(nats, *extra: str, stream: str = "blend-test") -> tuple[str, ...]:
+_streams = itertools.count(1)
+
+
+@pytest.fixture
+def nats(shared_nats):
+    """The module's cluster, with a stream of this test's own (a name no other test used)."""
+    assert all(p is not None and p.poll() is None for p in shared_nats.processes), \
+        "a node of the shared cluster is down"
+    return Cluster(shared_nats, f"blend-test-{next(_streams)}")
+
+
+@pytest.fixture
+def own_nats(tmp_path):
+    """A cluster for this test alone (it takes a node down)."""
+    with launch_nats_cluster(3, tmp_path / "nats") as cluster:
+        yield Cluster(cluster, "blend-test")
+
+
+def replica_flags(nats: Cluster, *extra: str, stream: str | None = None) -> tuple[str, ...]:
     # No reaper unless a test asks for one (a later --health-check-interval wins): these
     # emitters never register, so one fenced and holding nothing is an id a reaper tick
     # appends a `reap` record for, among the records a test counts (a tick falls inside
     # a test whenever it runs past the 10 s interval, as on a loaded machine).
     return ("--enable-blend-lookup", "--chunk-size", str(CHUNK), "--event-log", nats.urls,
-            "--event-log-stream", stream, "--event-log-replicas", "3",
+            "--event-log-stream", stream or nats.stream, "--event-log-replicas", "3",
             "--health-check-interval", "0", *extra)
 
 
@@ -130,7 +175,7 @@ def post(url: str, body: bytes, timeout: float = 30.0) -> dict:
     would; a replica that is down raises."""
     deadline = time.monotonic() + timeout
     while True:
-        reply = httpx.post(url + EVENTS_PATH, content=body, timeout=15)
+        reply = http.post(url + EVENTS_PATH, content=body, timeout=15)
         if reply.status_code != 503 or time.monotonic() > deadline:
             assert reply.status_code == 200, reply.text
             return reply.json()
@@ -138,19 +183,19 @@ def post(url: str, body: bytes, timeout: float = 30.0) -> dict:
 
 
 def answers(url: str, queries: list[bytes]) -> list[list[dict]]:
-    with httpx.Client(base_url=url, timeout=15) as http:
-        return [http.post(BLEND_LOOKUP_PATH, content=q).json()["matches"] for q in queries]
+    return [http.post(url + BLEND_LOOKUP_PATH, content=q, timeout=15).json()["matches"]
+            for q in queries]
 
 
 def state_of(url: str) -> dict:
-    stats = httpx.get(url + STATS_PATH, timeout=15).json()
+    stats = http.get(url + STATS_PATH, timeout=15).json()
     return {"num_keys": stats["num_keys"], "num_placements": stats["num_placements"],
             **{k: stats["blend"][k] for k in ("num_contents", "num_chunks", "num_claims",
                                               "num_namespaces")}}
 
 
 def replica_stats(url: str) -> dict:
-    return httpx.get(url + STATS_PATH, timeout=15).json()["replica"]
+    return http.get(url + STATS_PATH, timeout=15).json()["replica"]
 
 
 #: A single in-memory coordinator: fed the same bodies in the same order, it is what every
@@ -186,7 +231,7 @@ def test_events_posted_to_one_replica_are_found_by_lookups_on_another(nats):
         # A malformed body is refused whole (422) and appends nothing.
         bad = encode({"batches": [{"instance_id": "s", "seq": 0, "event_type": "store",
                                    "tier": "l1", "backend": "dram", "entries": []}]})
-        reply = httpx.post(a.url + EVENTS_PATH, content=bad, timeout=10)
+        reply = http.post(a.url + EVENTS_PATH, content=bad, timeout=10)
         assert reply.status_code == 422 and "seq" in reply.text
         assert replica_stats(a.url)["applied_seq"] == 0
         for i, body in enumerate(bodies):
@@ -199,9 +244,9 @@ def test_events_posted_to_one_replica_are_found_by_lookups_on_another(nats):
         # An instance leaving (DELETE, or the reaper) goes through the log too: every
         # replica fences its L1 placements at the same point of the stream.
         for url in (a.url, reference.url):
-            assert httpx.delete(f"{url}/instances/server-1", timeout=10).status_code == 204
+            assert http.delete(f"{url}/instances/server-1", timeout=10).status_code == 204
         wait_applied(b.url, 61)
-        stats = httpx.get(b.url + STATS_PATH, timeout=10).json()
+        stats = http.get(b.url + STATS_PATH, timeout=10).json()
         assert "server-1" not in stats["l1_keys_by_instance"]
         assert_same_as(reference.url, [a.url, b.url], workload.queries())
     finally:
@@ -226,11 +271,16 @@ def test_replica_killed_mid_ingest_restarts_from_its_snapshot_and_loses_nothing(
     feed(reference, bodies)
     try:
         killed = threading.Event()
+        # The writer holds its second half until b has a snapshot to restart from, and the
+        # kill follows at once: ~120 posts still to go when it lands, however fast they are.
+        kill_due = threading.Event()
         posted = 0
 
         def ingest() -> None:
             nonlocal posted
             for i, body in enumerate(bodies):
+                if i == 120:
+                    kill_due.wait(30)
                 target = b if i % 2 and not killed.is_set() else a
                 try:
                     post(target.url, body)
@@ -244,6 +294,7 @@ def test_replica_killed_mid_ingest_restarts_from_its_snapshot_and_loses_nothing(
         while (replica_stats(b.url)["snapshot_seq"] == 0 or posted < 120) \
                 and time.monotonic() < deadline:
             time.sleep(0.02)
+        kill_due.set()
         assert posted < len(bodies), "the kill should land mid-ingest"
         b.process.kill()  # SIGKILL: no final snapshot, nothing flushed
         killed.set()
@@ -259,7 +310,8 @@ def test_replica_killed_mid_ingest_restarts_from_its_snapshot_and_loses_nothing(
             running.stop()
 
 
-def test_ingest_and_lookups_go_on_with_one_nats_node_down(nats):
+def test_ingest_and_lookups_go_on_with_one_nats_node_down(own_nats):
+    nats = own_nats
     workload = Workload(seed=3)
     bodies = workload.bodies(80)
     a, b, reference = start_replicas(replica_flags(nats, "--replica-name", "a"),
@@ -268,7 +320,7 @@ def test_ingest_and_lookups_go_on_with_one_nats_node_down(nats):
     try:
         for body in bodies[:40]:
             post(a.url, body)
-        nats.stop_node(0)
+        nats.nodes.stop_node(0)
         for i, body in enumerate(bodies[40:]):
             post((a if i % 2 else b).url, body)
         wait_applied(a.url, 80)
@@ -495,7 +547,7 @@ def test_a_fresh_replica_starts_from_a_peers_snapshot_in_the_object_store(nats, 
             post(b.url, body)
         # A peer's newer snapshot, damaged on its way in: refused, never loaded.
         assert not list(tmp_path.glob("**/*.blendsnap")), "nothing on local disk"
-        bucket = "blend-test-snapshots"
+        bucket = f"{nats.stream}-snapshots"
         copy_object_damaged(nats.url(0), bucket, "snapshot-00000000000000000060-a.blendsnap",
                             "snapshot-00000000000000000070-x.blendsnap")
         log_path = tmp_path / "c.log"
@@ -573,22 +625,22 @@ def test_the_snapshot_bucket_keeps_the_newest_and_refuses_damaged_objects(tmp_pa
 
 
 def listing(url: str) -> list[dict]:
-    return httpx.get(url + INSTANCES_PATH, timeout=15).json()["instances"]
+    return http.get(url + INSTANCES_PATH, timeout=15).json()["instances"]
 
 
 def register(url: str, instance_id: str, port: int) -> dict:
-    reply = httpx.post(url + INSTANCES_PATH, timeout=30,
+    reply = http.post(url + INSTANCES_PATH, timeout=30,
                        json={"instance_id": instance_id, "ip": "127.0.0.1", "http_port": port})
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
 def counters(url: str) -> dict:
-    return httpx.get(url + STATS_PATH, timeout=15).json()["counters"]
+    return http.get(url + STATS_PATH, timeout=15).json()["counters"]
 
 
 def l1_instances(url: str) -> set[str]:
-    return set(httpx.get(url + STATS_PATH, timeout=15).json()["l1_keys_by_instance"])
+    return set(http.get(url + STATS_PATH, timeout=15).json()["l1_keys_by_instance"])
 
 
 class Heartbeats:
@@ -612,7 +664,7 @@ class Heartbeats:
             for _ in range(len(self.urls)):
                 url = self.urls[self.current]
                 try:
-                    reply = httpx.put(f"{url}{INSTANCES_PATH}/{self.instance_id}/heartbeat",
+                    reply = http.put(f"{url}{INSTANCES_PATH}/{self.instance_id}/heartbeat",
                                       timeout=10)
                 except httpx.TransportError:
                     self.current = (self.current + 1) % len(self.urls)
@@ -644,7 +696,7 @@ def test_the_instance_registry_is_the_same_at_every_replica_and_outlives_restart
     try:
         # Registered at a: b knows it at once (a heartbeat there is no 404).
         assert register(a.url, "kept", 8001) == {"instance_id": "kept", "re_registered": False}
-        reply = httpx.put(f"{b.url}{INSTANCES_PATH}/kept/heartbeat", timeout=30)
+        reply = http.put(f"{b.url}{INSTANCES_PATH}/kept/heartbeat", timeout=30)
         assert reply.status_code == 200, reply.text
         register(b.url, "silent", 8002)
         workload = Workload(seed=6)
@@ -698,11 +750,11 @@ def test_the_instance_registry_is_the_same_at_every_replica_and_outlives_restart
         assert listing(a.url) == listing(b.url) == [kept_record]
 
         # A departure at one replica frees the instance's resources at both.
-        assert httpx.delete(f"{b.url}{INSTANCES_PATH}/kept", timeout=30).status_code == 204
+        assert http.delete(f"{b.url}{INSTANCES_PATH}/kept", timeout=30).status_code == 204
         assert settled(lambda: listing(a.url) == [] and l1_instances(a.url) == set()), \
             "kept gone at a"
         assert listing(b.url) == [] and l1_instances(b.url) == set()
-        assert httpx.put(f"{a.url}{INSTANCES_PATH}/kept/heartbeat",
+        assert http.put(f"{a.url}{INSTANCES_PATH}/kept/heartbeat",
                          timeout=30).status_code == 404
     finally:
         if beats is not None:

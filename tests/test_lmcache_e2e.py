@@ -55,14 +55,20 @@ class Fleet(ServerFleet):
         self.l2_dir = str(tmp_path_factory.mktemp("shared-l2"))
         self.coordinator = start_coordinator("--enable-blend-lookup")
         self.url = self.coordinator.url
+        # One client for the tests' requests (`httpx.post(...)` builds one, SSL context and
+        # all, ~45 ms, per call: each poll of a wait). No keep-alive: no connection outlives
+        # the coordinator it went to (it is restarted on the same port).
+        self.http = httpx.Client(timeout=HTTP_TIMEOUT,
+                                 limits=httpx.Limits(max_keepalive_connections=0))
         super().__init__(coordinator_url=self.url, l2_dir=self.l2_dir,
                          log_dir=str(tmp_path_factory.mktemp("lmcache-logs")))
         try:
-            for name in ("A", "B"):
-                self.start(name, instance_id=f"server-{name}",
-                           module_config={"builtin_lookup": True, "blend_timeout": BUDGET})
-            self.start("C", front_end=False, instance_id="server-C",
-                       module_config={"blend_timeout": BUDGET})
+            self.start_many({
+                **{name: dict(instance_id=f"server-{name}",
+                              module_config={"builtin_lookup": True, "blend_timeout": BUDGET})
+                   for name in ("A", "B")},
+                "C": dict(front_end=False, instance_id="server-C",
+                          module_config={"blend_timeout": BUDGET})})
         except BaseException:
             self.close()  # no process outlives a failed set-up
             raise
@@ -76,14 +82,14 @@ class Fleet(ServerFleet):
         """How many chunks of `sequence` the coordinator's blend index offers."""
         body = {"tokens_b64": encode_tokens(np.asarray(sequence, dtype=np.uint32)),
                 "model_name": model, "world_size": 1, "cache_salt": ""}
-        reply = httpx.post(f"{self.url}{BLEND_LOOKUP_PATH}", json=body, timeout=HTTP_TIMEOUT)
+        reply = self.http.post(f"{self.url}{BLEND_LOOKUP_PATH}", json=body)
         return len(reply.json()["matches"])
 
     def directory(self, sequence: list[int]) -> list[dict]:
         """The coordinator's record of each chunk of `sequence` (its key, its placements);
         the tokens form hashes them as LMCache does."""
         body = {"token_ids": sequence, "model_name": MODEL, "world_size": 1}
-        reply = httpx.post(f"{self.url}{DIRECTORY_LOOKUP_PATH}", json=body, timeout=HTTP_TIMEOUT)
+        reply = self.http.post(f"{self.url}{DIRECTORY_LOOKUP_PATH}", json=body)
         return reply.json()["results"]
 
     def placements(self, sequence: list[int]) -> list[dict]:
@@ -91,7 +97,7 @@ class Fleet(ServerFleet):
         return [p for result in self.directory(sequence) for p in result["placements"]]
 
     def instances(self) -> list[str]:
-        reply = httpx.get(f"{self.url}{INSTANCES_PATH}", timeout=HTTP_TIMEOUT)
+        reply = self.http.get(f"{self.url}{INSTANCES_PATH}")
         return [i["instance_id"] for i in reply.json()["instances"]]
 
     def in_l2(self, sequence: list[int]) -> bool:
@@ -117,6 +123,7 @@ class Fleet(ServerFleet):
     def close(self) -> None:
         super().close()
         self.coordinator.stop()
+        self.http.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -37,7 +38,8 @@ from plugin.harness.lmcache_process import EngineClient, start_lmcache_server  #
 C = 256
 MODEL = "fleet-model"  # EngineClient's default model
 INSTANCE = "server-L"
-TIMEOUT_S = 6  # the replicas' --instance-timeout
+TIMEOUT_S = 4  # the replicas' --instance-timeout: 8 heartbeat intervals of silence
+HEARTBEAT_S = 0.5  # the server's --coordinator-heartbeat-interval
 rng = random.Random(20261130)
 settled = functools.partial(wait_until, timeout=90.0, interval=0.1)
 
@@ -63,17 +65,23 @@ def fleet_matches(url: str, sequence: list[int]) -> int:
 def test_lmcache_server_with_two_replicas_keeps_its_registration_when_one_dies(tmp_path):
     flags = ("--enable-blend-lookup", "--chunk-size", str(C), "--instance-timeout",
              str(TIMEOUT_S), "--health-check-interval", "0.5")
+    names = ("a", "b")
     with launch_nats_cluster(1, tmp_path / "nats") as nats:
         replicas, server, client = [], None, None
         try:
-            for name in ("a", "b"):
-                replicas.append(start_coordinator(*flags, "--event-log", nats.urls,
-                                                  "--replica-name", name))
+            with ThreadPoolExecutor(len(names)) as pool:  # each takes seconds to start
+                starting = [pool.submit(start_coordinator, *flags, "--event-log", nats.urls,
+                                        "--replica-name", name) for name in names]
+            for future in starting:  # every one started is stopped below, even if one failed
+                if future.exception() is None:
+                    replicas.append(future.result())
+            for future in starting:
+                future.result()
             a, b = replicas
             server = start_lmcache_server(
                 "L", coordinator_url=f"{a.url},{b.url}", instance_id=INSTANCE,
                 log_dir=str(tmp_path), module_config={"blend_timeout": 0.5},
-                extra_flags=["--coordinator-heartbeat-interval", "0.5"])
+                extra_flags=["--coordinator-heartbeat-interval", str(HEARTBEAT_S)])
             client = EngineClient(server.rpc_url, instance_id=4242)
             status = client.status()
             assert status["reporting"] == "plugin"  # LMCache's sink would fail every flush
@@ -91,10 +99,11 @@ def test_lmcache_server_with_two_replicas_keeps_its_registration_when_one_dies(t
             a.process.kill()
             a.process.wait()
             beats = client.status()["registration"]["heartbeats"]
-            # Long enough for b's reaper to have reaped a server that went silent: the
-            # heartbeat interval is 0.5 s, so 3 timeouts' worth of beats.
+            # Long enough for b's reaper to have reaped a server that went silent: 3
+            # timeouts' worth of beats.
             assert settled(lambda: client.status()["registration"]["heartbeats"]
-                           >= beats + 6 * TIMEOUT_S, timeout=240), "heartbeats at b"
+                           >= beats + 3 * TIMEOUT_S / HEARTBEAT_S, timeout=240), \
+                "heartbeats at b"
             registration = client.status()["registration"]
             assert registration["url"] == b.url and registration["moved"] >= 1
             assert registration["registrations"] == 1 and registration["forgotten"] == 0

@@ -71,8 +71,8 @@ def test_lmcache_servers_with_scoped_tokens(tmp_path):
         with ServerFleet(coordinator_url=coordinator.url, l2_dir=str(l2_dir),
                          log_dir=str(tmp_path / "logs"), front_end=False, env=env,
                          module_config={"blend_timeout": 0.5}) as fleet:
-            c = fleet.start("C", instance_id="srv-c")
-            x = fleet.start("X", instance_id="srv-x")
+            c, x = fleet.start_many({"C": dict(instance_id="srv-c"),
+                                     "X": dict(instance_id="srv-x")})
             doc = tokens(2 * C)
             assert c.store(doc, "c-doc")
             assert settled(lambda: fleet_matches(doc) == 2)  # C's events were taken

@@ -165,9 +165,16 @@ def _spawn(command: str, log: Path) -> subprocess.Popen:
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _stop(process: subprocess.Popen, timeout: float = 30.0) -> int:
-    if process.poll() is None:
+def _terminate(process: subprocess.Popen) -> None:
+    """SIGTERM, once (a second one cuts LMCache's shutdown short); `_stop` then waits."""
+    if process.poll() is None and not getattr(process, "sigterm_sent", False):
         os.killpg(process.pid, signal.SIGTERM)  # bash, or what it exec'd, and its children
+        process.sigterm_sent = True
+
+
+def _stop(process: subprocess.Popen, timeout: float = 30.0) -> int:
+    _terminate(process)
+    if process.poll() is None:
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -315,6 +322,8 @@ def test_run_lines_work_as_written(tmp_path):
             for line, log, server in running:
                 _check_lmcache_server(line, log, server, ports, coordinator_url)
         finally:
+            for _, _, server in running:  # all shut down side by side, as each takes seconds
+                _terminate(server)
             codes = [(_stop(server), log) for _, log, server in running]
         for code, log in codes:
             assert code in (0, -signal.SIGTERM), log.read_text()[-3000:]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -449,7 +450,8 @@ class ServerFleet:
     """Named servers, each with one `EngineClient` (what tests, the demo and benchmarks run).
 
     `start(name, **options)` starts a server with the fleet's options (the call's win) and
-    connects a client (`client_options` for all); `restart(name)` stops it gracefully and
+    connects a client (`client_options` for all); `start_many({name: options})` starts
+    several side by side, then connects their clients; `restart(name)` stops it gracefully and
     starts it again as before; `close()` closes every client, then stops every server (side
     by side, each gracefully). A fleet whose start fails part-way closes what it started (as
     a context manager, or by the caller's `close()`): no process outlives it.
@@ -467,6 +469,34 @@ class ServerFleet:
         options = {**self._server_options, **options}
         self._started_with[name] = options
         self.servers[name] = start_lmcache_server(name, **options)
+        return self._connect(name)
+
+    def start_many(self, servers: dict[str, dict]) -> list[EngineClient]:
+        """`start` for several servers (name -> options), their processes side by side: each
+        spends seconds importing torch and LMCache, mostly on one core, so two or three
+        starting together are ready in little more than one's time. Clients connect once
+        every server is ready, one by one in the given order (engine ids as with `start`).
+        If one fails, those that started are kept, for `close()` to stop, and its error
+        is raised; so too when this thread is interrupted (a signal, Ctrl-C): the starts
+        under way are waited for and kept, as no process may outlive the fleet."""
+        for name, options in servers.items():
+            self._started_with[name] = {**self._server_options, **options}
+        pool = ThreadPoolExecutor(max(1, len(servers)))
+        starting = {name: pool.submit(start_lmcache_server, name, **self._started_with[name])
+                    for name in servers}
+        try:
+            wait(starting.values())
+        finally:
+            pool.shutdown(wait=True)
+            for name, future in starting.items():
+                if future.exception() is None:
+                    self.servers[name] = future.result()
+        for future in starting.values():
+            if future.exception() is not None:
+                raise future.exception()
+        return [self._connect(name) for name in servers]
+
+    def _connect(self, name: str) -> EngineClient:
         engine_id = self._engine_ids.setdefault(name, 1000 + len(self._engine_ids))
         self.clients[name] = EngineClient(self.servers[name].rpc_url, instance_id=engine_id,
                                           **self._client_options)
