@@ -38,16 +38,18 @@ class Router:
         self.coordinator = CoordinatorClient(config)
         self.session: aiohttp.ClientSession | None = None
 
-    async def choose(self, tokens: np.ndarray | None, body: dict) -> tuple[str | None, str]:
+    async def choose(self, tokens: np.ndarray | None, body: dict
+                     ) -> tuple[str | None, str, int]:
         model_name = self.config.model_name or body.get("model")
         cache_salt = body.get("cache_salt", "")
         if tokens is None or not tokens.size or not isinstance(model_name, str) \
                 or not model_name or not isinstance(cache_salt, str):
             return choose_instance(self.fleet, None, unscored_reason="unscored",
-                                   request_tokens=0 if tokens is None else int(tokens.size))
+                                   request_tokens=0 if tokens is None else int(tokens.size),
+                                   cost=self.config.load_cost)
         scores = await self.coordinator.score(tokens, model_name, cache_salt)
         return choose_instance(self.fleet, scores, unscored_reason="coordinator-unavailable",
-                               request_tokens=int(tokens.size))
+                               request_tokens=int(tokens.size), cost=self.config.load_cost)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -59,15 +61,14 @@ class Router:
         except (ValueError, BadRequest) as exc:  # json.JSONDecodeError is a ValueError
             detail = str(exc) if isinstance(exc, BadRequest) else f"the body is not JSON: {exc}"
             return web.json_response({"detail": detail}, status=422)
-        instance, reason = await self.choose(tokens, body)
+        instance, reason, prefill = await self.choose(tokens, body)
         if instance is None:
             return web.json_response(
                 {"detail": "no serving instance is registered with the coordinator (yet)"},
                 status=503)
-        size = 0 if tokens is None else int(tokens.size)
         for attempt in range(2):
             try:
-                return await self.forward(request, raw, instance, reason, size)
+                return await self.forward(request, raw, instance, reason, prefill)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 log.warning("instance %s unreachable (%s)", instance, type(exc).__name__)
                 failed, instance = instance, self.fleet.least_loaded(exclude=instance)
@@ -78,15 +79,16 @@ class Router:
         raise AssertionError("unreachable")
 
     async def forward(self, request: web.Request, raw: bytes, instance: str, reason: str,
-                      tokens: int) -> web.StreamResponse:
-        self.fleet.begin(instance, tokens)
+                      prefill_tokens: int) -> web.StreamResponse:
+        in_flight = self.fleet.begin(instance, prefill_tokens)
         try:
             return await forward(self.session, request, raw,
                                  self.fleet.urls[instance] + request.path,
                                  {"X-Routed-To": instance, "X-Route-Reason": reason},
-                                 self.config.backend_timeout_s)
+                                 self.config.backend_timeout_s,
+                                 on_first_piece=lambda: self.fleet.first_piece(in_flight))
         finally:
-            self.fleet.end(instance, tokens)
+            self.fleet.end(in_flight)
 
 
 ROUTER = web.AppKey("router", Router)

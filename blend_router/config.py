@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from blend_router.policy import LoadCost
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class RouterConfig:
     world_size: int = 1
     #: Seconds an instance may take to answer (a whole streamed answer included).
     backend_timeout_s: float = 600.0
+    #: How queued work weighs against reuse in the choice (`--inflight-cost`, `--max-imbalance`).
+    load_cost: LoadCost = field(default_factory=LoadCost)
 
     def __post_init__(self) -> None:
         if not self.coordinator_url.startswith(("http://", "https://")):

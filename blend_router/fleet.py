@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from blend_wire import InstancesReply
 
 
+@dataclass
+class InFlight:
+    """One request out to `instance`: `prefill_tokens` still queued until its first piece."""
+
+    instance: str
+    prefill_tokens: int
+    prefilled: bool = False
+
+
 class Fleet:
-    """The instances the registry lists, and the requests this router has in flight to each."""
+    """The instances the registry lists, and per instance the requests this router has in
+    flight there (`in_flight`) and their tokens still to prefill (`prefill_tokens`: counted
+    from `begin` until the answer's first piece, `first_piece`, or its end)."""
 
     def __init__(self) -> None:
         self.urls: dict[str, str] = {}
         self.in_flight: dict[str, int] = {}
+        self.prefill_tokens: dict[str, int] = {}
         self._turn = itertools.count()
 
     def update(self, listing: InstancesReply) -> None:
@@ -29,13 +42,22 @@ class Fleet:
         idle = [i for i in ids if self.in_flight.get(i, 0) == least]
         return idle[next(self._turn) % len(idle)]
 
-    def begin(self, instance: str, tokens: int) -> None:
-        """A request of `tokens` prompt tokens goes out to `instance`."""
+    def begin(self, instance: str, prefill_tokens: int) -> InFlight:
+        """A request expected to prefill `prefill_tokens` tokens goes out to `instance`."""
         self.in_flight[instance] = self.in_flight.get(instance, 0) + 1
+        self.prefill_tokens[instance] = self.prefill_tokens.get(instance, 0) + prefill_tokens
+        return InFlight(instance, prefill_tokens)
 
-    def end(self, instance: str, tokens: int) -> None:
+    def first_piece(self, request: InFlight) -> None:
+        """The instance sent the first piece of its answer: the prefill is done."""
+        if not request.prefilled:
+            request.prefilled = True
+            self.prefill_tokens[request.instance] -= request.prefill_tokens
+
+    def end(self, request: InFlight) -> None:
         """The request `begin` counted is over (answered, failed or abandoned)."""
-        self.in_flight[instance] -= 1
+        self.first_piece(request)
+        self.in_flight[request.instance] -= 1
 
 
 def _host(ip: str) -> str:

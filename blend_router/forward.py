@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
@@ -11,9 +12,12 @@ log = logging.getLogger(__name__)
 
 
 async def forward(session: aiohttp.ClientSession, request: web.Request, raw: bytes, url: str,
-                  headers: dict[str, str], timeout_s: float) -> web.StreamResponse:
+                  headers: dict[str, str], timeout_s: float,
+                  on_first_piece: Callable[[], None] = lambda: None) -> web.StreamResponse:
     """POST `raw` to `url` and stream the answer to `request`'s client, with `headers`
-    added to the answer's (`X-Routed-To`, `X-Route-Reason`)."""
+    added to the answer's (`X-Routed-To`, `X-Route-Reason`). `on_first_piece` is called
+    when the first piece of the answer's body arrives (streamed: the first token, so the
+    prefill is over)."""
     out = {"Content-Type": request.headers.get("Content-Type", "application/json")}
     if "Authorization" in request.headers:
         out["Authorization"] = request.headers["Authorization"]
@@ -24,7 +28,11 @@ async def forward(session: aiohttp.ClientSession, request: web.Request, raw: byt
             **headers})
         await response.prepare(request)
         try:
+            first = True
             async for piece in upstream.content.iter_any():
+                if first:
+                    first = False
+                    on_first_piece()
                 await response.write(piece)
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Headers are sent: all that is left is to end the stream early.
