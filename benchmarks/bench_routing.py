@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_rag import MUSIQUE_DATA_DIR, load_musique, prompt
+from benchmarks.bench_rag import load_musique, prompt
 from benchmarks.common import machine_description
+from benchmarks.musique_data import MUSIQUE_DATA_DIR
 from benchmarks.routing_sim import (
     POLICIES,
     Rates,
