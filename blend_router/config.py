@@ -26,6 +26,8 @@ class RouterConfig:
     backend_timeout_s: float = 600.0
     #: How queued work weighs against reuse in the choice (`--inflight-cost`, `--max-imbalance`).
     load_cost: LoadCost = field(default_factory=LoadCost)
+    #: Ask an engine's `POST /tokenize` for text the `--tokenizer` file cannot tokenize.
+    engine_tokenize: bool = False
 
     def __post_init__(self) -> None:
         if not self.coordinator_url.startswith(("http://", "https://")):

@@ -19,12 +19,14 @@ class InFlight:
 
 class Fleet:
     """The instances the registry lists, and per instance the requests this router has in
-    flight there (`in_flight`) and their tokens still to prefill (`prefill_tokens`: counted
-    from `begin` until the answer's first piece, `first_piece`, or its end)."""
+    flight there (`in_flight`), of them those still waiting for their first piece
+    (`prefilling`: queued or in prefill) and their tokens to prefill (`prefill_tokens`);
+    counted from `begin` until the answer's first piece (`first_piece`) or its end."""
 
     def __init__(self) -> None:
         self.urls: dict[str, str] = {}
         self.in_flight: dict[str, int] = {}
+        self.prefilling: dict[str, int] = {}
         self.prefill_tokens: dict[str, int] = {}
         self._turn = itertools.count()
 
@@ -42,9 +44,16 @@ class Fleet:
         idle = [i for i in ids if self.in_flight.get(i, 0) == least]
         return idle[next(self._turn) % len(idle)]
 
+    def any_url(self) -> str | None:
+        """An instance's URL, each in turn (None: none known): any engine of the fleet
+        tokenizes as the others do."""
+        urls = list(self.urls.values())
+        return urls[next(self._turn) % len(urls)] if urls else None
+
     def begin(self, instance: str, prefill_tokens: int) -> InFlight:
         """A request expected to prefill `prefill_tokens` tokens goes out to `instance`."""
         self.in_flight[instance] = self.in_flight.get(instance, 0) + 1
+        self.prefilling[instance] = self.prefilling.get(instance, 0) + 1
         self.prefill_tokens[instance] = self.prefill_tokens.get(instance, 0) + prefill_tokens
         return InFlight(instance, prefill_tokens)
 
@@ -52,6 +61,7 @@ class Fleet:
         """The instance sent the first piece of its answer: the prefill is done."""
         if not request.prefilled:
             request.prefilled = True
+            self.prefilling[request.instance] -= 1
             self.prefill_tokens[request.instance] -= request.prefill_tokens
 
     def end(self, request: InFlight) -> None:

@@ -8,14 +8,17 @@ baselines.
 
 The estimate, in prompt tokens (a token to prefill is the unit of work):
 
-    cost(i) = (request_tokens - score(i))              this request's own prefill at i
-            + queued_weight * prefill_tokens(i)        prefill queued at i (through this router)
-            + per_request_tokens * requests(i)         requests in flight at i (their decode)
+    cost(i) = (request_tokens - score(i))                   this request's own prefill at i
+            + queued_weight * (prefill_tokens(i)            the prefill queued before it
+                               + per_request_tokens * prefilling(i))   and those requests' decode
 
-The instance with the lowest cost wins, among those with at most `max_imbalance` more
-requests in flight than the least-loaded one; ties go to fewer requests in flight, then
+where `prefilling(i)` counts the requests this router sent to i that have not had their
+first piece back (queued or in prefill) and `prefill_tokens(i)` their tokens to prefill
+(`Fleet`). The instance with the lowest cost wins, among those with at most `max_imbalance`
+more requests prefilling than the least; ties go to fewer requests in flight, then
 round-robin. With no score every instance's own prefill is the whole request, so the choice
-is by load alone.
+is by load alone. `queued_weight` < 1 leans to reuse: a token this request recomputes is
+work the whole fleet does, a token queued ahead of it only delays it.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ class LoadCost:
     """How much queued work weighs against reuse. The defaults are the router's (and
     `--inflight-cost`, `--max-imbalance`), tuned in `make bench-routing`'s simulation."""
 
-    #: Tokens one request in flight costs its instance beyond its queued prefill: its decode
-    #: shares the GPU with the next prefill.
+    #: Tokens one request waiting for its first piece costs its instance beyond its prefill:
+    #: its decode, which shares the GPU with the next prefill.
     per_request_tokens: float = 512.0
     #: Weight of a token queued for prefill at an instance against one of this request's own.
-    queued_weight: float = 1.0
-    #: An instance with more than this many requests in flight above the least-loaded one
+    queued_weight: float = 0.25
+    #: An instance with more than this many requests prefilling above the least-loaded one
     #: is not chosen, whatever its score (None: no bound).
-    max_imbalance: int | None = 4
+    max_imbalance: int | None = 8
 
     def __post_init__(self) -> None:
         if not 0 <= self.per_request_tokens < float("inf") or \
@@ -68,18 +71,17 @@ def choose_instance(fleet: Fleet, scores: BlendScoreReply | None, *, unscored_re
     if not ids:
         return None, unscored_reason, 0
     score = {} if scores is None else {s.instance_id: s.score for s in scores.instances}
-    requests, queued = fleet.in_flight, fleet.prefill_tokens
+    requests, waiting, queued = fleet.in_flight, fleet.prefilling, fleet.prefill_tokens
     if cost.max_imbalance is not None:
-        bound = min(requests.get(i, 0) for i in ids) + cost.max_imbalance
-        ids = [i for i in ids if requests.get(i, 0) <= bound]
+        bound = min(waiting.get(i, 0) for i in ids) + cost.max_imbalance
+        ids = [i for i in ids if waiting.get(i, 0) <= bound]
     start = next(_turns) % len(ids)  # round-robin among equals: start the scan in turn
     ids = ids[start:] + ids[:start]
 
     def estimate(i: str) -> tuple[float, int]:
         own = max(request_tokens - score.get(i, 0.0), 0.0)
-        waiting = cost.queued_weight * queued.get(i, 0) + \
-            cost.per_request_tokens * requests.get(i, 0)
-        return own + waiting, requests.get(i, 0)
+        ahead = queued.get(i, 0) + cost.per_request_tokens * waiting.get(i, 0)
+        return own + cost.queued_weight * ahead, requests.get(i, 0)
 
     chosen = min(ids, key=estimate)
     best = max((score.get(i, 0.0) for i in fleet.urls), default=0.0)
