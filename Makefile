@@ -84,7 +84,13 @@ bench-popular: $(STAMP)
 	$(PY) -m benchmarks.bench_popular_documents $(ARGS)
 
 # Routing by blend score vs round-robin vs prefix-only on MuSiQue (data: as bench-rag's).
-bench-routing: $(STAMP)
+# The bench extra (matplotlib) draws its plot.
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP)
+	@$(call STEP,installing the bench extra (matplotlib),$(PY) -m pip install --quiet -e '.[bench]')
+	@touch $(BENCH_STAMP)
+
+bench-routing: $(BENCH_STAMP)
 	$(PY) -m benchmarks.bench_routing $(ARGS)
 
 bench-lmcache: $(STAMP)
