@@ -86,8 +86,11 @@ class CountingRelay:
             finally:
                 sink.close()
 
-        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:  # closed: the relay ends here, quietly
+            pass
 
     def close(self) -> None:
         async def shut() -> None:
@@ -195,8 +198,9 @@ def lmcache_server_price(work: Workload, chunk: int, prompts: int, workdir: str)
 
     coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", str(chunk),
                                     "--log-level", "WARNING", stderr=subprocess.DEVNULL)
+    # The server logs at INFO: the harness waits for its "initialized" line.
     fleet = ServerFleet(coordinator_url=coordinator.url, log_dir=workdir, chunk_size=chunk,
-                        l1_size_gb=1.0)
+                        l1_size_gb=1.0, env={"LMCACHE_LOG_LEVEL": "INFO"})
     price = ServerPrice()
     try:
         client = fleet.start(f"c{chunk}", instance_id=f"granularity-{chunk}")
