@@ -46,10 +46,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from benchmarks.bench_rag import (DATA_FILE, INSTANCES, MUSIQUE_DATA_DIR, Run, Workload,
-                                  chunk_sizes, load_musique, run_one, workload_a, workload_b)
+from benchmarks.bench_rag import (INSTANCES, Run, Workload, chunk_sizes, load_musique, run_one,
+                                  workload_a, workload_b)
 from benchmarks.bench_unified_lookup import MODEL
 from benchmarks.common import machine_description
+from benchmarks.musique_data import DATA_FILE, MUSIQUE_DATA_DIR
 from coordinator_stub.launch.process import start_coordinator
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig
 from plugin.http import coordinator_http
