@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -16,6 +17,8 @@ from aiohttp import web
 from blend_router.app import create_router
 from blend_router.config import RouterConfig, parse_backend
 from blend_router.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+
+log = logging.getLogger("blend_router")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,14 +88,17 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
         await web.TCPSite(runner, host, port).start()
     except OSError as exc:
         await runner.cleanup()
-        print(f"cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        log.critical("cannot listen on http://%s:%s: %s%s", host, port, exc.strerror or exc,
+                     " (another process holds the port: stop it, or choose another with "
+                     "--port; --port 0 picks a free one)"
+                     if exc.errno == errno.EADDRINUSE else "")
         return 1
-    bound_host, bound_port = runner.addresses[0][:2]
-    print(f"listening on http://{bound_host}:{bound_port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    bound_host, bound_port = runner.addresses[0][:2]
+    print(f"listening on http://{bound_host}:{bound_port}", flush=True)
     await stop.wait()
     await runner.cleanup()
     return 0

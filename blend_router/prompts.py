@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing
+import os
+import threading
+import time
 from typing import Annotated, Union
 
 import msgspec
@@ -118,6 +121,15 @@ def _completion_prompt(prompt, parsed: ParsedRequest) -> None:
     # several texts in one request: nothing one instance is best for
 
 
+def _exit_with_parent(parent: int) -> None:
+    """In the worker: exit once the router is gone (killed, it shuts nothing down)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 class Parser:
     """`parse_request`, inline for small bodies and in one worker process for large ones."""
 
@@ -125,9 +137,11 @@ class Parser:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def start(self) -> None:
-        # forkserver: the worker does not inherit the router's threads or sockets.
+        # spawn: the worker inherits none of the router's threads or sockets; it exits
+        # when the router does, however that ends.
         self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("forkserver"))
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_exit_with_parent, initargs=(os.getpid(),))
         self._pool.submit(int).result()  # started (and this module imported) now, not later
 
     def close(self) -> None:
