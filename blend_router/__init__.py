@@ -8,10 +8,17 @@ request, forwards the request to that instance's URL from the registry (`GET /in
 nothing to say (nobody holds any of the request), it picks the least-loaded instance
 (fewest requests in flight through this router), round-robin among equals.
 
+Modules, one job each: `config` (RouterConfig), `prompts` (what of a body is scored),
+`tokenizer` (text to ids), `coordinator` (registry and score calls), `fleet` (instances and
+their load), `policy` (`choose_instance`: the choice of instance), `forward` (to the
+instance and back), `app` (the HTTP application).
+
 A client of the coordinator: it imports the wire contract (`blend_wire`), never the
 coordinator's package nor the plugin (tests/test_layering.py).
 """
 
-from blend_router.router import RouterConfig, Tokenizer, create_router
+from blend_router.app import create_router
+from blend_router.config import RouterConfig
+from blend_router.tokenizer import Tokenizer
 
 __all__ = ["RouterConfig", "Tokenizer", "create_router"]

@@ -13,7 +13,9 @@ import sys
 
 from aiohttp import web
 
-from blend_router.router import DEFAULT_TOKENIZER, RouterConfig, Tokenizer, create_router
+from blend_router.app import create_router
+from blend_router.config import RouterConfig
+from blend_router.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -214,17 +214,29 @@ class KeyDirectory:
         """Index at `chunk_size` from now on (LMCache 0.5.7's `bind_chunk_size`, whose
         rules the caller checks); False if it already was. Chunks indexed at the old size
         cannot be chunks at the new one: they leave the index (their placements, and the
-        tokens directory queries show, stay)."""
+        tokens directory queries show, stay). All or nothing: the new index is built
+        first and the bindings change under the undo journal, so a bind that fails
+        (say, out of memory) leaves the size, the index and the bindings as they were."""
         with self._lock:
             if chunk_size == self.chunk_size:
                 return False
-            self._bindings.unindex_all()
-            self.chunk_size = chunk_size
-            self._bindings.size_warned.clear()
+            index = None
             if self._index is not None:
                 from local_matcher import ContentIndex
 
-                self._new_index(ContentIndex, chunk_size)
+                index = ContentIndex(chunk_size=chunk_size, probe_stride=self.probe_stride)
+            self._journal.begin()
+            try:
+                self._bindings.unindex_all()
+            except BaseException:
+                self._journal.rollback()
+                raise
+            self._journal.commit()
+            self.chunk_size = chunk_size
+            self._bindings.size_warned.clear()
+            if index is not None:
+                self._bindings.writer = IndexWriter(index, chunk_size)
+                self._index = index
             return True
 
     def has_ghosts(self, registered: Callable[[str], bool]) -> bool:

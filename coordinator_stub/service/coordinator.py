@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from blend_wire import (
@@ -250,7 +251,23 @@ class Coordinator:
                                 f"{','.join(scope.instances)}: name one in instance_id "
                                 "(an empty one would be assigned at random)")
             scope.check_instance(request.instance_id, "$.instance_id")
+        if request.chunk_size is not None and not scope.unrestricted:
+            request = self._unbound_by_scoped(request)
         return request
+
+    def _unbound_by_scoped(self, request: RegisterRequest) -> RegisterRequest:
+        """A registration of a scoped emitter does not bind the fleet's chunk size (as
+        `PUT /config/chunk-size` needs an unscoped emitter: the size applies to every
+        tenant). Its size must be the coordinator's, bound or not (else
+        `ChunkSizeConflict`); it is registered without it (WIRE.md, "Instances")."""
+        current = self.directory.chunk_size
+        if request.chunk_size != current:
+            raise ChunkSizeConflict(
+                f"this server's chunk size is {request.chunk_size} and the coordinator's is "
+                f"{current}; a token scoped by instances= or salts= cannot bind the fleet's "
+                f"chunk size: start the coordinator with --chunk-size {request.chunk_size}, "
+                "or bind it with an unscoped emitter token (PUT /config/chunk-size)")
+        return msgspec.structs.replace(request, chunk_size=None)
 
     def check_registration(self, request: RegisterRequest) -> RegisterRequest:
         """Bind the chunk size a registration carries (ChunkSizeConflict)."""
