@@ -24,7 +24,7 @@ from blend_wire.codec import convert_query, decode, encode
 from blend_wire.events import (CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
                                EventsRequest, EventType, Tier, batches_of, compile_decoding,
                                decode_batch)
-from blend_wire.fleet import (MAX_METADATA_CHARS, MAX_REGISTRATION_BODY_BYTES, BlendIndexStats,
+from blend_wire.fleet import (MAX_CHUNK_SIZE, MAX_METADATA_CHARS, MAX_REGISTRATION_BODY_BYTES, BlendIndexStats,
                               ChunkSizeBindReply, ChunkSizeBindRequest, DirectoryKeyInfo,
                               DirectoryKeysQuery, DirectoryKeysReply, DirectoryLookupReply,
                               DirectoryLookupRequest, DirectoryStats, HealthReply,

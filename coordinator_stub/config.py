@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from blend_wire import is_loopback_host
+from blend_wire import MAX_CHUNK_SIZE, is_loopback_host
 from coordinator_stub.scopes import tokens_from
 
 DEFAULT_HOST = "127.0.0.1"
@@ -83,6 +83,9 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.chunk_size > MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_size must be at most {MAX_CHUNK_SIZE} (WIRE.md, \"PUT "
+                             f"/config/chunk-size (LMCache 0.5.7)\"), got {self.chunk_size}")
         if self.max_ingest_bytes < self.max_body_bytes:
             raise ValueError(f"max_ingest_bytes ({self.max_ingest_bytes}) must be at least "
                              f"max_body_bytes ({self.max_body_bytes}), or the largest "
@@ -243,7 +246,8 @@ def _lookup_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
                        help="tokens per chunk; only stored content of exactly this many "
                             "tokens is indexed. The minimum an LMCache 0.5.7 fleet may "
-                            "bind with PUT /config/chunk-size (default: %(default)s)")
+                            f"bind with PUT /config/chunk-size; at most {MAX_CHUNK_SIZE} "
+                            "(default: %(default)s)")
     group.add_argument("--blend-probe-stride", type=_positive_int, default=1,
                        help="probe the query every N positions; 1 finds every stored chunk "
                             "at any offset (full recall), larger values trade recall for "

@@ -28,7 +28,7 @@ from blend_wire import BLEND_LOOKUP_PATH, BlendLookupRequest, BlendNamespace, en
 from plugin.config import DEFAULT_MAX_REPLY_BYTES, PluginConfig, coordinator_url_list
 from plugin.http import coordinator_http
 from plugin.replies import QueryFailed, found_in, read_capped
-from plugin.types import BreakerState, FleetReply, FoundContent, MatchState
+from plugin.types import BreakerState, FleetReply, FoundColumns, MatchState
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class BlendCoordinatorClient:
                     self._stats.late_discarded += 1
                 return
 
-    def _round_trip(self, query: _Query, budget: float) -> tuple[FoundContent, ...]:
+    def _round_trip(self, query: _Query, budget: float) -> FoundColumns:
         namespace, endpoint = query.namespace, query.endpoint
         asked_candidates = endpoint.candidates
         body = encode(BlendLookupRequest(tokens_b64=encode_tokens(query.tokens),

@@ -33,7 +33,7 @@ from plugin.reporter import CacheEventReporter, ReporterStats
 from plugin.stored import StoredChunks
 from plugin.workers import DaemonPool
 from plugin.types import (CBMatchResult, CBUnifiedLookupResult, FleetStatus,
-                          FoundContent, LookupKey, MatchState, Place, Source, tokens_of)
+                          FoundColumns, NOTHING_FOUND, LookupKey, MatchState, Place, Source, tokens_of)
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ class _Lookup:
     started: bool = False
     calls: int = 0
     prefix_tokens: int | None = None
-    local: list[FoundContent] = field(default_factory=list)
-    fleet: Sequence[FoundContent] = ()
+    local: FoundColumns = field(default_factory=lambda: NOTHING_FOUND)
+    fleet: FoundColumns = field(default_factory=lambda: NOTHING_FOUND)
     fleet_status: FleetStatus = FleetStatus.OFF
     prefetch: list[CBMatchResult] | None = None   # what the sparse prefetch was asked for
     selected: list[Candidate] = field(default_factory=list)
@@ -259,9 +259,9 @@ class BlendPlugin:
             state.fleet_status = FleetStatus.PENDING
         else:
             state.fleet_status = FleetStatus.DECLINED
-        here = Place.THIS_SERVER
-        state.local = [FoundContent(found.positions, here, found.chunks)
-                       for found in self._matcher.candidates(state.tokens, namespace=namespace)]
+        state.local = FoundColumns.of(
+            self._matcher.candidate_columns(state.tokens, namespace=namespace),
+            Place.THIS_SERVER)
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
         request_id = state.request_id
@@ -308,8 +308,8 @@ class BlendPlugin:
         self.traces.append(LookupTrace(
             request_id=state.request_id, num_tokens=len(state.tokens),
             prefix_tokens=state.prefix_tokens,
-            local_matches=sum(len(f.positions) for f in state.local),
-            fleet_matches=sum(len(f.positions) for f in state.fleet),
+            local_matches=len(state.local.positions),
+            fleet_matches=len(state.fleet.positions),
             fleet_status=state.fleet_status, segments=segments,
             sources=[c.source for c in kept], prefetched=len(state.prefetch or ()),
             elapsed_s=self._clock() - state.started_at, calls=state.calls))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from coordinator_stub.directory.gate import IngestGate, Verdict
 from coordinator_stub.directory.journal import Journal, JournaledDict
 from coordinator_stub.directory.placements import Placements
 from coordinator_stub.directory.writer import IndexWriter
+
+if TYPE_CHECKING:
+    from local_matcher.types import CandidateColumns
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,21 @@ class KeyDirectory:
         if index is None or tokens.size < self.chunk_size:
             return []
         return index.candidates(tokens, namespace, wait=wait)
+
+    def candidate_columns(self, tokens: np.ndarray, namespace: BlendNamespace, *,
+                          wait: bool = True) -> CandidateColumns:
+        """`candidates` as columns (`ContentIndex.candidate_columns`)."""
+        index = self._index
+        if index is None or tokens.size < self.chunk_size:
+            from local_matcher.types import EMPTY_COLUMNS
+            return EMPTY_COLUMNS
+        return index.candidate_columns(tokens, namespace, wait=wait)
+
+    def place_columns(self, chunk_hashes: Sequence[bytes], namespace: BlendNamespace
+                      ) -> queries.PlaceColumns:
+        """`places_of` as columns (`queries.place_columns`), without the directory lock."""
+        return queries.place_columns(self._bindings.table, self._placements, chunk_hashes,
+                                     namespace)
 
     def places_of(self, chunk_hashes: list[bytes], namespace: BlendNamespace
                   ) -> list[tuple[list[str], bool]]:
@@ -196,17 +214,29 @@ class KeyDirectory:
         """Index at `chunk_size` from now on (LMCache 0.5.7's `bind_chunk_size`, whose
         rules the caller checks); False if it already was. Chunks indexed at the old size
         cannot be chunks at the new one: they leave the index (their placements, and the
-        tokens directory queries show, stay)."""
+        tokens directory queries show, stay). All or nothing: the new index is built
+        first and the bindings change under the undo journal, so a bind that fails
+        (say, out of memory) leaves the size, the index and the bindings as they were."""
         with self._lock:
             if chunk_size == self.chunk_size:
                 return False
-            self._bindings.unindex_all()
-            self.chunk_size = chunk_size
-            self._bindings.size_warned.clear()
+            index = None
             if self._index is not None:
                 from local_matcher import ContentIndex
 
-                self._new_index(ContentIndex, chunk_size)
+                index = ContentIndex(chunk_size=chunk_size, probe_stride=self.probe_stride)
+            self._journal.begin()
+            try:
+                self._bindings.unindex_all()
+            except BaseException:
+                self._journal.rollback()
+                raise
+            self._journal.commit()
+            self.chunk_size = chunk_size
+            self._bindings.size_warned.clear()
+            if index is not None:
+                self._bindings.writer = IndexWriter(index, chunk_size)
+                self._index = index
             return True
 
     def has_ghosts(self, registered: Callable[[str], bool]) -> bool:
