@@ -77,6 +77,7 @@ class _Endpoint:
     probe_out: bool = False
     failures: int = 0  # consecutive unhealthy failures
     candidates: bool = True  # False once it answered the default form to a candidates query
+    said_blend_off: bool = False  # its "blend lookup off" was logged (once per URL)
 
 
 @dataclass(eq=False)
@@ -402,6 +403,15 @@ class BlendCoordinatorClient:
                     self._stats.late_discarded += 1
                 return
 
+    def _say_blend_off(self, endpoint: _Endpoint) -> None:
+        """Once per URL: why this coordinator's answers hold nothing."""
+        with self._lock:
+            first, endpoint.said_blend_off = not endpoint.said_blend_off, True
+        if first:
+            log.warning("%s has blend lookup off (started without --enable-blend-lookup): it "
+                        "finds nothing, so this server reuses nothing through the fleet. "
+                        "Restart it with --enable-blend-lookup", endpoint.url)
+
     def _round_trip(self, query: _Query, budget: float) -> FoundColumns:
         namespace, endpoint = query.namespace, query.endpoint
         asked_candidates = endpoint.candidates
@@ -432,6 +442,8 @@ class BlendCoordinatorClient:
                 endpoint.candidates = False
             log.info("%s answers blend lookups in LMCache's default form (no candidates): "
                      "using it", endpoint.url)
+        if found.blend_lookup_off:
+            self._say_blend_off(endpoint)
         if found.dropped:
             with self._lock:
                 self._stats.dropped_entries += found.dropped

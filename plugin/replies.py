@@ -52,6 +52,7 @@ class Found:
     default_form: bool = False  # the coordinator answered LMCache's form, not candidates
     dropped: int = 0
     first_reason: str = ""  # why the first dropped entry was dropped
+    blend_lookup_off: bool = False  # the coordinator said its blend lookup is off
 
 
 def read_capped(response: httpx.Response, cap: int, url: str) -> bytes:
@@ -93,7 +94,9 @@ def found_in(content: bytes, url: str, *, chunk_size: int, instance_id: str,
             raise QueryFailed(f"{url} matches {reply.chunk_size}-token chunks, this server "
                               f"stores {chunk_size}: set both to one chunk size",
                               unhealthy=False)
-        return _candidates(reply, chunk_size, instance_id, num_tokens)
+        found = _candidates(reply, chunk_size, instance_id, num_tokens)
+        found.blend_lookup_off = not reply.blend_lookup
+        return found
     if not reply.matches and b'"matches"' not in content:
         # The shape defaults `matches` to empty; a reply without it at all is some other
         # service answering, not "nothing found".
