@@ -128,6 +128,13 @@ class CoordinatorConfig:
                 "tokens (and the token ids of every tenant's prompts) cross the network in "
                 "clear, for anyone on the path to copy; serve HTTPS (--tls-cert, --tls-key) "
                 "or bind a loopback address")
+        if not self.enable_blend_lookup:
+            # LMCache's default, kept (docs/OPERATIONS.md, "Blend lookup is off by
+            # default"); said, because what it costs is invisible: zero fleet reuse.
+            found.append(
+                "blend lookup is off (no --enable-blend-lookup): blend lookups answer no "
+                "matches, so serving processes reuse nothing through the fleet; start the "
+                "coordinator with --enable-blend-lookup to index content and match it")
         return found
 
 

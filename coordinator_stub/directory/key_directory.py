@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from coordinator_stub.directory.gate import IngestGate, Verdict
 from coordinator_stub.directory.journal import Journal, JournaledDict
 from coordinator_stub.directory.placements import Placements
 from coordinator_stub.directory.writer import IndexWriter
+
+if TYPE_CHECKING:
+    from local_matcher.types import CandidateColumns
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,21 @@ class KeyDirectory:
         if index is None or tokens.size < self.chunk_size:
             return []
         return index.candidates(tokens, namespace, wait=wait)
+
+    def candidate_columns(self, tokens: np.ndarray, namespace: BlendNamespace, *,
+                          wait: bool = True) -> CandidateColumns:
+        """`candidates` as columns (`ContentIndex.candidate_columns`)."""
+        index = self._index
+        if index is None or tokens.size < self.chunk_size:
+            from local_matcher.types import EMPTY_COLUMNS
+            return EMPTY_COLUMNS
+        return index.candidate_columns(tokens, namespace, wait=wait)
+
+    def place_columns(self, chunk_hashes: Sequence[bytes], namespace: BlendNamespace
+                      ) -> queries.PlaceColumns:
+        """`places_of` as columns (`queries.place_columns`), without the directory lock."""
+        return queries.place_columns(self._bindings.table, self._placements, chunk_hashes,
+                                     namespace)
 
     def places_of(self, chunk_hashes: list[bytes], namespace: BlendNamespace
                   ) -> list[tuple[list[str], bool]]:

@@ -54,7 +54,8 @@ from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, To
 from coordinator_stub.scopes import ANY, Scope
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.service.instances import InstanceRegistry
-from coordinator_stub.service.score import PlacedContent, score_instances
+from coordinator_stub.service.score import score_instances
+from local_matcher.types import EMPTY_COLUMNS
 
 
 log = logging.getLogger(__name__)
@@ -117,15 +118,23 @@ class Coordinator:
 
     def _candidates(self, tokens, namespace, wait: bool) -> BlendCandidatesReply:
         directory = self.directory
-        found = directory.candidates(tokens, namespace, wait=wait)
-        places = iter(directory.places_of(
-            [chunk_hash for content in found for chunk_hash, _ in content.chunks], namespace))
-        return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=[
-            WireFoundContent(positions=content.positions, chunks=[
-                WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=l1,
-                               shared=shared)
-                for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places)])
-            for content in found])
+        found = directory.candidate_columns(tokens, namespace, wait=wait)
+        places = directory.place_columns(found.chunk_hashes, namespace)
+        # The JSON form names each chunk as an object: per-chunk work the wire asks for.
+        names, shared = places.instances, places.shared.tolist()
+        holder_start, holders = places.holder_start.tolist(), places.holders.tolist()
+        offers = [WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=tuple(
+                      names[k] for k in holders[holder_start[i]:holder_start[i + 1]]),
+                      shared=bool(shared[i]))
+                  for i, (chunk_hash, old_st) in enumerate(zip(found.chunk_hashes,
+                                                               found.old_st.tolist()))]
+        positions = found.positions.tolist()
+        pos, chunks = found.position_start.tolist(), found.chunk_start.tolist()
+        return BlendCandidatesReply(chunk_size=self.directory.chunk_size,
+                                    blend_lookup=self.directory.blend_enabled, candidates=[
+            WireFoundContent(positions=positions[pos[i]:pos[i + 1]],
+                             chunks=offers[chunks[i]:chunks[i + 1]])
+            for i in range(found.num_contents)])
 
     def score(self, body: bytes, scope: Scope = ANY) -> BlendScoreReply:
         return self.scores(self.parse_lookup(body, BlendScoreRequest, scope))
@@ -142,23 +151,12 @@ class Coordinator:
         if request.instance_ids is not None:
             asked = set(request.instance_ids)
             instance_ids = [i for i in instance_ids if i in asked]
-        contents = []
-        if directory.blend_enabled and tokens.size >= size:
-            found = directory.candidates(tokens, namespace, wait=wait)
-            places = iter(directory.places_of(
-                [chunk_hash for content in found for chunk_hash, _ in content.chunks],
-                namespace))
-            for content in found:
-                contents.append(PlacedContent(content.positions, tuple(
-                    (chunk_hash, old_st, frozenset(l1), shared)
-                    for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places))))
-        prefix_places = []
-        for l1, shared in directory.places_of(prefix_chunk_hashes(tokens, size), namespace):
-            if not l1 and not shared:
-                break  # no instance's prefix leg goes past a chunk nobody serves
-            prefix_places.append((frozenset(l1), shared))
+        found = (directory.candidate_columns(tokens, namespace, wait=wait)
+                 if directory.blend_enabled and tokens.size >= size else EMPTY_COLUMNS)
+        places = directory.place_columns(found.chunk_hashes, namespace)
+        prefix = directory.place_columns(prefix_chunk_hashes(tokens, size), namespace)
         return BlendScoreReply(chunk_size=size, instances=score_instances(
-            instance_ids, contents, prefix_places, size, self.config.score_shared_weight,
+            instance_ids, found, places, prefix, size, self.config.score_shared_weight,
             self.config.score_peer_weight))
 
     # --- directory queries ------------------------------------------------------------------
