@@ -260,10 +260,11 @@ def _lookup_flags(parser: argparse.ArgumentParser) -> None:
                             "at any offset (full recall), larger values trade recall for "
                             "speed (default: %(default)s)")
     group.add_argument("--trust-shared-hashes", action="store_true",
-                       help="LMCache's rules for a chunk hash stored in several namespaces: "
-                            "one content and offset per hash, set by whichever namespace "
-                            "stored it last, and claimed by a token-less STORE of any "
-                            "namespace. Only for fleets whose namespaces trust each other "
+                       help="LMCache's rules for a chunk hash stored in several namespaces "
+                            "or by several instances: one content and offset per hash, set "
+                            "by whichever namespace or instance stored it last, and claimed "
+                            "by a token-less STORE of any namespace; any reporter changes "
+                            "a shared placement. Only for fleets whose namespaces trust each other "
                             "(one tenant): a namespace's report then changes what the others "
                             "match. Off by default: each namespace keeps its own content and "
                             "offset for a hash (WIRE.md)")

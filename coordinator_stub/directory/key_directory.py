@@ -34,7 +34,7 @@ _COUNTERS = (
     "instances_dropped", "entries_applied", "entries_duplicate", "entries_stale",
     "entries_stored", "entries_deleted", "entries_accessed", "deletes_unknown",
     "accesses_unknown", "token_lists_wrong_length", "token_lists_out_of_range",
-    "chunk_size_mismatched_emitters")
+    "chunk_size_mismatched_emitters", "stores_conflicting", "foreign_placement_changes")
 
 
 class KeyDirectory:
@@ -124,30 +124,42 @@ class KeyDirectory:
 
     # --- ingest -----------------------------------------------------------------------
 
-    def ingest(self, batches: list[CacheEventBatch]) -> EventsReply:
-        """Gate and apply validated batches, in order. Counts are of batches."""
+    def ingest(self, batches: list[CacheEventBatch],
+               speaks_for: Callable[[str], bool] | None = None) -> EventsReply:
+        """Gate and apply validated batches, in order. Counts are of batches.
+        `speaks_for`: the instances the posting token's scope names (None: any); a
+        shared pool's placement another reporter holds changes only if it names that
+        reporter (`Bindings._guarded`)."""
+        with self._lock:
+            if speaks_for is not None:
+                self._bindings.speaks_for = speaks_for
+            try:
+                return self._ingest_locked(batches)
+            finally:
+                vars(self._bindings).pop("speaks_for", None)
+
+    def _ingest_locked(self, batches: list[CacheEventBatch]) -> EventsReply:
         applied = duplicates = stale = 0
         counters = self._counters
-        with self._lock:
-            for batch in batches:
-                position = self._gate.snapshot(batch.instance_id)
-                verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq,
-                                           tier=batch.tier,
-                                           dropped_events=batch.dropped_events, ts=batch.ts)
-                if verdict is Verdict.DUPLICATE:
-                    duplicates += 1
-                    counters["entries_duplicate"] += len(batch.entries)
-                    continue
-                if verdict is Verdict.STALE:
-                    stale += 1
-                    counters["entries_stale"] += len(batch.entries)
-                    continue
-                self._apply_atomically(batch, verdict, position)
-                applied += 1
-                counters["entries_applied"] += len(batch.entries)
-            counters["batches_applied"] += applied
-            counters["batches_duplicate"] += duplicates
-            counters["batches_stale"] += stale
+        for batch in batches:
+            position = self._gate.snapshot(batch.instance_id)
+            verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq,
+                                       tier=batch.tier,
+                                       dropped_events=batch.dropped_events, ts=batch.ts)
+            if verdict is Verdict.DUPLICATE:
+                duplicates += 1
+                counters["entries_duplicate"] += len(batch.entries)
+                continue
+            if verdict is Verdict.STALE:
+                stale += 1
+                counters["entries_stale"] += len(batch.entries)
+                continue
+            self._apply_atomically(batch, verdict, position)
+            applied += 1
+            counters["entries_applied"] += len(batch.entries)
+        counters["batches_applied"] += applied
+        counters["batches_duplicate"] += duplicates
+        counters["batches_stale"] += stale
         return EventsReply(applied=applied, duplicates=duplicates, stale=stale)
 
     def _apply_atomically(self, batch: CacheEventBatch, verdict: Verdict,
@@ -294,6 +306,8 @@ class KeyDirectory:
         # they are, and a differing one is checked against the indexed tokens.
         vars(self).update(state)
         self._lock = threading.Lock()
+        for name in _COUNTERS:  # counters added since the snapshot was written start at 0
+            self._counters.setdefault(name, 0)
 
     def state_parts(self) -> tuple:
         """The objects whose fields make up a snapshot's layout (`snapshot.layout_of`),
