@@ -90,8 +90,8 @@ bench-routing: $(STAMP)
 bench-lmcache: $(STAMP)
 	$(PY) -m benchmarks.bench_lmcache_lookup $(ARGS)
 
-# Reuse on CacheBlend's MuSiQue prompts. The data's one default is MUSIQUE_DATA_DIR in
-# benchmarks/bench_rag.py (--help prints it); elsewhere: ARGS="--data DIR".
+# Reuse on CacheBlend's MuSiQue prompts, shipped in benchmarks/data/musique/ (its README:
+# source, licence, rebuilding the token file); other data: ARGS="--data DIR".
 bench-rag: $(STAMP)
 	$(PY) -m benchmarks.bench_rag $(ARGS)
 

@@ -2,10 +2,11 @@
 
     python -m benchmarks.bench_rag [--data DIR] [--chunk-sizes 256 64] [--queries N]
 
-The prompts are CacheBlend's own MuSiQue subset (`MUSIQUE_DATA_DIR` below, or `--data DIR`;
-see the data's README.md): 150 questions, each a prompt of `system`, its 10 retrieved passages
-concatenated, then the question (~5,800 tokens). Retrieved passages overlap (windows of
-one text), so one run of text can sit at two offsets of one prompt.
+The prompts are CacheBlend's own MuSiQue subset, shipped in benchmarks/data/musique/
+(`benchmarks.musique_data.MUSIQUE_DATA_DIR`, or `--data DIR`; see the data's README.md): 150
+questions, each a prompt of `system`, its 10 retrieved passages concatenated, then the
+question (~5,800 tokens). Retrieved passages overlap (windows of one text), so one run of
+text can sit at two offsets of one prompt.
 
 A fleet of 4 servers (`InMemoryHost`s sharing one L2, so the prefix lookup and the sparse
 prefetch see every chunk the fleet stored) and one bundled coordinator process (blend
@@ -51,8 +52,6 @@ any is wrong. Tables are Markdown.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import logging
 import os
 import subprocess
@@ -68,6 +67,7 @@ import psutil
 from benchmarks.bench_unified_lookup import MODEL, save, timed_lookup
 from benchmarks.common import machine_description, percentile_ms
 from benchmarks.lmcache_reference import lmcache_version
+from benchmarks.musique_data import DATA_FILE, MUSIQUE_DATA_DIR, read_tokens
 from blend_wire import (BLEND_LOOKUP_PATH, CacheEventBatch, CacheEventEntry, EventsRequest,
                         encode, encode_tokens)
 from coordinator_stub.launch.process import start_coordinator
@@ -76,11 +76,6 @@ from plugin.http import coordinator_http
 from plugin.reporter import encode_key
 
 INSTANCES = 4
-REPO = Path(__file__).resolve().parents[1]
-#: The one default for the MuSiQue data (bench_rag and bench_routing; `--data DIR` elsewhere):
-#: CacheBlend's token files, kept beside the checkout, not in it.
-MUSIQUE_DATA_DIR = REPO.parent / "shared" / "data" / "musique"
-DATA_FILE = "musique_tokens.json.gz"
 
 SYSTEMS = ["unified", "local", "fleet", "lmcache_coordinator", "lmcache_local", "once",
            "brute"]
@@ -105,9 +100,8 @@ def load_musique(data_dir: Path) -> tuple[np.ndarray, list[Question]]:
     path = data_dir / DATA_FILE
     if not path.is_file():
         raise SystemExit(f"{path} not found: pass --data DIR, the folder holding {DATA_FILE} "
-                         f"(default: MUSIQUE_DATA_DIR, {MUSIQUE_DATA_DIR})")
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
+                         f"(default: {MUSIQUE_DATA_DIR}, shipped with the checkout)")
+    data = read_tokens(data_dir)
     as_array = lambda ids: np.asarray(ids, dtype=np.uint32)  # noqa: E731
     return as_array(data["system"]), [
         Question([as_array(p) for p in q["passages"]], as_array(q["question"]))

@@ -41,7 +41,8 @@ import httpx
 import numpy as np
 
 from benchmarks.common import machine_description, percentile_ms
-from benchmarks.bench_rag import MUSIQUE_DATA_DIR, load_musique, prompt
+from benchmarks.bench_rag import load_musique, prompt
+from benchmarks.musique_data import MUSIQUE_DATA_DIR
 from blend_wire import (
     BLEND_LOOKUP_PATH,
     BLEND_SCORE_PATH,

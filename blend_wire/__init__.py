@@ -24,8 +24,9 @@ from blend_wire.codec import convert_query, decode, encode
 from blend_wire.events import (CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
                                EventsRequest, EventType, Tier, batches_of, compile_decoding,
                                decode_batch)
-from blend_wire.fleet import (ENGINE_URL_KEY, MAX_METADATA_CHARS, MAX_REGISTRATION_BODY_BYTES,
-                              EngineAddress, engine_address, BlendIndexStats,
+from blend_wire.fleet import (ENGINE_URL_KEY, MAX_CHUNK_SIZE, MAX_METADATA_CHARS,
+                              MAX_REGISTRATION_BODY_BYTES, BlendIndexStats, EngineAddress,
+                              engine_address,
                               ChunkSizeBindReply, ChunkSizeBindRequest, DirectoryKeyInfo,
                               DirectoryKeysQuery, DirectoryKeysReply, DirectoryLookupReply,
                               DirectoryLookupRequest, DirectoryStats, HealthReply,

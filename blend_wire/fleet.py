@@ -17,16 +17,22 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from blend_wire.chunk_keys import MAX_TOKEN_IDS
 from blend_wire.events import EncodedObjectKey
 from blend_wire.values import MAX_WORLD_SIZE, Name, NonNegative
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 OptionalPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-#: A chunk size a server binds (LMCache 0.5.7: `ge=1`); the upper bound is what one
-#: `/events` token list may carry (`MAX_TOKEN_IDS`), so any size that can work fits.
-ChunkSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_IDS)]
+#: The largest chunk size the coordinator binds or is configured with (ours; LMCache
+#: checks only `ge=1`). LMCache's chunk sizes are 256 by default and a few thousand tokens
+#: at most (0.5.7 rounds the configured size up to a multiple of the engine's block
+#: size); 65,536 leaves a 16x margin over 4,096 while the blend index's storage block
+#: (16,384 chunks) stays 4 GiB of address space, mapped as written. At 10^6 it was
+#: 61 GiB, and a bind failed allocating it (WIRE.md, "PUT /config/chunk-size (LMCache
+#: 0.5.7)").
+MAX_CHUNK_SIZE = 65_536
+#: A chunk size a server binds (LMCache 0.5.7: `ge=1`), at most `MAX_CHUNK_SIZE`.
+ChunkSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_SIZE)]
 
 
 # --- /instances -------------------------------------------------------------------------

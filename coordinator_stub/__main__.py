@@ -12,12 +12,14 @@ import logging
 import signal
 import ssl
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from coordinator_stub.aio import cancel_until_done
-from coordinator_stub.http.app import CONNECTIONS, WRITES, create_app
-from coordinator_stub.http.server import listen, runner_for
-from coordinator_stub.config import CoordinatorConfig, parse_args
+
+# The rest loads in `main`, after it holds SIGINT/SIGTERM: importing it takes most of a
+# second, and a signal meanwhile must stop the start-up like any other (exit 0).
+if TYPE_CHECKING:
+    from coordinator_stub.config import CoordinatorConfig
 
 log = logging.getLogger("coordinator_stub")
 
@@ -77,17 +79,20 @@ async def _unless_stopped(step, stop: asyncio.Event):
     return task.result()
 
 
-async def serve(config: CoordinatorConfig) -> int:
+async def serve(config: CoordinatorConfig, held: Sequence[int] = ()) -> int:
     """Serve until SIGINT/SIGTERM; the exit code (1: it could not start — port in use, event
     log unreachable — or a replica that had to stop). A signal at any stage stops it: while
-    kernels compile (once they are done), while a replica waits for its event log or
-    replays it, and while serving."""
-    stop = _stop_on_signals()
+    modules load (`held`: those `main` held), while kernels compile (once they are done),
+    while a replica waits for its event log or replays it, and while serving."""
+    from coordinator_stub.http.app import CONNECTIONS, WRITES, create_app
+    from coordinator_stub.http.server import runner_for
+
     _tune_collector()
     # Building the app compiles every kernel first (seconds on a cold numba cache), so the
     # socket opens, and /healthz answers, only once the coordinator is ready.
     app = create_app(config)
     runner = runner_for(app, config.idle_timeout_s)
+    stop = _stop_on_signals(held)  # the loop takes signals over; one held until now counts
     server = None
     started = False
     try:
@@ -120,12 +125,22 @@ async def serve(config: CoordinatorConfig) -> int:
     return 0
 
 
-def _stop_on_signals() -> asyncio.Event:
-    """An event set by the first SIGINT or SIGTERM."""
+def _hold_signals() -> list[int]:
+    """SIGINT/SIGTERM noted, not fatal, until `serve` takes them over (`_stop_on_signals`)."""
+    held: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: held.append(signum))
+    return held
+
+
+def _stop_on_signals(held: Sequence[int] = ()) -> asyncio.Event:
+    """An event set by the first SIGINT or SIGTERM (already set if one was `held`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if held:
+        stop.set()
     return stop
 
 
@@ -143,6 +158,8 @@ async def _set_up(runner, stop: asyncio.Event) -> bool:
 
 async def _listen(runner, config: CoordinatorConfig) -> asyncio.Server | None:
     """The listening server, or None (said why) when the address cannot be bound."""
+    from coordinator_stub.http.server import listen
+
     try:
         return await listen(runner, config.host, config.port, _tls_context(config))
     except OSError as exc:
@@ -178,10 +195,13 @@ def _announce(config: CoordinatorConfig, server: asyncio.Server, max_connections
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    held = _hold_signals()  # first: a signal from here on stops the start-up, exit 0
+    from coordinator_stub.config import parse_args
+
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, held))
 
 
 if __name__ == "__main__":

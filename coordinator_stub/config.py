@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from blend_wire import is_loopback_host
+from blend_wire import MAX_CHUNK_SIZE, is_loopback_host
 from coordinator_stub.scopes import tokens_from
 
 DEFAULT_HOST = "127.0.0.1"
@@ -83,6 +83,9 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.chunk_size > MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_size must be at most {MAX_CHUNK_SIZE} (WIRE.md, \"PUT "
+                             f"/config/chunk-size (LMCache 0.5.7)\"), got {self.chunk_size}")
         if self.max_ingest_bytes < self.max_body_bytes:
             raise ValueError(f"max_ingest_bytes ({self.max_ingest_bytes}) must be at least "
                              f"max_body_bytes ({self.max_body_bytes}), or the largest "
@@ -125,6 +128,13 @@ class CoordinatorConfig:
                 "tokens (and the token ids of every tenant's prompts) cross the network in "
                 "clear, for anyone on the path to copy; serve HTTPS (--tls-cert, --tls-key) "
                 "or bind a loopback address")
+        if not self.enable_blend_lookup:
+            # LMCache's default, kept (docs/OPERATIONS.md, "Blend lookup is off by
+            # default"); said, because what it costs is invisible: zero fleet reuse.
+            found.append(
+                "blend lookup is off (no --enable-blend-lookup): blend lookups answer no "
+                "matches, so serving processes reuse nothing through the fleet; start the "
+                "coordinator with --enable-blend-lookup to index content and match it")
         return found
 
 
@@ -243,16 +253,18 @@ def _lookup_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
                        help="tokens per chunk; only stored content of exactly this many "
                             "tokens is indexed. The minimum an LMCache 0.5.7 fleet may "
-                            "bind with PUT /config/chunk-size (default: %(default)s)")
+                            f"bind with PUT /config/chunk-size; at most {MAX_CHUNK_SIZE} "
+                            "(default: %(default)s)")
     group.add_argument("--blend-probe-stride", type=_positive_int, default=1,
                        help="probe the query every N positions; 1 finds every stored chunk "
                             "at any offset (full recall), larger values trade recall for "
                             "speed (default: %(default)s)")
     group.add_argument("--trust-shared-hashes", action="store_true",
-                       help="LMCache's rules for a chunk hash stored in several namespaces: "
-                            "one content and offset per hash, set by whichever namespace "
-                            "stored it last, and claimed by a token-less STORE of any "
-                            "namespace. Only for fleets whose namespaces trust each other "
+                       help="LMCache's rules for a chunk hash stored in several namespaces "
+                            "or by several instances: one content and offset per hash, set "
+                            "by whichever namespace or instance stored it last, and claimed "
+                            "by a token-less STORE of any namespace; any reporter changes "
+                            "a shared placement. Only for fleets whose namespaces trust each other "
                             "(one tenant): a namespace's report then changes what the others "
                             "match. Off by default: each namespace keeps its own content and "
                             "offset for a hash (WIRE.md)")

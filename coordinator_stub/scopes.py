@@ -2,9 +2,10 @@
 
 Contract:
 - `tokens_from(file, environ)`: the `(role, token, scope)` grants of a token file (`ROLE
-  TOKEN [instances=P,...] [salts=S,...]` lines) and of the `COORDINATOR_*_TOKEN` variables;
-  empty: access control off. A file or variable that cannot be used raises
-  `AccessConfigError` saying where and why.
+  TOKEN [instances=P,...] [salts=S,...]` lines; `#` starts a comment at the start of a
+  line or after whitespace, and is part of a field anywhere else) and of the
+  `COORDINATOR_*_TOKEN` variables; empty: access control off. A file or variable that
+  cannot be used raises `AccessConfigError` saying where and why.
 - `Scope`: what a token may speak for (instance ids or prefixes ending in `*`, cache
   salts; None: any). Its `check_*` methods raise `coordinator_stub.errors.Forbidden`
   naming what was refused; the service calls them before anything is applied.
@@ -14,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -78,6 +80,9 @@ class Scope:
 
 
 ANY = Scope()
+#: A comment: `#` at the start of a line or after whitespace, to the end of the line. A `#`
+#: inside a field belongs to it (`0123456789abcdefSECRET#more` is one token).
+_COMMENT = re.compile(r"(?:^|\s)#.*")
 
 
 def _salt_list(salts: frozenset[str]) -> str:
@@ -129,7 +134,7 @@ def tokens_from(path: str | None = None, environ: Mapping[str, str] | None = Non
         except OSError as exc:
             raise AccessConfigError(f"cannot read token file {path}: {exc}") from None
         for number, line in enumerate(lines, start=1):
-            line = line.split("#", 1)[0].strip()
+            line = _COMMENT.sub("", line).strip()
             if not line:
                 continue
             fields = line.split()

@@ -43,9 +43,10 @@ DEFAULT_EVENT_TIMEOUT_S = 2.0
 #: Default `abandon_after_s`, in match budgets.
 ABANDON_AFTER_BUDGETS = 4
 
-# WIRE.md: these turn event reporting on; any other value means off, as in LMCache, so a
-# deployment that works there starts here too.
-_TRUE = frozenset({"1", "true", "yes"})
+# A boolean variable's spellings (any case); anything else is refused, naming the variable.
+# LMCache reads only 1/true/yes as on (inside an LMCache server, it resolves the variable).
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True,
+             "0": False, "false": False, "no": False, "off": False}
 
 
 class ConfigError(ValueError):
@@ -117,11 +118,7 @@ class PluginConfig:
 
     def __post_init__(self) -> None:
         # One URL, or several replicas of one coordinator, comma-separated.
-        urls = coordinator_url_list(self.coordinator_url)
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"coordinator_url={url!r} must start with http:// or "
-                                  "https:// (several replicas: comma-separated URLs)")
+        urls = coordinator_url_list(_parse_urls("coordinator_url", self.coordinator_url))
         object.__setattr__(self, "coordinator_url", ",".join(urls) or None)
         object.__setattr__(self, "_coordinator_urls", urls)  # not a field: derived, parsed once
         _check_positive("event_flush_interval", self.event_flush_interval)
@@ -203,9 +200,9 @@ class PluginConfig:
 
         values: dict[str, Any] = {}
         if ENV_COORDINATOR_URL in env:
-            values["coordinator_url"] = env[ENV_COORDINATOR_URL]
-        if ENV_EVENT_REPORTING in env:
-            values["event_reporting"] = env[ENV_EVENT_REPORTING].strip().lower() in _TRUE
+            values["coordinator_url"] = _parse_urls(ENV_COORDINATOR_URL, env[ENV_COORDINATOR_URL])
+        if env.get(ENV_EVENT_REPORTING, "").strip():
+            values["event_reporting"] = _parse_bool(ENV_EVENT_REPORTING, env[ENV_EVENT_REPORTING])
         if ENV_EVENT_FLUSH_INTERVAL in env:
             values["event_flush_interval"] = _parse_seconds(
                 ENV_EVENT_FLUSH_INTERVAL, env[ENV_EVENT_FLUSH_INTERVAL])
@@ -231,6 +228,23 @@ class PluginConfig:
             values["coordinator_ca_file"] = env[ENV_COORDINATOR_CA_FILE].strip()
         values.update(overrides)
         return cls(**values)
+
+
+def _parse_urls(name: str, raw: str | None) -> str | None:
+    """`raw` unchanged if every URL of it (comma-separated) starts with http(s)://."""
+    for url in coordinator_url_list(raw):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{name}={url!r} must start with http:// or https:// "
+                              "(several replicas: comma-separated URLs)")
+    return raw
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = _BOOLEANS.get(raw.strip().lower())
+    if value is None:
+        raise ConfigError(f"{name}={raw!r} is not a boolean: use 1, true, yes or on to turn "
+                          "it on, 0, false, no or off (or leave it unset) for off")
+    return value
 
 
 def _parse_seconds(name: str, raw: str) -> float:

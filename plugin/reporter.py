@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Sequence
 
@@ -24,6 +24,7 @@ from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNa
                         pack_kv_rank, token_ids_of, token_lists_to_json)
 from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig, coordinator_url_list
 from plugin.http import coordinator_http
+from plugin.workers import DaemonPool
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
@@ -134,7 +135,9 @@ class CacheEventReporter:
         self._stop = threading.Event()
         self._owns_executor = executor is None and start
         if self._owns_executor:
-            executor = ThreadPoolExecutor(1, thread_name_prefix="blend-events")
+            # A daemon thread: its flush loop ends only on close(), and must not keep the
+            # process alive without it.
+            executor = DaemonPool(1, thread_name_prefix="blend-events")
         self._executor = executor
         self._flusher: Future | None = executor.submit(self._run) if start else None
 

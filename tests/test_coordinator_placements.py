@@ -27,7 +27,9 @@ INSTANCES = ["i0", "i1", "i2"]
 PLACES = [("l1", "dram", False), ("l1", "cxl", False), ("l2", "disk", False),
           ("l2", "nfs", True)]
 SIZES = [10, 20, 30]
-TOKENS = [(), (), (1, 2, 3, 4), (5, 6, 7, 8)]
+# A hash's tokens, when a STORE carries any: one per hash, as honest servers report them
+# (other tokens under a hash another instance holds are refused: test_coordinator_directory).
+TOKENS_OF = {"a1": (1, 2, 3, 4), "a2": (5, 6, 7, 8), "a3": (1, 2, 3, 4)}
 
 
 def _key(h: str, salt: str, rank: int, group: int) -> EncodedObjectKey:
@@ -122,7 +124,7 @@ def test_placements_totals_and_access_counts_follow_lmcaches_rules(seed):
         for h, salt, rank, group in chosen:
             key = (h, salt, rank, group)
             size = rng.choice(SIZES)
-            tokens = rng.choice(TOKENS)
+            tokens = rng.choice([(), (), TOKENS_OF[h]])
             entries.append(CacheEventEntry(key=_key(*key), size_bytes=size,
                                            token_ids=list(tokens) if kind == "store" else [],
                                            token_offset=0 if tokens else -1))

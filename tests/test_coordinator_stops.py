@@ -117,3 +117,38 @@ def test_sigterm_while_serving_leaves_no_listener():
             process.wait()
     with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_in_the_first_moments_exits_0_without_a_traceback(signum):
+    """While the interpreter loads the coordinator's modules (most of a second, before any
+    event loop exists) and compiles its kernels, a signal still stops it: exit 0, one line
+    saying so, no traceback. Each delay counts from when the interpreter is up (it catches
+    SIGINT from then on), the earliest a Python program can do anything about a signal."""
+    for delay in (0.15, 0.35, 0.6):
+        process = _coordinator()
+        try:
+            deadline = time.monotonic() + 30
+            while not _catches(process.pid, signal.SIGINT):
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.002)
+            time.sleep(delay)
+            process.send_signal(signum)
+            out, err = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert process.returncode == 0, (delay, err)
+        assert "Traceback" not in err, (delay, err)
+        assert "stopped by a signal while starting" in err, (delay, err)
+        assert out == "", (delay, out)  # it never listened

@@ -57,15 +57,22 @@ def test_reads_os_environ_by_default(monkeypatch):
     assert PluginConfig.from_env().fleet_enabled
 
 
-@pytest.mark.parametrize("raw", ["1", "true", "TRUE", "Yes", " yes "])
+@pytest.mark.parametrize("raw", ["1", "true", "TRUE", "Yes", " yes ", "on", "ON"])
 def test_event_reporting_truthy_values(raw):
     assert PluginConfig.from_env({REPORTING: raw}).event_reporting is True
 
 
-@pytest.mark.parametrize("raw", ["0", "false", "No", "", "on", "enabled", "2", "y"])
-def test_event_reporting_any_other_value_means_off(raw):
-    # WIRE.md and LMCache: only 1, true and yes turn it on; anything else is off, not an error.
+@pytest.mark.parametrize("raw", ["0", "false", "No", "OFF", "off", "", "  "])
+def test_event_reporting_falsy_values(raw):
+    # Empty is as if unset: off.
     assert PluginConfig.from_env({REPORTING: raw}).event_reporting is False
+
+
+@pytest.mark.parametrize("raw", ["enabled", "2", "y", "n", "treu", "-1"])
+def test_event_reporting_refuses_anything_else_naming_the_variable(raw):
+    # Silently off was the trap: `=enabled` looked like it worked and reported nothing.
+    with pytest.raises(ConfigError, match=f"{REPORTING}={raw!r} is not a boolean"):
+        PluginConfig.from_env({REPORTING: raw})
 
 
 def test_overrides_win_over_environment():
@@ -89,11 +96,19 @@ def test_url_without_reporting_is_not_fleet_enabled():
     (TIMEOUT, "fast"), (TIMEOUT, "0"), (TIMEOUT, "-1"), (TIMEOUT, "inf"),
     (FLUSH, "soon"), (FLUSH, "0"),
     (EVENT_TIMEOUT, "slow"), (EVENT_TIMEOUT, "0"), (EVENT_TIMEOUT, "nan"),
-    ("LMCACHE_CHUNK_SIZE", "0"),
+    ("LMCACHE_CHUNK_SIZE", "0"), (URL, "127.0.0.1:9300"), (URL, "http://a:1,b:2"),
+    ("LMCACHE_COORDINATOR_BLEND_MAX_REPLY_BYTES", "10"),
+    ("LMCACHE_COORDINATOR_CA_FILE", "/nonexistent/ca.pem"),
 ])
 def test_bad_values_fail_at_start_up_naming_the_variable(name, raw):
     with pytest.raises(ConfigError, match=name):
         PluginConfig.from_env({name: raw})
+
+
+def test_a_bad_url_in_the_environment_names_the_variable_not_the_field():
+    with pytest.raises(ConfigError) as error:
+        PluginConfig.from_env({URL: "127.0.0.1:9300"})
+    assert str(error.value).startswith(f"{URL}='127.0.0.1:9300' must start with http://")
 
 
 def test_bad_override_names_the_field():

@@ -39,7 +39,7 @@ from blend_wire import (
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import (BadRequest, ChunkSizeConflict, Forbidden,
                                      ServiceUnavailable, TooLarge)
-from coordinator_stub.http.access import access_middleware, scope_of
+from coordinator_stub.http.access import access_middleware, caller_of, lists_instances, scope_of
 from coordinator_stub.http.budget import ByteBudget, give_back_memory
 from coordinator_stub.http.connections import ConnectionGuard, connection_cap
 from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
@@ -162,11 +162,13 @@ async def _read_body(request: web.Request, limit: int | None = None,
     return body
 
 
-def _reader_of(request: web.Request) -> tuple[str, str | None]:
+def _reader_of(request: web.Request) -> tuple[str, object]:
     """Whose turn a lookup takes at the matcher: its bearer token when access control is
-    on (checked by then: a client cannot make up readers), else the client's address."""
-    if request.app[COORDINATOR].config.access_tokens:
-        return "token", request.headers.get("Authorization", "")
+    on (checked by then: a client cannot make up readers; the token itself, not how the
+    header spells it), else the client's address."""
+    caller = caller_of(request)
+    if caller is not None:
+        return "token", caller
     return "peer", request.remote
 
 

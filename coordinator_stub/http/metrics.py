@@ -108,23 +108,12 @@ class _DirectoryCollector:
                                     ("access", "entries_accessed")):
             by_type.add_metric([event_type], totals[counter])
         yield by_type
-        yield CounterMetricFamily(_PREFIX + "instances_fenced",
-                                  "Instances fenced by a higher incarnation",
-                                  value=totals["instances_fenced"])
-        yield CounterMetricFamily(_PREFIX + "instances_dropped",
-                                  "Instances whose L1 was fenced on deregistration or reaping",
-                                  value=totals["instances_dropped"])
         yield GaugeMetricFamily(_PREFIX + "instances_registered", "Registered instances",
                                 value=self._registered())
         yield GaugeMetricFamily(_PREFIX + "directory_keys", "Keys with a placement",
                                 value=totals["num_keys"])
-        yield CounterMetricFamily(_PREFIX + "chunk_size_mismatch_entries",
-                                  "STORE entries not indexed: their token list is not the "
-                                  "coordinator's chunk size",
-                                  value=totals["token_lists_wrong_length"])
-        yield CounterMetricFamily(_PREFIX + "chunk_size_mismatched_emitters",
-                                  "Emitters warned of a chunk-size mismatch",
-                                  value=totals["chunk_size_mismatched_emitters"])
+        for name, field, text in _DIRECTORY_COUNTERS:
+            yield CounterMetricFamily(_PREFIX + name, text, value=totals[field])
         yield from _gate_metrics(totals, self._directory.ingest_streams())
         blend = self._directory.blend_stats()
         for name, field, text in (
@@ -133,6 +122,24 @@ class _DirectoryCollector:
                 ("index_claims", "num_claims", "Namespace claims on indexed chunks"),
                 ("index_bytes", "bytes", "Bytes held by the blend index")):
             yield GaugeMetricFamily(_PREFIX + name, text, value=blend[field])
+
+
+#: Running totals of the directory exposed as counters: (series, totals field, help).
+_DIRECTORY_COUNTERS = (
+    ("instances_fenced", "instances_fenced", "Instances fenced by a higher incarnation"),
+    ("instances_dropped", "instances_dropped",
+     "Instances whose L1 was fenced on deregistration or reaping"),
+    ("chunk_size_mismatch_entries", "token_lists_wrong_length",
+     "STORE entries not indexed: their token list is not the coordinator's chunk size"),
+    ("chunk_size_mismatched_emitters", "chunk_size_mismatched_emitters",
+     "Emitters warned of a chunk-size mismatch"),
+    ("conflicting_stores", "stores_conflicting",
+     "STORE entries refused: other tokens than the chunk's, which another instance holds "
+     "in the namespace"),
+    ("foreign_placement_changes", "foreign_placement_changes",
+     "STOREs and DELETEs left undone: a shared pool's placement reported by an instance "
+     "outside the token's scope"),
+)
 
 
 _LMCACHE = "lmcache_coordinator_ingest_"

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from blend_wire import (
@@ -53,7 +54,8 @@ from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, To
 from coordinator_stub.scopes import ANY, Scope
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.service.instances import InstanceRegistry
-from coordinator_stub.service.score import PlacedContent, score_instances
+from coordinator_stub.service.score import score_instances
+from local_matcher.types import EMPTY_COLUMNS
 
 
 log = logging.getLogger(__name__)
@@ -116,15 +118,23 @@ class Coordinator:
 
     def _candidates(self, tokens, namespace, wait: bool) -> BlendCandidatesReply:
         directory = self.directory
-        found = directory.candidates(tokens, namespace, wait=wait)
-        places = iter(directory.places_of(
-            [chunk_hash for content in found for chunk_hash, _ in content.chunks], namespace))
-        return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=[
-            WireFoundContent(positions=content.positions, chunks=[
-                WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=l1,
-                               shared=shared)
-                for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places)])
-            for content in found])
+        found = directory.candidate_columns(tokens, namespace, wait=wait)
+        places = directory.place_columns(found.chunk_hashes, namespace)
+        # The JSON form names each chunk as an object: per-chunk work the wire asks for.
+        names, shared = places.instances, places.shared.tolist()
+        holder_start, holders = places.holder_start.tolist(), places.holders.tolist()
+        offers = [WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=tuple(
+                      names[k] for k in holders[holder_start[i]:holder_start[i + 1]]),
+                      shared=bool(shared[i]))
+                  for i, (chunk_hash, old_st) in enumerate(zip(found.chunk_hashes,
+                                                               found.old_st.tolist()))]
+        positions = found.positions.tolist()
+        pos, chunks = found.position_start.tolist(), found.chunk_start.tolist()
+        return BlendCandidatesReply(chunk_size=self.directory.chunk_size,
+                                    blend_lookup=self.directory.blend_enabled, candidates=[
+            WireFoundContent(positions=positions[pos[i]:pos[i + 1]],
+                             chunks=offers[chunks[i]:chunks[i + 1]])
+            for i in range(found.num_contents)])
 
     def score(self, body: bytes, scope: Scope = ANY) -> BlendScoreReply:
         return self.scores(self.parse_lookup(body, BlendScoreRequest, scope))
@@ -141,23 +151,12 @@ class Coordinator:
         if request.instance_ids is not None:
             asked = set(request.instance_ids)
             instance_ids = [i for i in instance_ids if i in asked]
-        contents = []
-        if directory.blend_enabled and tokens.size >= size:
-            found = directory.candidates(tokens, namespace, wait=wait)
-            places = iter(directory.places_of(
-                [chunk_hash for content in found for chunk_hash, _ in content.chunks],
-                namespace))
-            for content in found:
-                contents.append(PlacedContent(content.positions, tuple(
-                    (chunk_hash, old_st, frozenset(l1), shared)
-                    for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places))))
-        prefix_places = []
-        for l1, shared in directory.places_of(prefix_chunk_hashes(tokens, size), namespace):
-            if not l1 and not shared:
-                break  # no instance's prefix leg goes past a chunk nobody serves
-            prefix_places.append((frozenset(l1), shared))
+        found = (directory.candidate_columns(tokens, namespace, wait=wait)
+                 if directory.blend_enabled and tokens.size >= size else EMPTY_COLUMNS)
+        places = directory.place_columns(found.chunk_hashes, namespace)
+        prefix = directory.place_columns(prefix_chunk_hashes(tokens, size), namespace)
         return BlendScoreReply(chunk_size=size, instances=score_instances(
-            instance_ids, contents, prefix_places, size, self.config.score_shared_weight,
+            instance_ids, found, places, prefix, size, self.config.score_shared_weight,
             self.config.score_peer_weight))
 
     # --- directory queries ------------------------------------------------------------------
@@ -253,7 +252,23 @@ class Coordinator:
                                 f"{','.join(scope.instances)}: name one in instance_id "
                                 "(an empty one would be assigned at random)")
             scope.check_instance(request.instance_id, "$.instance_id")
+        if request.chunk_size is not None and not scope.unrestricted:
+            request = self._unbound_by_scoped(request)
         return request
+
+    def _unbound_by_scoped(self, request: RegisterRequest) -> RegisterRequest:
+        """A registration of a scoped emitter does not bind the fleet's chunk size (as
+        `PUT /config/chunk-size` needs an unscoped emitter: the size applies to every
+        tenant). Its size must be the coordinator's, bound or not (else
+        `ChunkSizeConflict`); it is registered without it (WIRE.md, "Instances")."""
+        current = self.directory.chunk_size
+        if request.chunk_size != current:
+            raise ChunkSizeConflict(
+                f"this server's chunk size is {request.chunk_size} and the coordinator's is "
+                f"{current}; a token scoped by instances= or salts= cannot bind the fleet's "
+                f"chunk size: start the coordinator with --chunk-size {request.chunk_size}, "
+                "or bind it with an unscoped emitter token (PUT /config/chunk-size)")
+        return msgspec.structs.replace(request, chunk_size=None)
 
     def check_registration(self, request: RegisterRequest) -> RegisterRequest:
         """Bind the chunk size a registration carries (ChunkSizeConflict)."""
