@@ -341,11 +341,13 @@ class KeyDirectory:
         strings match anything), as `(total, page)`; a page row is `(chunk_hash, raw_key,
         matching places, num_tokens, access_count)`. Order: by chunk, in the order chunks
         were first stored, then by key, in the order keys first held the chunk. The
-        directory lock is held only to copy the binding table, so a listing walks a
-        consistent snapshot while ingest goes on."""
+        directory lock is held only to copy the binding table and the place and key
+        tables its rows refer to (numbers freed after a batch are reused), so a listing
+        walks a consistent snapshot while ingest goes on."""
         with self._lock:
             rows = queries.key_rows(self._bindings.table, self.chunk_size)
-        return queries.key_page(rows, self._placements, tier, instance_id, backend, offset,
+            places, key_raw = list(self._placements.places), list(self._placements.key_raw)
+        return queries.key_page(rows, places, key_raw, tier, instance_id, backend, offset,
                                 limit)
 
     def totals(self) -> dict[str, int]:

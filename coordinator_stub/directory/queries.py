@@ -2,7 +2,7 @@
 chunks are held, a key's places, tokens and access count, the key listing (docs/WIRE.md,
 "POST /directory/lookup", "GET /directory/keys"). `KeyDirectory` calls these under its
 lock, except `places_of` (lookups never wait for ingest: see there) and the walk of a
-listing's copied rows.
+listing's copied rows and tables.
 """
 
 from __future__ import annotations
@@ -156,12 +156,12 @@ def key_rows(table: dict, chunk_size: int) -> list[tuple]:
             for chunk_hash, (content, _, holds, accesses, reported) in table.items()]
 
 
-def key_page(rows: list[tuple], placements: Placements, tier: str, instance_id: str,
+def key_page(rows: list[tuple], places: list, key_raw: list, tier: str, instance_id: str,
              backend: str, offset: int, limit: int
              ) -> tuple[int, list[tuple[bytes, tuple, list, int, int]]]:
-    """The listing of `key_rows` (`KeyDirectory.list_keys`), walked without the lock
-    (the rows are a copy, and the interning tables only grow)."""
-    places, key_raw = placements.places, placements.key_raw
+    """The listing of `key_rows` (`KeyDirectory.list_keys`), walked without the lock:
+    the rows, `places` and `key_raw` (`Placements`' tables) are copies taken together
+    under it (a batch frees numbers, and a later one reuses them)."""
     total, page = 0, []
     for chunk_hash, num_tokens, holds, accesses in rows:
         pairs = zip(holds[0::2], holds[1::2]) if type(holds) is tuple else holds
