@@ -17,6 +17,7 @@ from aiohttp import web
 from blend_router.app import create_router
 from blend_router.config import RouterConfig, parse_backend
 from blend_router.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from blend_wire.version import version_line
 
 log = logging.getLogger("blend_router")
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "request to the instance the coordinator's blend score says reuses most "
                     "of it, least-loaded when the coordinator is slow or down, and streams "
                     "the answer back.")
+    parser.add_argument("--version", action="version", version=version_line("router"))
     parser.add_argument("--coordinator-url", required=True,
                         help="the coordinator's base URL, e.g. http://127.0.0.1:9300")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: "

@@ -14,7 +14,8 @@ Submodules, their public names gathered here: `values` (`WireError`, ranges, key
 rules, `BlendNamespace`, kv_rank), `paths`, `tokens` (the token codec, `as_tokens`),
 `lookup` (blend lookup and score), `events` (`POST /events`), `fleet` (instance registry
 and directory queries), `chunk_keys` (LMCache's chunk hashes) and `codec` (`encode`,
-`decode`, `convert_query`).
+`decode`, `convert_query`); `version` (the project's installed version, for `--version`) is
+imported from its module.
 """
 
 from __future__ import annotations
