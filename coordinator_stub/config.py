@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from blend_wire import MAX_CHUNK_SIZE, is_loopback_host
+from blend_wire.version import version_line
 from coordinator_stub.scopes import tokens_from
 
 DEFAULT_HOST = "127.0.0.1"
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
             "CacheBlend lookups (POST /directory/blend-lookup). Prints one line "
             "'listening on http://HOST:PORT' once bound; exits 0 on SIGINT/SIGTERM."),
     )
+    parser.add_argument("--version", action="version", version=version_line("coordinator"))
     _listening_flags(parser)
     _lookup_flags(parser)
     _limit_flags(parser)

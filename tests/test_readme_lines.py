@@ -445,7 +445,9 @@ def _field_of(name: str) -> str:
 
     fields = [f.name for f in dataclasses.fields(PluginConfig)]
     sample = {"LMCACHE_COORDINATOR_CA_FILE": __file__,
-              "LMCACHE_COORDINATOR_URL": "http://x"}.get(name, "sample-value-0123456789")
+              "LMCACHE_COORDINATOR_URL": "http://x",
+              "LMCACHE_COORDINATOR_ENGINE_URL": "http://x:8000"}.get(name,
+                                                                     "sample-value-0123456789")
     changed = [f for f in fields
                if getattr(PluginConfig.from_env(environ={name: sample}), f)
                != getattr(PluginConfig.from_env(environ={}), f)]

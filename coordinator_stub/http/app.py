@@ -44,7 +44,7 @@ from coordinator_stub.http.budget import ByteBudget, give_back_memory
 from coordinator_stub.http.connections import ConnectionGuard, connection_cap
 from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator_stub.service.coordinator import Coordinator
-from coordinator_stub.service.matchpool import FairPool
+from coordinator_stub.service.matchpool import ClientGone, FairPool
 from coordinator_stub.service.quotas import OverQuota
 from coordinator_stub.writes import WritePath
 from coordinator_stub.writes.local import LocalWrites
@@ -228,17 +228,37 @@ async def _matched(request: web.Request, parse: Callable, answer: Callable,
     scope = scope_of(request)
     pool = request.app[_MATCH_POOL]
     reader = _reader_of(request)
+    query = None
     if len(body) <= _INLINE_MATCH_BYTES and pool.idle:
         query = parse(body, scope=scope)
         try:
             return answer(query, wait=False)
         except IndexBusy:
-            return await pool.submit_async(reader, len(body), answer, query)
-    if len(body) > _INLINE_PARSE_BYTES:
-        return await pool.submit_async(reader, len(body), whole, body, scope)
-    # The shape is validated on the loop (microseconds); the worker decodes the tokens
-    # without the GIL and matches, so the loop keeps serving.
-    return await pool.submit_async(reader, len(body), answer, parse(body, scope=scope))
+            pass
+    # Queued work whose client has gone (a router that gave up on its budget) is dropped
+    # when a worker reaches it, not matched for nobody.
+    submit = partial(pool.submit_async, reader, len(body), wanted=partial(_connected, request))
+    try:
+        if len(body) > _INLINE_PARSE_BYTES:
+            return await submit(whole, body, scope)
+        # The shape is validated on the loop (microseconds); the worker decodes the tokens
+        # without the GIL and matches, so the loop keeps serving.
+        return await submit(answer, parse(body, scope=scope) if query is None else query)
+    except ClientGone:
+        raise _ClientClosed() from None
+
+
+class _ClientClosed(web.HTTPClientError):
+    """The answer to a lookup dropped because its client left (nobody reads it)."""
+
+    status_code = 499
+
+
+def _connected(request: web.Request) -> bool:
+    """The request's client is still connected (read from a worker thread: a moment
+    stale at worst, which only runs one lookup more)."""
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
 
 
 async def _blend_lookup(request: web.Request) -> web.Response:

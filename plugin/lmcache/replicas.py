@@ -1,5 +1,6 @@
-"""Replica takeover: with several coordinator URLs (replicas over one event log), the
-plugin's registrar and reporter take the place of LMCache's, which take one URL.
+"""Registration takeover: with several coordinator URLs (replicas over one event log), or
+an engine URL to register (`LMCACHE_COORDINATOR_ENGINE_URL`), the plugin's registrar and
+reporter take the place of LMCache's, which take one URL and send no metadata.
 
 LMCache 0.5.6's own coordinator components break on a list (its registrar task dies on the
 invalid URL, its cache-event sink fails every flush), so the URL LMCache's HTTP front end
@@ -27,11 +28,12 @@ log = logging.getLogger(__name__)
 
 def take_over_replicas(build, config: PluginConfig, blend,
                        builtin_lookup: bool) -> InstanceRegistrar | None:
-    """Several coordinator URLs (module doc): LMCache's registrar and event sink are kept
-    from starting, and the plugin's registrar (under `lmcache server`) is returned."""
+    """Several coordinator URLs, or an engine URL (module doc): LMCache's registrar and
+    event sink are kept from starting, and the plugin's registrar (under `lmcache server`)
+    is returned."""
     coordinator = build.coordinator_config
     urls = config.coordinator_urls
-    if build.mp_config.p2p_config.enabled:
+    if build.mp_config.p2p_config.enabled and len(urls) > 1:
         log.warning("P2P peer discovery in LMCache %s takes one coordinator URL and cannot "
                     "use the list %s: P2P lookups will not find peers", LMCACHE_VERSION,
                     config.coordinator_url)
@@ -41,9 +43,10 @@ def take_over_replicas(build, config: PluginConfig, blend,
             match_concurrency=coordinator.blend_match_concurrency)
     http = front_end_http_config()
     coordinator.url = ""  # read by LMCache's front end after this factory returns
-    log.info("%d coordinator replicas: the plugin registers and reports cache events, "
+    log.info("%d coordinator URL(s)%s: the plugin registers and reports cache events, "
              "failing over between them (LMCache's own registrar and event sink take one "
-             "URL)", len(urls))
+             "URL and send no metadata)", len(urls),
+             f", engine at {config.engine_url}" if config.engine_url else "")
     if http is None:  # the ZMQ-only entry point registers nowhere, as LMCache's
         return None
     registrar = InstanceRegistrar(
@@ -53,6 +56,7 @@ def take_over_replicas(build, config: PluginConfig, blend,
         timeout=min(10.0, max(1.0, coordinator.heartbeat_interval)),
         p2p_advertised_url=build.mp_config.p2p_config.advertise_url,
         mq_port=build.mp_config.port if build.mp_config.p2p_config.enabled else 0,
+        metadata=config.registration_metadata,
         token=config.coordinator_token, ca_file=config.coordinator_ca_file)
     if LMCACHE_057:
         # LMCache 0.5.7 binds a negotiated chunk size at its one URL (cleared above, so
