@@ -43,6 +43,10 @@ DEFAULT_HEALTH_CHECK_INTERVAL = 10.0
 #: only a peer holds, relative to one in its own L1 (1) and one recomputed (0).
 DEFAULT_SCORE_SHARED_WEIGHT = 0.5
 DEFAULT_SCORE_PEER_WEIGHT = 0.25
+#: Instance ids (registered or reporting) one scoped token may bring in: a fleet's worth
+#: for a pool of servers (restarts under new ids are let go after --instance-timeout),
+#: while a token making up ids stops at about a megabyte of state.
+DEFAULT_MAX_INSTANCES_PER_SCOPE = 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class CoordinatorConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Instance ids per scoped token (coordinator_stub.service.quotas); 0: no cap.
+    max_instances_per_scope: int = DEFAULT_MAX_INSTANCES_PER_SCOPE
     # Opt-in access control (coordinator_stub.scopes): (role, token[, scope]); empty = off.
     access_tokens: tuple[tuple, ...] = ()
     # TLS: both or neither (PEM files); off = plain HTTP.
@@ -95,6 +101,9 @@ class CoordinatorConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not isinstance(self.match_workers, int) or self.match_workers < 1:
             raise ValueError(f"match_workers must be an integer >= 1, got {self.match_workers!r}")
+        if not isinstance(self.max_instances_per_scope, int) or self.max_instances_per_scope < 0:
+            raise ValueError(f"max_instances_per_scope must be an integer >= 0 (0: no cap), "
+                             f"got {self.max_instances_per_scope!r}")
         if not isinstance(self.max_connections, int) or self.max_connections < 1:
             raise ValueError(f"max_connections must be an integer >= 1, got "
                              f"{self.max_connections!r}")
@@ -307,6 +316,12 @@ def _limit_flags(parser: argparse.ArgumentParser) -> None:
                             "longest-idle connection, or is refused when every connection "
                             "has a request in progress. Also kept below the process's "
                             "descriptor limit (default: %(default)s)")
+    group.add_argument("--max-instances-per-scope", type=int,
+                       default=DEFAULT_MAX_INSTANCES_PER_SCOPE,
+                       help="instance ids (registered or sending events) one scoped token "
+                            "may have in the coordinator at once; past it a new id is "
+                            "answered 429 until some leave. Unscoped tokens are not "
+                            "counted; 0: no cap (default: %(default)s)")
 
 
 def _instance_flags(parser: argparse.ArgumentParser) -> None:
@@ -431,6 +446,7 @@ def parse_args(argv: Sequence[str] | None = None,
             max_ingest_bytes=args.max_ingest_bytes,
             match_workers=args.match_workers, idle_timeout_s=args.idle_timeout,
             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+            max_instances_per_scope=args.max_instances_per_scope,
             access_tokens=access_tokens, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
             instance_timeout=args.instance_timeout,

@@ -251,6 +251,12 @@ class KeyDirectory:
                 self._index = index
             return True
 
+    def tracks(self, instance_id: str) -> bool:
+        """Whether the id has a gate cursor or holds a placement (read without the lock:
+        two dict lookups)."""
+        return (self._gate.position(instance_id) is not None
+                or instance_id in self._bindings.held_by)
+
     def has_ghosts(self, registered: Callable[[str], bool]) -> bool:
         """Whether some id with a gate cursor is not `registered` and holds nothing."""
         with self._lock:

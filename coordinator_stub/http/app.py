@@ -45,6 +45,7 @@ from coordinator_stub.http.connections import ConnectionGuard, connection_cap
 from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator_stub.service.coordinator import Coordinator
 from coordinator_stub.service.matchpool import ClientGone, FairPool
+from coordinator_stub.service.quotas import OverQuota
 from coordinator_stub.writes import WritePath
 from coordinator_stub.writes.local import LocalWrites
 from local_matcher import IndexBusy
@@ -111,6 +112,11 @@ async def _refusals(request: web.Request,
         return _detail(422, exc.detail, "validation", request)
     except BadRequest as exc:
         return _detail(400, str(exc), "bad_request", request)
+    except OverQuota as exc:
+        response = _detail(429, str(exc), "instance_cap", request)
+        response.headers["Retry-After"] = str(
+            round(request.app[COORDINATOR].config.instance_timeout))
+        return response
     except Forbidden as exc:
         return _detail(403, str(exc), "forbidden", request)
     except TooLarge as exc:
@@ -198,7 +204,9 @@ async def _events(request: web.Request) -> web.Response:
             f"--max-ingest-bytes); retry after {RETRY_AFTER_S} s")
     try:
         body = await _read_body(request)
-        return _json(await request.app[WRITES].events(body, scope_of(request)))
+        coordinator = request.app[COORDINATOR]
+        return _json(await request.app[WRITES].events(body,
+                                                      coordinator.capped(scope_of(request))))
     finally:
         release()
         if budget.burst_over():
@@ -271,8 +279,10 @@ async def _blend_score(request: web.Request) -> web.Response:
     is a candidates lookup and then the selection per instance (CPU-bound)."""
     coordinator = request.app[COORDINATOR]
     started = time.perf_counter()
+    everyone = lists_instances(request)  # else only instances holding some of it
     reply = await _matched(request, partial(coordinator.parse_lookup, shape=BlendScoreRequest),
-                           coordinator.scores, coordinator.score)
+                           partial(coordinator.scores, everyone=everyone),
+                           partial(coordinator.score, everyone=everyone))
     metrics = request.app.get(METRICS)
     if metrics is not None:
         metrics.observe_lookup("blend-score", time.perf_counter() - started)
@@ -429,7 +439,7 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     app.middlewares.append(_refusals)
     if config.enable_metrics:
         app[METRICS] = CoordinatorMetrics(coordinator.directory,
-                                          lambda: len(coordinator.instances))
+                                          lambda: len(coordinator.instances), coordinator.quota)
     app[WRITES] = _writes_of(coordinator, app.get(METRICS))
     app.cleanup_ctx.append(_worker_pools)
     app.cleanup_ctx.append(_write_path)

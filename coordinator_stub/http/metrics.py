@@ -13,6 +13,7 @@ from prometheus_client import platform_collector, process_collector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.service.quotas import InstanceQuota
 
 #: The exposition's media type (text format; WIRE.md).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -28,7 +29,8 @@ class CoordinatorMetrics:
     """The coordinator's series. Request-path code records with `observe_lookup`,
     `rejected` and `reaped`; everything else is read at scrape time."""
 
-    def __init__(self, directory: KeyDirectory, registered: Callable[[], int]) -> None:
+    def __init__(self, directory: KeyDirectory, registered: Callable[[], int],
+                 quota: InstanceQuota | None = None) -> None:
         self.registry = CollectorRegistry()
         process_collector.ProcessCollector(registry=self.registry)
         platform_collector.PlatformCollector(registry=self.registry)
@@ -49,7 +51,7 @@ class CoordinatorMetrics:
         self._reaped = Counter(_PREFIX + "instances_reaped",
                                "Instances deregistered for missing heartbeats",
                                registry=self.registry)
-        self.registry.register(_DirectoryCollector(directory, registered))
+        self.registry.register(_DirectoryCollector(directory, registered, quota))
 
     def observe_lookup(self, endpoint: str, seconds: float, matches: int = 0) -> None:
         """`endpoint`: "blend-lookup", "blend-score" or "directory-lookup"."""
@@ -70,8 +72,9 @@ class CoordinatorMetrics:
 class _DirectoryCollector:
     """Reads the directory's running totals at scrape time."""
 
-    def __init__(self, directory: KeyDirectory, registered: Callable[[], int]) -> None:
-        self._directory, self._registered = directory, registered
+    def __init__(self, directory: KeyDirectory, registered: Callable[[], int],
+                 quota: InstanceQuota | None) -> None:
+        self._directory, self._registered, self._quota = directory, registered, quota
 
     def describe(self) -> list[Metric]:
         return []  # families are only known at collect time; nothing to pre-register
@@ -114,6 +117,13 @@ class _DirectoryCollector:
                                 value=totals["num_keys"])
         for name, field, text in _DIRECTORY_COUNTERS:
             yield CounterMetricFamily(_PREFIX + name, text, value=totals[field])
+        if self._quota is not None:
+            yield GaugeMetricFamily(_PREFIX + "scoped_instance_ids",
+                                    "Instance ids scoped tokens brought in, counted against "
+                                    "--max-instances-per-scope", value=self._quota.counted())
+            yield CounterMetricFamily(_PREFIX + "instance_cap_refusals",
+                                      "New instance ids refused: their token's scope was at "
+                                      "--max-instances-per-scope", value=self._quota.refused)
         yield from _gate_metrics(totals, self._directory.ingest_streams())
         blend = self._directory.blend_stats()
         for name, field, text in (

@@ -54,6 +54,7 @@ from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, To
 from coordinator_stub.scopes import ANY, Scope
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.service.instances import InstanceRegistry
+from coordinator_stub.service.quotas import InstanceQuota, capped
 from coordinator_stub.service.score import score_instances
 from local_matcher.types import EMPTY_COLUMNS
 
@@ -72,6 +73,7 @@ class Coordinator:
                                       enable_blend_lookup=config.enable_blend_lookup,
                                       trust_shared_hashes=config.trust_shared_hashes)
         self.instances = InstanceRegistry()
+        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps)
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
         compile_decoding()  # before any request, which would otherwise wait for it
@@ -136,13 +138,17 @@ class Coordinator:
                              chunks=offers[chunks[i]:chunks[i + 1]])
             for i in range(found.num_contents)])
 
-    def score(self, body: bytes, scope: Scope = ANY) -> BlendScoreReply:
-        return self.scores(self.parse_lookup(body, BlendScoreRequest, scope))
+    def score(self, body: bytes, scope: Scope = ANY, *, everyone: bool = True
+              ) -> BlendScoreReply:
+        return self.scores(self.parse_lookup(body, BlendScoreRequest, scope),
+                           everyone=everyone)
 
-    def scores(self, request: BlendScoreRequest, *, wait: bool = True) -> BlendScoreReply:
+    def scores(self, request: BlendScoreRequest, *, wait: bool = True,
+               everyone: bool = True) -> BlendScoreReply:
         """WIRE.md's `/directory/blend-score`: every registered instance asked for (all by
         default) scored by what its unified lookup would reuse (`coordinator_stub.service.score`).
-        `wait` as `matches`."""
+        `wait` as `matches`. `everyone` False (a caller that may not list the registry):
+        only the instances whose L1 holds some of the request in its namespace."""
         tokens = self._tokens(request)
         namespace = request.namespace
         directory = self.directory
@@ -155,6 +161,9 @@ class Coordinator:
                  if directory.blend_enabled and tokens.size >= size else EMPTY_COLUMNS)
         places = directory.place_columns(found.chunk_hashes, namespace)
         prefix = directory.place_columns(prefix_chunk_hashes(tokens, size), namespace)
+        if not everyone:
+            holders = set(places.instances).union(prefix.instances)
+            instance_ids = [i for i in instance_ids if i in holders]
         return BlendScoreReply(chunk_size=size, instances=score_instances(
             instance_ids, found, places, prefix, size, self.config.score_shared_weight,
             self.config.score_peer_weight))
@@ -252,6 +261,8 @@ class Coordinator:
                                 f"{','.join(scope.instances)}: name one in instance_id "
                                 "(an empty one would be assigned at random)")
             scope.check_instance(request.instance_id, "$.instance_id")
+        if not scope.unrestricted:
+            self.quota.admit(scope, request.instance_id, "$.instance_id")
         if request.chunk_size is not None and not scope.unrestricted:
             request = self._unbound_by_scoped(request)
         return request
@@ -269,6 +280,15 @@ class Coordinator:
                 f"chunk size: start the coordinator with --chunk-size {request.chunk_size}, "
                 "or bind it with an unscoped emitter token (PUT /config/chunk-size)")
         return msgspec.structs.replace(request, chunk_size=None)
+
+    def capped(self, scope: Scope) -> Scope:
+        """`scope` as `/events` checks it: its emitters counted (`service.quotas`)."""
+        return capped(scope, self.quota)
+
+    def _keeps(self, instance_id: str) -> bool:
+        """Whether the coordinator keeps anything of the id (registered, a cursor, a
+        placement): what an instance quota counts."""
+        return instance_id in self.instances or self.directory.tracks(instance_id)
 
     def check_registration(self, request: RegisterRequest) -> RegisterRequest:
         """Bind the chunk size a registration carries (ChunkSizeConflict)."""

@@ -7,8 +7,9 @@ invalid URL, its cache-event sink fails every flush), so the URL LMCache's HTTP 
 reads after the modules are built is cleared: LMCache starts neither. The plugin's reporter
 and, under `lmcache server`, `plugin.registrar` fail over between the replicas. With
 `builtin_lookup`, LMCache's lookup client is rebuilt on the first URL; P2P peer discovery
-with several URLs is warned about, not supported. Design: docs/DESIGN.md, "Inside a real
-LMCache MP server".
+with several URLs is warned about, not supported. On LMCache 0.5.7 the plugin's registrar
+also carries the negotiated chunk size (LMCache's own bind goes to its one URL). Design:
+docs/DESIGN.md, "Inside a real LMCache MP server".
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 from lmcache.v1.rpc_utils import get_ip
 
 from plugin.config import PluginConfig
-from plugin.lmcache.internals import LMCACHE_VERSION, BlendInternals, front_end_http_config
+from plugin.lmcache.internals import (LMCACHE_057, LMCACHE_VERSION, BlendInternals,
+                                      front_end_http_config)
 from plugin.registrar import InstanceRegistrar
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ def take_over_replicas(build, config: PluginConfig, blend,
              f", engine at {config.engine_url}" if config.engine_url else "")
     if http is None:  # the ZMQ-only entry point registers nowhere, as LMCache's
         return None
-    return InstanceRegistrar(
+    registrar = InstanceRegistrar(
         urls, instance_id=build.mp_config.instance_id,
         ip=coordinator.advertise_ip or get_ip(), http_port=http.http_port,
         heartbeat_interval=coordinator.heartbeat_interval,
@@ -56,3 +58,8 @@ def take_over_replicas(build, config: PluginConfig, blend,
         mq_port=build.mp_config.port if build.mp_config.p2p_config.enabled else 0,
         metadata=config.registration_metadata,
         token=config.coordinator_token, ca_file=config.coordinator_ca_file)
+    if LMCACHE_057:
+        # LMCache 0.5.7 binds a negotiated chunk size at its one URL (cleared above, so
+        # it does not): the plugin's registrar sends it to the replicas instead.
+        build.server_context.add_chunk_size_bind_listener(registrar.bind_chunk_size)
+    return registrar
