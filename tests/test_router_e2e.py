@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from blend_router import Tokenizer
-from blend_wire import EVENTS_PATH, INSTANCES_PATH, encode, pack_kv_rank
+from blend_wire import ENGINE_URL_KEY, EVENTS_PATH, INSTANCES_PATH, encode, pack_kv_rank
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import LoopbackServer, Reply, closed_port_url, wait_until
 
@@ -88,8 +88,15 @@ async def backends(*names: str):
 
 
 def register(coordinator_url: str, instance_id: str, port: int) -> None:
+    """`instance_id` registers as a serving process does, naming its engine on `port`
+    (LMCache's own front end, `ip:http_port`, is a port the router never dials)."""
     httpx.post(coordinator_url + INSTANCES_PATH, json={
-        "instance_id": instance_id, "ip": "127.0.0.1", "http_port": port}).raise_for_status()
+        "instance_id": instance_id, "ip": "127.0.0.1", "http_port": closed_port(),
+        "metadata": {ENGINE_URL_KEY: f"http://127.0.0.1:{port}"}}).raise_for_status()
+
+
+def closed_port() -> int:
+    return int(closed_port_url().rsplit(":", 1)[1])
 
 
 def store(coordinator_url: str, instance_id: str, tokens, seq: int) -> None:
@@ -189,7 +196,7 @@ async def test_an_unreachable_instance_is_skipped_and_bad_input_refused(coordina
     passage_ids = fresh(2 * C)
     async with backends("A") as fleet:
         register(coordinator.url, "A", fleet["A"].server.port)
-        register(coordinator.url, "gone", int(closed_port_url().rsplit(":", 1)[1]))
+        register(coordinator.url, "gone", closed_port())
         store(coordinator.url, "gone", passage_ids, seq=1)
         with router(coordinator.url, "--score-budget", "5") as url:
             await knows(url, 2)
@@ -230,7 +237,8 @@ async def test_a_slow_coordinator_costs_the_budget_not_the_request():
     async with backends("A", "B") as fleet:
         listing = {"instances": [
             {"instance_id": name, "ip": "127.0.0.1", "http_port": b.server.port,
-             "registration_time": 0.0, "metadata": {}, "p2p_advertised_url": "", "mq_port": 0}
+             "registration_time": 0.0, "metadata": {ENGINE_URL_KEY: f"http://127.0.0.1:{b.server.port}"},
+             "p2p_advertised_url": "", "mq_port": 0}
             for name, b in fleet.items()]}
 
         def behave(path: str, body: bytes) -> Reply:

@@ -154,9 +154,9 @@ async def test_a_readers_turns_are_keyed_on_its_token_not_the_headers_spelling(s
     flows = []
     submit = pool.submit_async
 
-    def recording(flow, *args):
+    def recording(flow, *args, **options):
         flows.append(flow)
-        return submit(flow, *args)
+        return submit(flow, *args, **options)
 
     pool.submit_async = recording
     # Large enough (over 96 KiB) to be matched on the pool, not on the loop.
