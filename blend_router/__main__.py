@@ -1,11 +1,12 @@
 """`python -m blend_router --coordinator-url URL [--port 8100] ...`: the router
 (docs/OPERATIONS.md). Prints `listening on http://HOST:PORT` once bound; exits 0 on
-SIGINT/SIGTERM."""
+SIGINT/SIGTERM; a port it cannot bind is one line and exit 1."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -14,9 +15,12 @@ import sys
 from aiohttp import web
 
 from blend_router.app import create_router
-from blend_router.config import RouterConfig
+from blend_router.config import RouterConfig, parse_backend
 from blend_router.policy import LoadCost
 from blend_router.tokenizer import ModelTokenizer
+from blend_wire.version import version_line
+
+log = logging.getLogger("blend_router")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,12 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "request to the instance the coordinator's blend score says reuses most "
                     "of it, least-loaded when the coordinator is slow or down, and streams "
                     "the answer back.")
+    parser.add_argument("--version", action="version", version=version_line("router"))
     parser.add_argument("--coordinator-url", required=True,
                         help="the coordinator's base URL, e.g. http://127.0.0.1:9300")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
                                                             "%(default)s)")
     parser.add_argument("--port", type=int, default=8100,
                         help="port to bind; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--backend", action="append", default=[], metavar="INSTANCE=URL",
+                        help="the engine (OpenAI server, http(s)://HOST:PORT) of a registered "
+                             "instance, over the engine_url it registers; repeatable")
+    parser.add_argument("--client-token-file", default="",
+                        help="client tokens and the cache salts each may name, lines 'TOKEN "
+                             "[salts=S[,S...]]'; without it the router is open and scores the "
+                             "empty salt only")
+    parser.add_argument("--forward-client-authorization", action="store_true",
+                        help="pass the client's Authorization header on to the instance "
+                             "(default: never sent on)")
     parser.add_argument("--score-budget", type=float, default=0.05,
                         help="seconds a blend score may take before the request is routed "
                              "least-loaded instead (default: %(default)s)")
@@ -47,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "budget, for what --tokenizer cannot tokenize; without either, "
                              "text requests are routed unscored")
     parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
-                        help="tokens of work one request in flight costs its instance in "
-                             "the choice (default: %(default)s)")
+                        help="tokens of work one request waiting for its first piece costs "
+                             "its instance in the choice (default: %(default)s)")
     parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
-                        help="an instance with more requests in flight than the least-loaded "
+                        help="an instance with more requests waiting than the least-loaded "
                              "one plus this is not chosen; -1: no bound (default: "
                              "%(default)s)")
     parser.add_argument("--model-name", default="",
@@ -62,28 +77,51 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend-timeout", type=float, default=600.0,
                         help="seconds an instance may take for a whole answer (default: "
                              "%(default)s)")
+    parser.add_argument("--connect-timeout", type=float, default=5.0,
+                        help="seconds to open a connection to an instance (default: "
+                             "%(default)s)")
+    parser.add_argument("--backend-connections-per-host", type=int, default=64,
+                        help="connections open to one instance at most (default: "
+                             "%(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                        help="largest request body taken; larger is 413 before it is read "
+                             "(default: %(default)s)")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request body may take to arrive; 408 past it "
+                             "(default: %(default)s)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
-async def _serve(config: RouterConfig, tokenizer: ModelTokenizer | None) -> None:
-    runner = web.AppRunner(create_router(config, tokenizer), handle_signals=False)
+async def _serve(app: web.Application, host: str, port: int) -> int:
+    # Handler cancellation: a client that leaves cancels its request, and with it the
+    # connection to the instance serving it (blend_router/forward.py).
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    print(f"listening on http://{host}:{port}", flush=True)
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        log.critical("cannot listen on http://%s:%s: %s%s", host, port, exc.strerror or exc,
+                     " (another process holds the port: stop it, or choose another with "
+                     "--port; --port 0 picks a free one)"
+                     if exc.errno == errno.EADDRINUSE else "")
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    bound_host, bound_port = runner.addresses[0][:2]
+    print(f"listening on http://{bound_host}:{bound_port}", flush=True)
     await stop.wait()
     await runner.cleanup()
+    return 0
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -92,14 +130,20 @@ def main(argv=None) -> int:
             score_budget_s=args.score_budget, refresh_interval_s=args.refresh_interval,
             coordinator_token=os.environ.get("ROUTER_COORDINATOR_TOKEN", ""),
             model_name=args.model_name, world_size=args.world_size,
-            backend_timeout_s=args.backend_timeout, engine_tokenize=args.engine_tokenize,
+            backend_timeout_s=args.backend_timeout, connect_timeout_s=args.connect_timeout,
+            backends=dict(parse_backend(value) for value in args.backend),
+            client_token_file=args.client_token_file,
+            forward_client_authorization=args.forward_client_authorization,
+            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+            backend_connections_per_host=args.backend_connections_per_host,
+            engine_tokenize=args.engine_tokenize,
             load_cost=LoadCost(per_request_tokens=args.inflight_cost, max_imbalance=None
                                if args.max_imbalance == -1 else args.max_imbalance))
         tokenizer = None if args.tokenizer is None else ModelTokenizer(args.tokenizer)
+        app = create_router(config, tokenizer)
     except (ValueError, RuntimeError) as exc:
-        build_parser().error(str(exc))
-    asyncio.run(_serve(config, tokenizer))
-    return 0
+        parser.error(str(exc))
+    return asyncio.run(_serve(app, config.host, config.port))
 
 
 if __name__ == "__main__":

@@ -26,37 +26,61 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorClient:
-    """`GET /instances` into a `Fleet`, and `POST /directory/blend-score` within a budget."""
+    """`GET /instances` into a `Fleet`, and `POST /directory/blend-score` within a budget.
+
+    Connections of their own (not the instances'): the registry one, the scores at most
+    `coordinator_connections`, so neither slow instances nor a burst of scores keep the
+    listing from being refreshed. A score given up on closes its connection, which tells
+    the coordinator to drop the match work it still had queued for it."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.session: aiohttp.ClientSession | None = None
+        self._registry: aiohttp.ClientSession | None = None
+        self._reachable: bool | None = None  # None: not tried yet
         base = config.coordinator_url.rstrip("/")
         self._score_url, self._instances_url = base + BLEND_SCORE_PATH, base + INSTANCES_PATH
         self._auth = ({"Authorization": f"Bearer {config.coordinator_token}"}
                       if config.coordinator_token else {})
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.config.coordinator_connections),
+            timeout=aiohttp.ClientTimeout(total=None))
+        self._registry = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1),
+                                               timeout=aiohttp.ClientTimeout(total=None))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self._registry):
+            if session is not None:
+                await session.close()
 
     async def refresh(self, fleet: Fleet) -> bool:
+        """Read the registry into `fleet`; on failure keep the last listing and say so
+        (naming the URL) once per run of failures."""
         try:
             async with asyncio.timeout(self.config.refresh_interval_s):
-                async with self.session.get(self._instances_url, headers=self._auth) as reply:
+                async with self._registry.get(self._instances_url,
+                                              headers=self._auth) as reply:
                     if reply.status != 200:
-                        log.warning("GET /instances answered %d; keeping the last listing",
-                                    reply.status)
-                        return False
+                        return self._failed(f"it answered HTTP {reply.status}")
                     fleet.update(decode(await reply.read(), InstancesReply))
-                    return True
-        except (TimeoutError, aiohttp.ClientError, WireError) as exc:
-            log.warning("GET /instances failed (%s); keeping the last listing",
-                        type(exc).__name__)
-            return False
+        except TimeoutError:
+            return self._failed(f"no answer within {self.config.refresh_interval_s} s")
+        except (aiohttp.ClientError, WireError) as exc:
+            return self._failed(f"{type(exc).__name__}: {exc}")
+        if self._reachable is False:
+            log.info("the coordinator at %s answers again", self._instances_url)
+        self._reachable = True
+        return True
+
+    def _failed(self, why: str) -> bool:
+        if self._reachable is not False:
+            log.warning("cannot read the instance registry at %s (%s); keeping the last "
+                        "listing and trying again every %s s", self._instances_url, why,
+                        self.config.refresh_interval_s)
+        self._reachable = False
+        return False
 
     async def refresh_forever(self, fleet: Fleet) -> None:
         while True:

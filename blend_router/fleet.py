@@ -1,11 +1,15 @@
-"""The instances the router may send to, and the work it has in flight at each."""
+"""The instances the router may send to, where their engines are, and the work in flight."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
+from typing import Mapping
 
-from blend_wire import InstancesReply
+from blend_wire import ENGINE_URL_KEY, EngineAddress, InstancesReply, engine_address
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -18,21 +22,47 @@ class InFlight:
 
 
 class Fleet:
-    """The instances the registry lists, and per instance the requests this router has in
-    flight there (`in_flight`), of them those still waiting for their first piece
-    (`prefilling`: queued or in prefill) and their tokens to prefill (`prefill_tokens`);
-    counted from `begin` until the answer's first piece (`first_piece`) or its end."""
+    """The registered instances whose engine the router knows (`urls`: the base URL it
+    built from a host and port, by instance id), and the requests in flight to each.
 
-    def __init__(self) -> None:
+    An instance's engine is the operator's `--backend` for it, else the `engine_url` its
+    registration's metadata names (checked again here: only a host and port are kept).
+    A registered instance with neither is not sent to (logged once).
+
+    Per instance: the requests this router has in flight there (`in_flight`), of them those
+    still waiting for their first piece (`prefilling`: queued or in prefill) and their
+    tokens to prefill (`prefill_tokens`), counted from `begin` until the answer's first
+    piece (`first_piece`) or its end."""
+
+    def __init__(self, backends: Mapping[str, EngineAddress] | None = None) -> None:
         self.urls: dict[str, str] = {}
+        self.unroutable: set[str] = set()
         self.in_flight: dict[str, int] = {}
         self.prefilling: dict[str, int] = {}
         self.prefill_tokens: dict[str, int] = {}
+        self._backends = dict(backends or {})
         self._turn = itertools.count()
 
     def update(self, listing: InstancesReply) -> None:
-        self.urls = {i.instance_id: f"http://{_host(i.ip)}:{i.http_port}"
-                     for i in listing.instances}
+        urls, unroutable = {}, set()
+        for instance in listing.instances:
+            address, why = self._backends.get(instance.instance_id), ""
+            if address is None:
+                named = instance.metadata.get(ENGINE_URL_KEY)
+                try:
+                    address = None if named is None else engine_address(named)
+                except ValueError as exc:
+                    why = str(exc)
+                why = why or (f"its registration names no {ENGINE_URL_KEY} (the serving "
+                              "side's LMCACHE_COORDINATOR_ENGINE_URL) and no --backend names it")
+            if address is None:
+                unroutable.add(instance.instance_id)
+                if instance.instance_id not in self.unroutable:
+                    log.warning("instance %s is not routed to: %s", instance.instance_id[:100],
+                                why)
+                continue
+            urls[instance.instance_id] = address.url
+        self.urls, self.unroutable = urls, unroutable
 
     def least_loaded(self, among: list[str] | None = None, exclude: str | None = None
                      ) -> str | None:
@@ -45,8 +75,8 @@ class Fleet:
         return idle[next(self._turn) % len(idle)]
 
     def any_url(self) -> str | None:
-        """An instance's URL, each in turn (None: none known): any engine of the fleet
-        tokenizes as the others do."""
+        """An instance's engine URL, each in turn (None: none known): any engine of the
+        fleet tokenizes as the others do."""
         urls = list(self.urls.values())
         return urls[next(self._turn) % len(urls)] if urls else None
 
@@ -68,7 +98,5 @@ class Fleet:
         """The request `begin` counted is over (answered, failed or abandoned)."""
         self.first_piece(request)
         self.in_flight[request.instance] -= 1
-
-
-def _host(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
+        if not self.in_flight[request.instance]:
+            del self.in_flight[request.instance]

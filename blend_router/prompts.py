@@ -1,100 +1,174 @@
-"""What of an OpenAI-style request body the router scores: its token ids, its text, or its
-chat, checked here where the body enters (a malformed one is a `BadRequest`, 422)."""
+"""What of an OpenAI-style request body the router reads, decoded and checked once.
+
+`parse_request(path, raw)` decodes a body into a `ParsedRequest` (model, cache salt, and
+what to score: token ids, texts, or chat messages) or raises `BadRequest` saying why.
+Only the fields the router reads are decoded, each with its type; the body itself is
+forwarded as received. Large bodies are decoded in a worker process (`Parser`), so a
+16 MiB prompt never holds the router's event loop (a decoder holds the GIL).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from typing import Annotated, Union
 
+import msgspec
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
-_MAX_TOKEN_ID = 2**32 - 1
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+#: Bodies up to this size are decoded on the event loop (well under a millisecond); larger
+#: ones in the worker process.
+INLINE_PARSE_BYTES = 256 * 1024
 
 
 class BadRequest(ValueError):
     """A request the router refuses (-> 422); the message says why."""
 
 
-@dataclass(frozen=True)
-class Text:
-    """A completion's text prompt; `add_special_tokens` as the engine takes it (default on)."""
+class _Part(msgspec.Struct):
+    type: str = ""
+    text: Union[str, None] = None
 
-    text: str
+
+class Message(msgspec.Struct):
+    """One chat message as the router reads it (other fields are forwarded, not read)."""
+
+    role: str = ""
+    content: Union[str, list[_Part], None] = None
+
+
+class _Completion(msgspec.Struct):
+    model: Union[str, None] = None
+    prompt: Union[str, list[Union[_TokenId, str, list[_TokenId]]], None] = None
+    cache_salt: Union[str, None] = None
     add_special_tokens: bool = True
 
 
-@dataclass(frozen=True)
-class Chat:
-    """A chat's messages as `{"role", "content"}` with text content (a list of parts joined
-    by newlines, as vLLM does for a template that takes strings)."""
-
-    messages: list[dict]
+class _Chat(msgspec.Struct):
+    messages: list[Message]
+    model: Union[str, None] = None
+    prompt_token_ids: Union[list[_TokenId], None] = None
+    cache_salt: Union[str, None] = None
     add_generation_prompt: bool = True
 
 
-def _ids(value, where: str) -> np.ndarray:
-    if not all(type(v) is int and 0 <= v <= _MAX_TOKEN_ID for v in value):
-        raise BadRequest(f"{where} must be token ids: integers in [0, 2^32)")
-    return np.asarray(value, dtype=np.uint32)
+class ParsedRequest(msgspec.Struct):
+    """What the router reads of one request: `ids` (token ids to score), else `texts` (to
+    tokenize; for chat, the messages' texts in order, `messages` holding the messages),
+    else nothing to score. `add_special_tokens` (completions) and `add_generation_prompt`
+    (chats) as the engine takes them."""
+
+    model: str
+    cache_salt: str
+    ids: Union[np.ndarray, None] = None
+    texts: Union[list[str], None] = None
+    messages: Union[list[Message], None] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false")
-    return value
+_SHAPES = {COMPLETIONS_PATH: _Completion, CHAT_COMPLETIONS_PATH: _Chat}
+_DECODERS = {path: msgspec.json.Decoder(shape) for path, shape in _SHAPES.items()}
 
 
-def request_text_or_ids(path: str, body: dict) -> np.ndarray | Text | Chat | None:
-    """The request's token ids, or its text or chat to tokenize, or None (nothing to score)."""
-    if path == COMPLETIONS_PATH:
-        return _completion(body)
-    ids = body.get("prompt_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list):
-            raise BadRequest("prompt_token_ids must be a list of token ids")
-        return _ids(ids, "prompt_token_ids")
-    return _chat(body)
+def parse_request(path: str, raw: bytes) -> ParsedRequest:
+    """The request at `path` (a completions path) read from `raw`; `BadRequest` if it is
+    not JSON, not an object, or a field the router reads has the wrong type."""
+    try:
+        body = _DECODERS[path].decode(raw)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"the body does not fit {path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the body is nested too deeply to be a request") from None
+    parsed = ParsedRequest(model=body.model or "", cache_salt=body.cache_salt or "")
+    if isinstance(body, _Completion):
+        parsed.add_special_tokens = body.add_special_tokens
+        _completion_prompt(body.prompt, parsed)
+    elif body.prompt_token_ids is not None:
+        parsed.ids = np.asarray(body.prompt_token_ids, dtype=np.uint32)
+    else:
+        parsed.messages = body.messages
+        parsed.add_generation_prompt = body.add_generation_prompt
+        texts = []
+        for message in body.messages:
+            if isinstance(message.content, str):
+                texts.append(message.content)
+            elif message.content is not None:
+                texts.extend(part.text for part in message.content if part.text is not None)
+        parsed.texts = texts or None
+    return parsed
 
 
-def _completion(body: dict) -> np.ndarray | Text | None:
-    prompt = body.get("prompt")
-    special = _flag(body, "add_special_tokens", True)
+def _completion_prompt(prompt, parsed: ParsedRequest) -> None:
     if isinstance(prompt, str):
-        return Text(prompt, special)
-    if isinstance(prompt, list) and prompt:
-        if all(type(v) is int for v in prompt):
-            return _ids(prompt, "prompt")
-        if len(prompt) == 1 and isinstance(prompt[0], list):
-            return _ids(prompt[0], "prompt[0]")
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return Text(prompt[0], special)
-        if isinstance(prompt[0], (int, list)):
+        parsed.texts = [prompt]
+    elif not prompt:
+        return
+    elif len(prompt) == 1 and isinstance(prompt[0], list):
+        parsed.ids = np.asarray(prompt[0], dtype=np.uint32)
+    elif len(prompt) == 1 and isinstance(prompt[0], str):
+        parsed.texts = [prompt[0]]
+    elif type(prompt[0]) is int:
+        if not all(type(v) is int for v in prompt):
             raise BadRequest("prompt must be token ids (integers in [0, 2^32)), text, or "
                              "one list of either")
-    return None  # several prompts in one request: nothing one instance is best for
+        parsed.ids = np.asarray(prompt, dtype=np.uint32)
+    elif isinstance(prompt[0], list):
+        raise BadRequest("prompt must be token ids (integers in [0, 2^32)), text, or one "
+                         "list of either")
+    # several texts in one request: nothing one instance is best for
 
 
-def _chat(body: dict) -> Chat | None:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise BadRequest("messages must be a list of {\"role\", \"content\"} objects")
-    plain = []
-    for n, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{n}] must be an object with a string role")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) for part in content):
-                raise BadRequest(f"messages[{n}].content must be text or a list of parts")
-            content = "\n".join(part["text"] for part in content
-                                if isinstance(part.get("text"), str))
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{n}].content must be text or a list of parts")
-        plain.append({"role": message["role"], "content": content})
-    if not any(m["content"] for m in plain):
-        return None
-    return Chat(plain, _flag(body, "add_generation_prompt", True))
+def _exit_with_parent(parent: int) -> None:
+    """In the worker: exit once the router is gone (killed, it shuts nothing down)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class Parser:
+    """`parse_request`, inline for small bodies and in one worker process for large ones."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        # spawn: the worker inherits none of the router's threads or sockets; it exits
+        # when the router does, however that ends.
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_exit_with_parent, initargs=(os.getpid(),))
+        self._pool.submit(int).result()  # started (and this module imported) now, not later
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def parse(self, path: str, raw: bytes) -> ParsedRequest:
+        if len(raw) <= INLINE_PARSE_BYTES or self._pool is None:
+            return parse_request(path, raw)
+        pool = self._pool
+        try:
+            return await asyncio.wrap_future(pool.submit(parse_request, path, raw))
+        except concurrent.futures.BrokenExecutor:
+            # The worker died (killed, out of memory): a new one for the next request, and
+            # this one parsed here rather than refused for the router's trouble.
+            if self._pool is pool:
+                log.warning("the body-parsing worker process died; starting another")
+                pool.shutdown(wait=False, cancel_futures=True)
+                await asyncio.get_running_loop().run_in_executor(None, self.start)
+            return parse_request(path, raw)

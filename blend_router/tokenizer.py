@@ -29,9 +29,40 @@ from typing import Awaitable, Callable
 import aiohttp
 import numpy as np
 
-from blend_router.prompts import Chat, Text, request_text_or_ids
+from blend_router.prompts import ParsedRequest
 
 _MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Text:
+    """A completion's text prompt; `add_special_tokens` as the engine takes it (default on)."""
+
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat's messages as `{"role", "content"}` with text content (a list of parts joined
+    by newlines, as vLLM does for a template that takes strings)."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+
+
+def to_tokenize(request: ParsedRequest) -> Text | Chat | None:
+    """What of a parsed request is tokenized: its text, its chat, or nothing."""
+    if request.messages is not None:
+        if not request.texts:
+            return None
+        return Chat([{"role": m.role, "content": m.content if isinstance(m.content, str)
+                      else "" if m.content is None
+                      else "\n".join(p.text for p in m.content if p.text is not None)}
+                     for m in request.messages], request.add_generation_prompt)
+    if request.texts is not None and len(request.texts) == 1:
+        return Text(request.texts[0], request.add_special_tokens)
+    return None
 
 
 class ModelTokenizer:
@@ -135,7 +166,7 @@ class EngineTokenizer:
     engine_url: Callable[[], str | None]
     session: Callable[[], aiohttp.ClientSession]
 
-    async def tokens(self, found: Text | Chat, model: str, body: dict) -> np.ndarray | None:
+    async def tokens(self, found: Text | Chat, model: str) -> np.ndarray | None:
         """The engine's ids, or None when it has none to give (no engine, an error, a reply
         that is not token ids). The caller bounds the time."""
         base = self.engine_url()
@@ -145,10 +176,8 @@ class EngineTokenizer:
             ask = {"model": model, "prompt": found.text,
                    "add_special_tokens": found.add_special_tokens}
         else:
-            ask = {"model": model, "messages": body["messages"],
-                   "add_generation_prompt": found.add_generation_prompt,
-                   **{k: body[k] for k in ("continue_final_message", "chat_template_kwargs",
-                                           "tools", "add_special_tokens") if k in body}}
+            ask = {"model": model, "messages": found.messages,
+                   "add_generation_prompt": found.add_generation_prompt}
         try:
             async with self.session().post(base + "/tokenize", json=ask) as reply:
                 if reply.status != 200:
@@ -169,17 +198,19 @@ class Tokenizers:
     model: ModelTokenizer | None = None
     engine: EngineTokenizer | None = None
 
-    async def tokens_of(self, path: str, body: dict) -> np.ndarray | None:
-        """The request's token ids to score, or None (nothing to score). Raises `BadRequest`
-        for a malformed body; tokenizing runs off the event loop."""
-        found = request_text_or_ids(path, body)
-        if found is None or isinstance(found, np.ndarray):
-            return found
+    async def tokens_of(self, request: ParsedRequest) -> np.ndarray | None:
+        """The request's token ids to score, or None (nothing to score); tokenizing runs
+        off the event loop."""
+        if request.ids is not None:
+            return request.ids
+        found = to_tokenize(request)
+        if found is None:
+            return None
         ids = None
         if self.model is not None:
             ids = await _off_loop(lambda: self.model.tokens(found))
         if ids is None and self.engine is not None:
-            ids = await self.engine.tokens(found, body.get("model", ""), body)
+            ids = await self.engine.tokens(found, request.model)
         if ids is None and isinstance(found, Chat) and self.model is not None:
             ids = await _off_loop(lambda: _each_message(self.model, found))
         return ids

@@ -14,7 +14,8 @@ Submodules, their public names gathered here: `values` (`WireError`, ranges, key
 rules, `BlendNamespace`, kv_rank), `paths`, `tokens` (the token codec, `as_tokens`),
 `lookup` (blend lookup and score), `events` (`POST /events`), `fleet` (instance registry
 and directory queries), `chunk_keys` (LMCache's chunk hashes) and `codec` (`encode`,
-`decode`, `convert_query`).
+`decode`, `convert_query`); `version` (the project's installed version, for `--version`) is
+imported from its module.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from blend_wire.codec import convert_query, decode, encode
 from blend_wire.events import (CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
                                EventsRequest, EventType, Tier, batches_of, compile_decoding,
                                decode_batch)
-from blend_wire.fleet import (MAX_METADATA_CHARS, MAX_REGISTRATION_BODY_BYTES, BlendIndexStats,
+from blend_wire.fleet import (ENGINE_URL_KEY, MAX_CHUNK_SIZE, MAX_METADATA_CHARS,
+                              MAX_REGISTRATION_BODY_BYTES, BlendIndexStats, EngineAddress,
+                              engine_address,
                               ChunkSizeBindReply, ChunkSizeBindRequest, DirectoryKeyInfo,
                               DirectoryKeysQuery, DirectoryKeysReply, DirectoryLookupReply,
                               DirectoryLookupRequest, DirectoryStats, HealthReply,
@@ -46,7 +49,7 @@ from blend_wire.values import (CACHE_SALT_FORBIDDEN, CANDIDATE_SPARE_CHUNKS,
                                MAX_OBJECT_GROUP_ID, MAX_TOKEN_ID, MAX_TOKEN_OFFSET,
                                MAX_WORLD_SIZE, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                                ChunkHashHex, HexOfLength, Name, NonNegative, TokenOffset,
-                               WireError, check_cache_salt, check_chunk_hash_hex,
+                               WireError, check_cache_salt, check_chunk_hash_hex, parse_salt_list,
                                check_lookup_namespace, check_model_name, chunk_hash_of_hex,
                                hex_refusal,
                                check_token_offset, is_loopback_host, pack_kv_rank,

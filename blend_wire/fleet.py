@@ -10,20 +10,29 @@ that is not a plain type or range), so `blend_wire.decode` returns a checked val
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import ipaddress
+import re
+from typing import Annotated, Literal, NamedTuple
+from urllib.parse import urlsplit
 
 import msgspec
 
-from blend_wire.chunk_keys import MAX_TOKEN_IDS
 from blend_wire.events import EncodedObjectKey
 from blend_wire.values import MAX_WORLD_SIZE, Name, NonNegative
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 OptionalPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-#: A chunk size a server binds (LMCache 0.5.7: `ge=1`); the upper bound is what one
-#: `/events` token list may carry (`MAX_TOKEN_IDS`), so any size that can work fits.
-ChunkSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_IDS)]
+#: The largest chunk size the coordinator binds or is configured with (ours; LMCache
+#: checks only `ge=1`). LMCache's chunk sizes are 256 by default and a few thousand tokens
+#: at most (0.5.7 rounds the configured size up to a multiple of the engine's block
+#: size); 65,536 leaves a 16x margin over 4,096 while the blend index's storage block
+#: (16,384 chunks) stays 4 GiB of address space, mapped as written. At 10^6 it was
+#: 61 GiB, and a bind failed allocating it (WIRE.md, "PUT /config/chunk-size (LMCache
+#: 0.5.7)").
+MAX_CHUNK_SIZE = 65_536
+#: A chunk size a server binds (LMCache 0.5.7: `ge=1`), at most `MAX_CHUNK_SIZE`.
+ChunkSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_SIZE)]
 
 
 # --- /instances -------------------------------------------------------------------------
@@ -33,6 +42,63 @@ ChunkSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_IDS)]
 MAX_REGISTRATION_BODY_BYTES = 64 * 1024
 #: `metadata` keys and values together, in characters (422 beyond).
 MAX_METADATA_CHARS = 16 * 1024
+
+
+#: The registration `metadata` key naming where the instance's engine serves its
+#: OpenAI-compatible API (ours; LMCache registers the address of its own HTTP front end,
+#: which does not serve completions). A router dials only the host and port it holds.
+ENGINE_URL_KEY = "engine_url"
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+class EngineAddress(NamedTuple):
+    """An engine's OpenAI server: scheme, host (a name, an IPv4 address, or an IPv6 address
+    without brackets) and port; `url` is the one form a router dials."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def engine_address(url: str) -> EngineAddress:
+    """`http(s)://HOST:PORT` (a trailing `/` allowed) as an `EngineAddress`; `ValueError`
+    saying why for anything else: another scheme, no port, a path, a query, a fragment,
+    user info, or a host that is neither a DNS name nor an IP address."""
+    refusal = (f"an engine URL must be http(s)://HOST:PORT, nothing more (no path, query, "
+               f"fragment or user info); got {url[:200]!r}")
+    if not isinstance(url, str) or len(url) > 300 or url != url.strip() \
+            or not url.isascii() or not url.isprintable():
+        raise ValueError(refusal)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(refusal) from None
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or port is None or not 1 <= port <= 65535 \
+            or parts.path not in ("", "/") or parts.query or parts.fragment \
+            or "?" in url or "#" in url or "@" in parts.netloc:
+        raise ValueError(refusal)
+    if parts.netloc.startswith("["):
+        try:
+            if "%" in host or ipaddress.ip_address(host).version != 6:
+                raise ValueError
+        except ValueError:
+            raise ValueError(refusal) from None
+        expected = f"[{host}]:{port}"
+    else:
+        if not _HOST_NAME.fullmatch(host) or ":" in host:
+            raise ValueError(refusal)
+        expected = f"{host}:{port}"
+    if parts.netloc.lower() != expected.lower():  # e.g. a port written `08080` or `+80`
+        raise ValueError(refusal)
+    return EngineAddress(parts.scheme, host.lower(), port)
 
 
 class RegisterRequest(msgspec.Struct, kw_only=True):
@@ -57,6 +123,8 @@ class RegisterRequest(msgspec.Struct, kw_only=True):
         if size > MAX_METADATA_CHARS:
             raise ValueError(f"metadata holds {size} characters (keys and values), more than "
                              f"{MAX_METADATA_CHARS}; keep registration hints short")
+        if ENGINE_URL_KEY in self.metadata:
+            engine_address(self.metadata[ENGINE_URL_KEY])
 
 
 class RegisterReply(msgspec.Struct, kw_only=True):

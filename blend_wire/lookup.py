@@ -84,6 +84,9 @@ class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True, gc=
     chunk_size: int | None = None
     candidates: list[WireFoundContent] | None = None
     matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
+    # False (written only then) from a coordinator whose blend lookup is off: it can find
+    # nothing, and says so, so that the client can tell its operator why reuse is zero.
+    blend_lookup: bool = True
 
 
 # --- POST /directory/blend-score (ours) ----------------------------------------------

@@ -93,6 +93,22 @@ def check_cache_salt(cache_salt: str) -> None:
         raise ValueError(f"cache_salt must not contain {bad!r} (got {cache_salt[:40]!r})")
 
 
+def parse_salt_list(value: str) -> frozenset[str]:
+    """The salts of a token file's `salts=S[,S...]` (WIRE.md, "Access control"): comma-
+    separated, `""` the empty salt, each a valid cache salt. `ValueError` says why not."""
+    items = value.split(",")
+    if not value or not all(items):
+        raise ValueError('salts= has an empty item; write the empty salt as "" (e.g. '
+                         'salts="",tenant-a)')
+    salts = frozenset("" if item == '""' else item for item in items)
+    for salt in salts:
+        check_cache_salt(salt)
+        if '"' in salt:
+            raise ValueError(f'salt {salt[:40]!r} holds a quote; only "" (the empty salt) is '
+                             'written with quotes')
+    return salts
+
+
 def check_model_name(model_name: str) -> None:
     """Raise `ValueError` unless `model_name` follows LMCache's `ObjectKey` rule (no `@`)."""
     if "@" in model_name:

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from blend_wire import is_loopback_host
+from blend_wire import MAX_CHUNK_SIZE, is_loopback_host
+from blend_wire.version import version_line
 from coordinator_stub.scopes import tokens_from
 
 DEFAULT_HOST = "127.0.0.1"
@@ -42,6 +43,10 @@ DEFAULT_HEALTH_CHECK_INTERVAL = 10.0
 #: only a peer holds, relative to one in its own L1 (1) and one recomputed (0).
 DEFAULT_SCORE_SHARED_WEIGHT = 0.5
 DEFAULT_SCORE_PEER_WEIGHT = 0.25
+#: Instance ids (registered or reporting) one scoped token may bring in: a fleet's worth
+#: for a pool of servers (restarts under new ids are let go after --instance-timeout),
+#: while a token making up ids stops at about a megabyte of state.
+DEFAULT_MAX_INSTANCES_PER_SCOPE = 1024
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class CoordinatorConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Instance ids per scoped token (coordinator_stub.service.quotas); 0: no cap.
+    max_instances_per_scope: int = DEFAULT_MAX_INSTANCES_PER_SCOPE
     # Opt-in access control (coordinator_stub.scopes): (role, token[, scope]); empty = off.
     access_tokens: tuple[tuple, ...] = ()
     # TLS: both or neither (PEM files); off = plain HTTP.
@@ -83,6 +90,9 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.chunk_size > MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_size must be at most {MAX_CHUNK_SIZE} (WIRE.md, \"PUT "
+                             f"/config/chunk-size (LMCache 0.5.7)\"), got {self.chunk_size}")
         if self.max_ingest_bytes < self.max_body_bytes:
             raise ValueError(f"max_ingest_bytes ({self.max_ingest_bytes}) must be at least "
                              f"max_body_bytes ({self.max_body_bytes}), or the largest "
@@ -91,6 +101,9 @@ class CoordinatorConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not isinstance(self.match_workers, int) or self.match_workers < 1:
             raise ValueError(f"match_workers must be an integer >= 1, got {self.match_workers!r}")
+        if not isinstance(self.max_instances_per_scope, int) or self.max_instances_per_scope < 0:
+            raise ValueError(f"max_instances_per_scope must be an integer >= 0 (0: no cap), "
+                             f"got {self.max_instances_per_scope!r}")
         if not isinstance(self.max_connections, int) or self.max_connections < 1:
             raise ValueError(f"max_connections must be an integer >= 1, got "
                              f"{self.max_connections!r}")
@@ -125,6 +138,13 @@ class CoordinatorConfig:
                 "tokens (and the token ids of every tenant's prompts) cross the network in "
                 "clear, for anyone on the path to copy; serve HTTPS (--tls-cert, --tls-key) "
                 "or bind a loopback address")
+        if not self.enable_blend_lookup:
+            # LMCache's default, kept (docs/OPERATIONS.md, "Blend lookup is off by
+            # default"); said, because what it costs is invisible: zero fleet reuse.
+            found.append(
+                "blend lookup is off (no --enable-blend-lookup): blend lookups answer no "
+                "matches, so serving processes reuse nothing through the fleet; start the "
+                "coordinator with --enable-blend-lookup to index content and match it")
         return found
 
 
@@ -205,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
             "CacheBlend lookups (POST /directory/blend-lookup). Prints one line "
             "'listening on http://HOST:PORT' once bound; exits 0 on SIGINT/SIGTERM."),
     )
+    parser.add_argument("--version", action="version", version=version_line("coordinator"))
     _listening_flags(parser)
     _lookup_flags(parser)
     _limit_flags(parser)
@@ -243,16 +264,18 @@ def _lookup_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
                        help="tokens per chunk; only stored content of exactly this many "
                             "tokens is indexed. The minimum an LMCache 0.5.7 fleet may "
-                            "bind with PUT /config/chunk-size (default: %(default)s)")
+                            f"bind with PUT /config/chunk-size; at most {MAX_CHUNK_SIZE} "
+                            "(default: %(default)s)")
     group.add_argument("--blend-probe-stride", type=_positive_int, default=1,
                        help="probe the query every N positions; 1 finds every stored chunk "
                             "at any offset (full recall), larger values trade recall for "
                             "speed (default: %(default)s)")
     group.add_argument("--trust-shared-hashes", action="store_true",
-                       help="LMCache's rules for a chunk hash stored in several namespaces: "
-                            "one content and offset per hash, set by whichever namespace "
-                            "stored it last, and claimed by a token-less STORE of any "
-                            "namespace. Only for fleets whose namespaces trust each other "
+                       help="LMCache's rules for a chunk hash stored in several namespaces "
+                            "or by several instances: one content and offset per hash, set "
+                            "by whichever namespace or instance stored it last, and claimed "
+                            "by a token-less STORE of any namespace; any reporter changes "
+                            "a shared placement. Only for fleets whose namespaces trust each other "
                             "(one tenant): a namespace's report then changes what the others "
                             "match. Off by default: each namespace keeps its own content and "
                             "offset for a hash (WIRE.md)")
@@ -293,6 +316,12 @@ def _limit_flags(parser: argparse.ArgumentParser) -> None:
                             "longest-idle connection, or is refused when every connection "
                             "has a request in progress. Also kept below the process's "
                             "descriptor limit (default: %(default)s)")
+    group.add_argument("--max-instances-per-scope", type=int,
+                       default=DEFAULT_MAX_INSTANCES_PER_SCOPE,
+                       help="instance ids (registered or sending events) one scoped token "
+                            "may have in the coordinator at once; past it a new id is "
+                            "answered 429 until some leave. Unscoped tokens are not "
+                            "counted; 0: no cap (default: %(default)s)")
 
 
 def _instance_flags(parser: argparse.ArgumentParser) -> None:
@@ -417,6 +446,7 @@ def parse_args(argv: Sequence[str] | None = None,
             max_ingest_bytes=args.max_ingest_bytes,
             match_workers=args.match_workers, idle_timeout_s=args.idle_timeout,
             body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+            max_instances_per_scope=args.max_instances_per_scope,
             access_tokens=access_tokens, tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
             instance_timeout=args.instance_timeout,

@@ -2,9 +2,10 @@
 
 Contract:
 - `tokens_from(file, environ)`: the `(role, token, scope)` grants of a token file (`ROLE
-  TOKEN [instances=P,...] [salts=S,...]` lines) and of the `COORDINATOR_*_TOKEN` variables;
-  empty: access control off. A file or variable that cannot be used raises
-  `AccessConfigError` saying where and why.
+  TOKEN [instances=P,...] [salts=S,...]` lines; `#` starts a comment at the start of a
+  line or after whitespace, and is part of a field anywhere else) and of the
+  `COORDINATOR_*_TOKEN` variables; empty: access control off. A file or variable that
+  cannot be used raises `AccessConfigError` saying where and why.
 - `Scope`: what a token may speak for (instance ids or prefixes ending in `*`, cache
   salts; None: any). Its `check_*` methods raise `coordinator_stub.errors.Forbidden`
   naming what was refused; the service calls them before anything is applied.
@@ -14,10 +15,11 @@ Contract:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from blend_wire import MAX_NAME_CHARS, check_cache_salt
+from blend_wire import MAX_NAME_CHARS, parse_salt_list
 from coordinator_stub.errors import Forbidden
 
 EMITTER, READER, ADMIN = "emitter", "reader", "admin"
@@ -78,6 +80,9 @@ class Scope:
 
 
 ANY = Scope()
+#: A comment: `#` at the start of a line or after whitespace, to the end of the line. A `#`
+#: inside a field belongs to it (`0123456789abcdefSECRET#more` is one token).
+_COMMENT = re.compile(r"(?:^|\s)#.*")
 
 
 def _salt_list(salts: frozenset[str]) -> str:
@@ -86,7 +91,7 @@ def _salt_list(salts: frozenset[str]) -> str:
 
 def _parse_scope(role: str, fields: list[str], where: str) -> Scope:
     """`instances=...` / `salts=...` fields of one grant."""
-    values: dict[str, list[str]] = {}
+    values: dict[str, list[str] | frozenset[str]] = {}
     for field in fields:
         name, equals, value = field.partition("=")
         if not equals or name not in ("instances", "salts"):
@@ -98,27 +103,22 @@ def _parse_scope(role: str, fields: list[str], where: str) -> Scope:
                                     f"{', '.join(_SCOPE_FIELDS[role]) or 'none'})")
         if name in values:
             raise AccessConfigError(f"{where}: {name}= given twice; list them in one field")
+        if name == "salts":
+            try:
+                values[name] = parse_salt_list(value)
+            except ValueError as exc:
+                raise AccessConfigError(f"{where}: {exc}") from None
+            continue
         items = value.split(",")
         if not value or not all(items):
-            raise AccessConfigError(f"{where}: {name}= has an empty item; write the empty "
-                                    'salt as "" (e.g. salts="",tenant-a)')
+            raise AccessConfigError(f"{where}: {name}= has an empty item")
         values[name] = items
     instances = values.get("instances")
     for pattern in instances or ():
         if "*" in pattern[:-1] or len(pattern) > MAX_NAME_CHARS:
             raise AccessConfigError(f"{where}: instance pattern {pattern[:40]!r} must be an "
                                     "id, or a prefix ending in '*' (no other '*')")
-    salts = None
-    if "salts" in values:
-        salts = frozenset("" if item == '""' else item for item in values["salts"])
-        for salt in salts:
-            try:
-                check_cache_salt(salt)
-            except ValueError as exc:
-                raise AccessConfigError(f"{where}: {exc}") from None
-            if '"' in salt:
-                raise AccessConfigError(f"{where}: salt {salt[:40]!r} holds a quote; only "
-                                        '"" (the empty salt) is written with quotes')
+    salts = values.get("salts")
     return Scope(None if instances is None else tuple(instances), salts)
 
 
@@ -134,7 +134,7 @@ def tokens_from(path: str | None = None, environ: Mapping[str, str] | None = Non
         except OSError as exc:
             raise AccessConfigError(f"cannot read token file {path}: {exc}") from None
         for number, line in enumerate(lines, start=1):
-            line = line.split("#", 1)[0].strip()
+            line = _COMMENT.sub("", line).strip()
             if not line:
                 continue
             fields = line.split()

@@ -18,8 +18,8 @@ from blend_wire.tokens import as_tokens
 from local_matcher import kernels
 from local_matcher.claims import NONE, ClaimLists, mask_bit, mask_bits
 from local_matcher.store import ContentStore
-from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, BlendMatch,
-                                 ContentCandidates)
+from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, EMPTY_COLUMNS, MAX_CANDIDATE_CHUNKS,
+                                 BlendMatch, CandidateColumns, ContentCandidates)
 
 log = logging.getLogger(__name__)
 _blend_match = partial(tuple.__new__, BlendMatch)  # no Python-level __new__ per match
@@ -236,48 +236,55 @@ class ContentIndex:
     def candidates(self, query, namespace: Hashable, *,
                    spare_chunks: int = CANDIDATE_SPARE_CHUNKS, wait: bool = True
                    ) -> list[ContentCandidates]:
+        """`candidate_columns` as one `ContentCandidates` per content (plain data)."""
+        return self.candidate_columns(query, namespace, spare_chunks=spare_chunks,
+                                      wait=wait).as_contents()
+
+    def candidate_columns(self, query, namespace: Hashable, *,
+                          spare_chunks: int = CANDIDATE_SPARE_CHUNKS, wait: bool = True
+                          ) -> CandidateColumns:
         """Every position of `query` where content `namespace` claims occurs, by content.
 
         The candidates form (DESIGN.md, "Unified lookup"): unlike `match`, no chunk is
         assigned to a position here, so a caller that drops some positions (the prefix, an
-        overlap) can give their chunks to later ones. One `ContentCandidates` per content
-        found, in order of its first position; every position verified token by token; per
-        content at most `len(positions) + spare_chunks` chunks (and `MAX_CANDIDATE_CHUNKS`).
-        Cost: O(query + positions + chunks named), however many chunks hold a content.
-        `wait` as `match`.
+        overlap) can give their chunks to later ones. Contents in order of their first
+        position; every position verified token by token; per content at most
+        `len(positions) + spare_chunks` chunks (and `MAX_CANDIDATE_CHUNKS`). Columns, no
+        Python object per content or chunk. Cost: O(query + positions + chunks named),
+        however many chunks hold a content. `wait` as `match`.
         """
         tokens = self._query_tokens(query)
         if tokens is None:
-            return []
+            return EMPTY_COLUMNS
         with self._locked(wait):
             claims = self._claims
             ns_id = claims.ns_ids.get(namespace)
             if ns_id is None:
-                return []
+                return EMPTY_COLUMNS
             store = self._store
             first_pos, first_cid, repeat_pos, repeat_cid = store.probe(
                 tokens, self.probe_stride, mask_bit(ns_id))
             if not first_pos.size:
-                return []
+                return EMPTY_COLUMNS
             positions, sizes = store.occurrences(tokens, first_pos, first_cid, repeat_pos,
                                                  repeat_cid)
             heads = claims.heads_of(first_cid, ns_id)
             limits = np.minimum(sizes + spare_chunks, MAX_CANDIDATE_CHUNKS)
             slots, counts = kernels.walk_lists(heads, limits, claims.next_slot)
-            offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots].tolist()
+            offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots]
             slot_chunk = claims.slot_chunk
-            chunks = list(zip([slot_chunk[s] for s in slots.tolist()], offsets))
-        # Plain lists and slices: numpy's split costs more than the rest per content.
-        sorted_positions = positions.tolist()
-        found, begin, start = [], 0, 0
-        make = ContentCandidates._make
-        for end, count in zip(np.cumsum(sizes).tolist(), counts.tolist()):
-            if count:  # 0: a stale mask bit let a content of other namespaces through
-                found.append(make((tuple(sorted_positions[begin:end]),
-                                   tuple(chunks[start:start + count]))))
-                start += count
-            begin = end
-        return found
+            hashes = [slot_chunk[s] for s in slots.tolist()]
+        position_start = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=position_start[1:])
+        if not counts.all():  # 0: a stale mask bit let a content of other namespaces through
+            keep = counts > 0
+            positions = positions[np.repeat(keep, sizes)]
+            sizes, counts = sizes[keep], counts[keep]
+            position_start = np.zeros(sizes.size + 1, dtype=np.int64)
+            np.cumsum(sizes, out=position_start[1:])
+        chunk_start = np.zeros(counts.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=chunk_start[1:])
+        return CandidateColumns(position_start, positions, chunk_start, offsets, hashes)
 
     def _query_tokens(self, query) -> np.ndarray | None:
         """A query's tokens as uint32, or None when shorter than one chunk (nothing found)."""

@@ -29,7 +29,7 @@ import numpy as np
 from blend_wire.tokens import as_tokens
 from local_matcher import kernels
 from local_matcher.index import ContentIndex
-from local_matcher.types import CBMatchResult, ContentCandidates
+from local_matcher.types import CandidateColumns, CBMatchResult, ContentCandidates
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,12 @@ class LocalMatcher:
         most, as every chunk of one process is held in the same place (no spare needed)."""
         self.flush()
         return self._index.candidates(token_ids, namespace, spare_chunks=0)
+
+    def candidate_columns(self, token_ids, *, namespace: Hashable = _LOCAL
+                          ) -> CandidateColumns:
+        """`candidates` as columns (`ContentIndex.candidate_columns`)."""
+        self.flush()
+        return self._index.candidate_columns(token_ids, namespace, spare_chunks=0)
 
     def flush(self) -> None:
         """Apply every queued registration and eviction now."""

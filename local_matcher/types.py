@@ -8,7 +8,9 @@ now (`cur_st..cur_ed`), with `ed = st + chunk_size`.
 
 from __future__ import annotations
 
-from typing import Hashable, NamedTuple
+from typing import Hashable, NamedTuple, Sequence
+
+import numpy as np
 
 # The wire's values (UNKNOWN_TOKEN_OFFSET: an `old_st` never reported; the candidates
 # form's chunk limits), owned by blend_wire.
@@ -54,3 +56,36 @@ class ContentCandidates(NamedTuple):
 
     positions: tuple[int, ...]
     chunks: tuple[tuple[Hashable, int], ...]
+
+
+class CandidateColumns(NamedTuple):
+    """The candidates form of a lookup as columns: `ContentCandidates` of every content
+    found, in order of first position, without a Python object per content or chunk.
+
+    Content i's positions are ``positions[position_start[i]:position_start[i + 1]]``
+    (ascending) and its chunks ``chunk_start[i]:chunk_start[i + 1]`` of the per-chunk
+    columns: `old_st` and `chunk_hashes` (the index's own hash objects, first indexed
+    first). `truncated`: a limit cut positions or contents (WIRE.md, "Limits")."""
+
+    position_start: np.ndarray
+    positions: np.ndarray
+    chunk_start: np.ndarray
+    old_st: np.ndarray
+    chunk_hashes: Sequence[Hashable]
+    truncated: bool = False
+
+    @property
+    def num_contents(self) -> int:
+        return len(self.position_start) - 1
+
+    def as_contents(self) -> list[ContentCandidates]:
+        """One `ContentCandidates` per content (plain data, for cold callers and tests)."""
+        positions, offsets = self.positions.tolist(), self.old_st.tolist()
+        pos, chunks = self.position_start.tolist(), self.chunk_start.tolist()
+        return [ContentCandidates(tuple(positions[pos[i]:pos[i + 1]]), tuple(zip(
+                    self.chunk_hashes[chunks[i]:chunks[i + 1]], offsets[chunks[i]:chunks[i + 1]])))
+                for i in range(self.num_contents)]
+
+
+EMPTY_COLUMNS = CandidateColumns(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                                 np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), ())

@@ -20,7 +20,7 @@ from plugin.registrar import InstanceRegistrar, RegistrarStats
 from plugin.reporter import CacheEventReporter, ReporterStats
 from plugin.types import (BlendMatch, BlendNamespace, BreakerState, CBMatchResult,
                           CBUnifiedLookupResult, FleetReply, FleetStatus,
-                          FoundContent, LookupKey, MatchState, Place, Source)
+                          FoundColumns, FoundContent, LookupKey, MatchState, Place, Source)
 
 __all__ = [
     "BlendCoordinatorClient",
@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "FleetReply",
     "FleetStatus",
+    "FoundColumns",
     "FoundContent",
     "InMemoryHost",
     "InstanceRegistrar",

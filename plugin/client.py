@@ -28,7 +28,7 @@ from blend_wire import BLEND_LOOKUP_PATH, BlendLookupRequest, BlendNamespace, en
 from plugin.config import DEFAULT_MAX_REPLY_BYTES, PluginConfig, coordinator_url_list
 from plugin.http import coordinator_http
 from plugin.replies import QueryFailed, found_in, read_capped
-from plugin.types import BreakerState, FleetReply, FoundContent, MatchState
+from plugin.types import BreakerState, FleetReply, FoundColumns, MatchState
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class _Endpoint:
     probe_out: bool = False
     failures: int = 0  # consecutive unhealthy failures
     candidates: bool = True  # False once it answered the default form to a candidates query
+    said_blend_off: bool = False  # its "blend lookup off" was logged (once per URL)
 
 
 @dataclass(eq=False)
@@ -402,7 +403,16 @@ class BlendCoordinatorClient:
                     self._stats.late_discarded += 1
                 return
 
-    def _round_trip(self, query: _Query, budget: float) -> tuple[FoundContent, ...]:
+    def _say_blend_off(self, endpoint: _Endpoint) -> None:
+        """Once per URL: why this coordinator's answers hold nothing."""
+        with self._lock:
+            first, endpoint.said_blend_off = not endpoint.said_blend_off, True
+        if first:
+            log.warning("%s has blend lookup off (started without --enable-blend-lookup): it "
+                        "finds nothing, so this server reuses nothing through the fleet. "
+                        "Restart it with --enable-blend-lookup", endpoint.url)
+
+    def _round_trip(self, query: _Query, budget: float) -> FoundColumns:
         namespace, endpoint = query.namespace, query.endpoint
         asked_candidates = endpoint.candidates
         body = encode(BlendLookupRequest(tokens_b64=encode_tokens(query.tokens),
@@ -432,6 +442,8 @@ class BlendCoordinatorClient:
                 endpoint.candidates = False
             log.info("%s answers blend lookups in LMCache's default form (no candidates): "
                      "using it", endpoint.url)
+        if found.blend_lookup_off:
+            self._say_blend_off(endpoint)
         if found.dropped:
             with self._lock:
                 self._stats.dropped_entries += found.dropped

@@ -11,6 +11,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from blend_wire import ENGINE_URL_KEY, engine_address
+
 ENV_COORDINATOR_URL = "LMCACHE_COORDINATOR_URL"
 ENV_EVENT_REPORTING = "LMCACHE_COORDINATOR_EVENT_REPORTING"
 ENV_EVENT_FLUSH_INTERVAL = "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL"
@@ -25,6 +27,9 @@ ENV_INSTANCE_ID = "LMCACHE_COORDINATOR_INSTANCE_ID"
 # the emitter and reader roles), and a CA file for an https:// coordinator.
 ENV_COORDINATOR_TOKEN = "LMCACHE_COORDINATOR_TOKEN"
 ENV_COORDINATOR_CA_FILE = "LMCACHE_COORDINATOR_CA_FILE"
+# Ours: where this server's engine serves its OpenAI API (http(s)://HOST:PORT), sent in the
+# registration's metadata for routers (WIRE.md, "Instances").
+ENV_ENGINE_URL = "LMCACHE_COORDINATOR_ENGINE_URL"
 # Ours: the cap on one blend-lookup reply, in bytes after decoding.
 ENV_MAX_REPLY_BYTES = "LMCACHE_COORDINATOR_BLEND_MAX_REPLY_BYTES"
 
@@ -81,6 +86,9 @@ class PluginConfig:
     # emitter and reader roles), and a CA file to check an https:// coordinator against.
     coordinator_token: str | None = field(default=None, repr=False)
     coordinator_ca_file: str | None = None
+    # This server's engine's OpenAI server, http(s)://HOST:PORT, registered for routers
+    # (`engine_url` in the registration's metadata); None: not registered.
+    engine_url: str | None = None
     # Incarnation of this emitter; None derives one from the start time (time.time_ns()), so
     # a restarted process always outranks its predecessor and the coordinator fences it.
     incarnation: int | None = None
@@ -135,6 +143,11 @@ class PluginConfig:
         if self.abandoned_lookup_s is not None:
             _check_positive("abandoned_lookup_s", self.abandoned_lookup_s)
         _check_int_at_least("max_tracked_lookups", self.max_tracked_lookups, 1)
+        if self.engine_url is not None:
+            try:
+                engine_address(self.engine_url)
+            except ValueError as exc:
+                raise ConfigError(f"engine_url ({ENV_ENGINE_URL}): {exc}") from None
         if self.coordinator_ca_file is not None and not os.path.isfile(self.coordinator_ca_file):
             raise ConfigError(f"coordinator_ca_file={self.coordinator_ca_file!r} is not a file "
                               f"({ENV_COORDINATOR_CA_FILE}: a PEM file of CA certificates)")
@@ -143,6 +156,11 @@ class PluginConfig:
     def coordinator_urls(self) -> tuple[str, ...]:
         """Every coordinator URL (replicas over one event log), in the order given."""
         return self._coordinator_urls
+
+    @property
+    def registration_metadata(self) -> dict[str, str]:
+        """What this server adds to its registration's `metadata` (its engine's URL)."""
+        return {} if self.engine_url is None else {ENGINE_URL_KEY: self.engine_url}
 
     @property
     def match_budget_s(self) -> float:
@@ -204,6 +222,8 @@ class PluginConfig:
             values["instance_id"] = env[ENV_INSTANCE_ID]
         if env.get(ENV_COORDINATOR_TOKEN, "").strip():
             values["coordinator_token"] = env[ENV_COORDINATOR_TOKEN].strip()
+        if env.get(ENV_ENGINE_URL, "").strip():
+            values["engine_url"] = env[ENV_ENGINE_URL].strip()
         if env.get(ENV_COORDINATOR_CA_FILE, "").strip():
             values["coordinator_ca_file"] = env[ENV_COORDINATOR_CA_FILE].strip()
         values.update(overrides)

@@ -1,4 +1,5 @@
-"""Selecting what a unified lookup prefetches, from both legs' candidates. Pure functions.
+"""Selecting what a unified lookup prefetches, from both legs' candidates (columns in,
+segments out; the rule itself is `local_matcher.selection`'s kernel).
 
 The rest of its contract: docs/CONTRACTS.md, `plugin.lookup`.
 """
@@ -7,8 +8,10 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from local_matcher.selection import groups_by_position, select_offers
-from plugin.types import CBMatchResult, FoundContent, Source
+import numpy as np
+
+from local_matcher import selection
+from plugin.types import CBMatchResult, FoundColumns, FoundContent, Place, Source
 
 _SOURCES = (Source.LOCAL, Source.FLEET)  # by leg index
 
@@ -20,40 +23,70 @@ class Candidate(NamedTuple):
     source: Source
 
 
-def select(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
-           prefix_coverage_tokens: int, chunk_size: int, *,
-           available: frozenset[bytes] | set[bytes] | None = None) -> list[Candidate]:
+Leg = FoundColumns | Sequence[FoundContent]
+
+
+def select(local: Leg, fleet: Leg, prefix_coverage_tokens: int,
+           chunk_size: int, *, available: frozenset[bytes] | set[bytes] | None = None
+           ) -> list[Candidate]:
     """The segments to reuse: steps 1-3 of the module doc, the best of union and legs
-    (`local_matcher.selection.select_offers`, the local leg first).
+    (`local_matcher.selection.select`, the local leg first). Python objects are made
+    only for the segments kept.
 
     `available`, when given, limits the chunks to those hashes (the ones a prefetch of
-    every offered chunk found)."""
-    kept = select_offers((local, fleet), prefix_coverage_tokens, chunk_size,
-                         available=available)
-    both = _named_by_both(local, fleet) if local and fleet else ()
-    return [Candidate(CBMatchResult(old_st, old_st + chunk_size, position,
-                                    position + chunk_size, chunk_hash),
-                      Source.BOTH if chunk_hash in both else _SOURCES[leg])
-            for position, chunk_hash, old_st, _, leg in kept]
+    every offered chunk found). A leg given as `FoundContent`s (plain data) is
+    converted first."""
+    local, fleet = columns_of(local), columns_of(fleet)
+    offers, hashes, offsets = selection.merged((local, fleet))
+    chunk_ok = None if available is None else np.fromiter(
+        map(available.__contains__, hashes), dtype=np.uint8, count=len(hashes))
+    kept_pos, kept_chunk = selection.select(offers, prefix_coverage_tokens, chunk_size,
+                                            chunk_ok)
+    if not kept_pos.size:
+        return []
+    local_chunks = len(local.old_st)
+    both = _named_by_both(offers.chunk_id, local_chunks)
+    candidates = []
+    for position, c in zip(kept_pos.tolist(), kept_chunk.tolist()):
+        old_st = int(offsets[c])
+        source = (Source.BOTH if both is not None and both[offers.chunk_id[c]]
+                  else _SOURCES[c >= local_chunks])
+        candidates.append(Candidate(CBMatchResult(old_st, old_st + chunk_size, position,
+                                                  position + chunk_size, hashes[c]), source))
+    return candidates
 
 
-def every_offer(local: Sequence[FoundContent], fleet: Sequence[FoundContent],
-                prefix_coverage_tokens: int, chunk_size: int) -> list[CBMatchResult]:
+def every_offer(local: Leg, fleet: Leg, prefix_coverage_tokens: int,
+                chunk_size: int) -> list[CBMatchResult]:
     """One segment per distinct chunk offered at a usable position (its first such one):
     what a prefetch loads when overlaps are resolved among the chunks it found
     (`PluginConfig.resolve_after_prefetch`)."""
-    segments: dict[bytes, CBMatchResult] = {}
-    at = groups_by_position((local, fleet), prefix_coverage_tokens)
-    for position in sorted(at):
-        for _, chunks, _ in at[position]:
-            for chunk_hash, old_st in chunks:
-                if chunk_hash not in segments:
-                    segments[chunk_hash] = CBMatchResult(
-                        old_st, old_st + chunk_size, position, position + chunk_size,
-                        chunk_hash)
-    return list(segments.values())
+    offers, hashes, offsets = selection.merged((columns_of(local), columns_of(fleet)))
+    positions, chunks = selection.first_offers(offers, prefix_coverage_tokens)
+    return [CBMatchResult(old_st, old_st + chunk_size, position, position + chunk_size,
+                          hashes[c])
+            for position, c, old_st in zip(positions.tolist(), chunks.tolist(),
+                                           offsets[chunks].tolist())]
 
 
-def _named_by_both(local: Sequence[FoundContent], fleet: Sequence[FoundContent]) -> set[bytes]:
-    mine = {chunk[0] for found in local for chunk in found.chunks}
-    return {chunk[0] for found in fleet for chunk in found.chunks if chunk[0] in mine}
+def columns_of(leg: Leg) -> FoundColumns:
+    """A leg as columns (`FoundContent`s converted: plain data, tests and LMCache's reply)."""
+    return leg if type(leg) is FoundColumns else FoundColumns.of_groups(leg)
+
+
+def found_contents(leg: FoundColumns) -> list[FoundContent]:
+    """A leg as `FoundContent`s, one per content and place (plain data, for tests)."""
+    return [FoundContent(positions, Place(place), chunks)
+            for positions, place, chunks in leg.groups()]
+
+
+def _named_by_both(chunk_id: np.ndarray, local_chunks: int) -> np.ndarray | None:
+    """Per chunk id, whether both legs name it (None: one leg names nothing)."""
+    if not local_chunks or local_chunks == len(chunk_id):
+        return None
+    size = int(chunk_id.max()) + 1
+    in_local = np.zeros(size, dtype=bool)
+    in_local[chunk_id[:local_chunks]] = True
+    in_fleet = np.zeros(size, dtype=bool)
+    in_fleet[chunk_id[local_chunks:]] = True
+    return in_local & in_fleet

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -31,8 +31,9 @@ from plugin.host import ServingHost
 from plugin.lookup import Candidate, every_offer, select
 from plugin.reporter import CacheEventReporter, ReporterStats
 from plugin.stored import StoredChunks
+from plugin.workers import DaemonPool
 from plugin.types import (CBMatchResult, CBUnifiedLookupResult, FleetStatus,
-                          FoundContent, LookupKey, MatchState, Place, Source, tokens_of)
+                          FoundColumns, NOTHING_FOUND, LookupKey, MatchState, Place, Source, tokens_of)
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ class _Lookup:
     started: bool = False
     calls: int = 0
     prefix_tokens: int | None = None
-    local: list[FoundContent] = field(default_factory=list)
-    fleet: Sequence[FoundContent] = ()
+    local: FoundColumns = field(default_factory=lambda: NOTHING_FOUND)
+    fleet: FoundColumns = field(default_factory=lambda: NOTHING_FOUND)
     fleet_status: FleetStatus = FleetStatus.OFF
     prefetch: list[CBMatchResult] | None = None   # what the sparse prefetch was asked for
     selected: list[Candidate] = field(default_factory=list)
@@ -110,8 +111,9 @@ class BlendPlugin:
         # One pool for all background work (threads start only when first used): the local
         # matcher's indexing, the sweep of abandoned lookups (one long task while lookups
         # are pending), and with the fleet leg the round-trips and the reporter's flush
-        # loop. One slot each for the two long tasks, so neither starves the others.
-        self._workers = ThreadPoolExecutor(
+        # loop. One slot each for the two long tasks, so neither starves the others. Its
+        # threads are daemons: they never keep the process alive (see `_finalizer`).
+        self._workers = DaemonPool(
             config.match_concurrency + 2 if config.fleet_enabled else 2,
             thread_name_prefix="blend-worker")
         _warn_about_gating(config)
@@ -136,6 +138,14 @@ class BlendPlugin:
         self._host_settle = getattr(host, "settle", None)
         self.traces: collections.deque[LookupTrace] = collections.deque(maxlen=1024)
         self._stats = PluginStats()
+        # What close() closes, in order; none of them refers back to the plugin, so a
+        # plugin never closed (a script that ends, or raises, first) is closed when it is
+        # collected or the interpreter exits, its last cache events flushed within a bound.
+        self._closers = [self._stopping.set]  # the sweep task ends at once
+        self._closers += [part.close for part in (self.client, self.reporter) if part is not None]
+        self._closers += [self._matcher.close, self._workers.shutdown]
+        self._finalizer = weakref.finalize(self, _close_unclosed, self._closers,
+                                           config.blend_timeout + config.event_timeout + 1.0)
 
     # --- the store path ------------------------------------------------------------------------
 
@@ -249,9 +259,9 @@ class BlendPlugin:
             state.fleet_status = FleetStatus.PENDING
         else:
             state.fleet_status = FleetStatus.DECLINED
-        here = Place.THIS_SERVER
-        state.local = [FoundContent(found.positions, here, found.chunks)
-                       for found in self._matcher.candidates(state.tokens, namespace=namespace)]
+        state.local = FoundColumns.of(
+            self._matcher.candidate_columns(state.tokens, namespace=namespace),
+            Place.THIS_SERVER)
 
     def _advance(self, state: _Lookup) -> CBUnifiedLookupResult | None:
         request_id = state.request_id
@@ -298,8 +308,8 @@ class BlendPlugin:
         self.traces.append(LookupTrace(
             request_id=state.request_id, num_tokens=len(state.tokens),
             prefix_tokens=state.prefix_tokens,
-            local_matches=sum(len(f.positions) for f in state.local),
-            fleet_matches=sum(len(f.positions) for f in state.fleet),
+            local_matches=len(state.local.positions),
+            fleet_matches=len(state.fleet.positions),
             fleet_status=state.fleet_status, segments=segments,
             sources=[c.source for c in kept], prefetched=len(state.prefetch or ()),
             elapsed_s=self._clock() - state.started_at, calls=state.calls))
@@ -455,26 +465,47 @@ class BlendPlugin:
 
     def close(self) -> None:
         """Close the client, flush and close the reporter, apply what the local matcher has
-        queued, then shut the worker pool down. Idempotent; bounded by the HTTP budget."""
+        queued, then shut the worker pool down. Idempotent; bounded by the HTTP budget.
+        Not calling it is fine too (`with BlendPlugin(...)` calls it): see `_finalizer`."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._lookups.clear()
-        self._stopping.set()  # the sweep task ends now; the pool's shutdown joins it
-        closers = [part.close for part in (self.client, self.reporter) if part is not None]
-        closers += [self._matcher.close, self._workers.shutdown]
-        for closer in closers:
-            try:
-                closer()
-            except Exception:
-                log.exception("error while closing the blend plugin")
+        if self._finalizer.detach() is not None:  # None: closed already, at exit
+            _close_parts(self._closers)
 
     def __enter__(self) -> "BlendPlugin":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_parts(closers: list[Callable[[], object]]) -> None:
+    for closer in closers:
+        try:
+            closer()
+        except Exception:
+            log.exception("error while closing the blend plugin")
+
+
+def _close_unclosed(closers: list[Callable[[], object]], bound_s: float) -> None:
+    """A plugin collected, or alive at interpreter exit, without `close()`: closed on a daemon
+    thread (one last cache-event flush), waited for at most `bound_s`; past that, what is
+    still in flight goes with the process rather than holding it up."""
+    closing = threading.Thread(target=_close_parts, args=(closers,), daemon=True,
+                               name="blend-plugin-close")
+    try:
+        closing.start()
+    except RuntimeError:  # no new thread this late: close here, unbounded but each step is
+        _close_parts(closers)
+        return
+    closing.join(bound_s)
+    if closing.is_alive():
+        log.warning("a BlendPlugin was not closed, and closing it took over %g s: its last "
+                    "cache events may be lost (call close(), or use `with BlendPlugin(...)`)",
+                    bound_s)
 
 
 def _warn_about_gating(config: PluginConfig) -> None:

@@ -40,20 +40,23 @@ class InstanceRegistrar:
                  http_port: int, heartbeat_interval: float = 5.0, timeout: float = 2.0,
                  p2p_advertised_url: str = "", mq_port: int = 0,
                  metadata: dict[str, str] | None = None, token: str | None = None,
-                 ca_file: str | None = None, start: bool = True) -> None:
+                 ca_file: str | None = None, chunk_size: int | None = None,
+                 start: bool = True) -> None:
         self._urls = coordinator_url_list(urls)
         if not self._urls:
             raise ValueError("InstanceRegistrar needs at least one coordinator URL")
         if not heartbeat_interval > 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
         self.heartbeat_interval = heartbeat_interval
-        self._body = encode({"instance_id": instance_id, "ip": ip, "http_port": http_port,
-                             "metadata": dict(metadata or {}),
-                             "p2p_advertised_url": p2p_advertised_url, "mq_port": mq_port})
+        self._fields = {"instance_id": instance_id, "ip": ip, "http_port": http_port,
+                        "metadata": dict(metadata or {}),
+                        "p2p_advertised_url": p2p_advertised_url, "mq_port": mq_port}
+        self._body = self._registration(chunk_size)
         self._clients = [coordinator_http(url, timeout=timeout, token=token, ca_file=ca_file)
                          for url in self._urls]
         self._current = 0
         self._lock = threading.Lock()
+        self._beat_lock = threading.Lock()  # one registration or heartbeat at a time
         self._stats = RegistrarStats(url=self._urls[0])
         self._registered: str | None = None
         self._failing = False
@@ -77,8 +80,38 @@ class InstanceRegistrar:
 
     # --- one beat ----------------------------------------------------------------------------
 
+    def _registration(self, chunk_size: int | None) -> bytes:
+        """The `POST /instances` body; with LMCache 0.5.7's `chunk_size` once it is known."""
+        fields = self._fields if chunk_size is None else {**self._fields,
+                                                          "chunk_size": chunk_size}
+        return encode(fields)
+
+    def bind_chunk_size(self, chunk_size: int) -> None:
+        """LMCache 0.5.7 bound the server's chunk size (its bind listener, in place of
+        LMCache's own, which takes one URL): every registration carries it from now on,
+        and one goes out now, so the coordinator binds (or checks) it at once. Raises
+        `RuntimeError` when the coordinator refuses the size (`409`: this server cannot
+        join that fleet), as LMCache's listener does; an unreachable coordinator is not
+        an error (the next beat registers with it)."""
+        with self._beat_lock:
+            self._body = self._registration(chunk_size)
+            response = self._request("POST", INSTANCES_PATH, self._body)
+            if response is not None and response.status_code == 409:
+                raise RuntimeError(f"the coordinator at {self._urls[self._current]} refuses "
+                                   f"chunk size {chunk_size}: {response.text[:300]}")
+            if response is not None and response.status_code == 200:
+                self._registered_by(response)
+            elif response is not None:
+                log.error("coordinator at %s refused the registration: HTTP %d %s",
+                          self._urls[self._current], response.status_code,
+                          response.text[:300])
+
     def beat(self) -> None:
         """Register if not registered, else heartbeat (re-registering if forgotten)."""
+        with self._beat_lock:
+            self._beat()
+
+    def _beat(self) -> None:
         if self._registered is None:
             self._register()
             return
@@ -107,6 +140,9 @@ class InstanceRegistrar:
             log.error("coordinator at %s refused the registration: HTTP %d %s",
                       self._urls[self._current], response.status_code, response.text[:300])
             return
+        self._registered_by(response)
+
+    def _registered_by(self, response: httpx.Response) -> None:
         try:
             reply = decode(response.content, RegisterReply)
         except WireError as exc:

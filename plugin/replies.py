@@ -21,10 +21,12 @@ import zlib
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 
 from blend_wire import (MAX_CANDIDATE_CHUNKS, MAX_TOKEN_OFFSET, BlendCandidatesReply, WireError,
                         chunk_hash_of_hex, decode)
-from plugin.types import FoundContent, Place
+from plugin.lookup import columns_of
+from plugin.types import FoundColumns, FoundContent, Place
 
 THIS_SERVER, SHARED, PEER = Place.THIS_SERVER, Place.SHARED, Place.PEER
 _INFLATE_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
@@ -46,10 +48,11 @@ class QueryFailed(Exception):
 class Found:
     """What a reply holds that can be used, and what was dropped from it."""
 
-    contents: tuple[FoundContent, ...]
+    contents: FoundColumns
     default_form: bool = False  # the coordinator answered LMCache's form, not candidates
     dropped: int = 0
     first_reason: str = ""  # why the first dropped entry was dropped
+    blend_lookup_off: bool = False  # the coordinator said its blend lookup is off
 
 
 def read_capped(response: httpx.Response, cap: int, url: str) -> bytes:
@@ -91,7 +94,9 @@ def found_in(content: bytes, url: str, *, chunk_size: int, instance_id: str,
             raise QueryFailed(f"{url} matches {reply.chunk_size}-token chunks, this server "
                               f"stores {chunk_size}: set both to one chunk size",
                               unhealthy=False)
-        return _candidates(reply, chunk_size, instance_id, num_tokens)
+        found = _candidates(reply, chunk_size, instance_id, num_tokens)
+        found.blend_lookup_off = not reply.blend_lookup
+        return found
     if not reply.matches and b'"matches"' not in content:
         # The shape defaults `matches` to empty; a reply without it at all is some other
         # service answering, not "nothing found".
@@ -102,21 +107,25 @@ def found_in(content: bytes, url: str, *, chunk_size: int, instance_id: str,
 
 def _candidates(reply: BlendCandidatesReply, chunk_size: int, instance_id: str,
                 num_tokens: int) -> Found:
-    """The candidates form's valid entries, one `FoundContent` per content and place."""
+    """The candidates form's valid entries as columns, each chunk with its place."""
     me, last = instance_id, num_tokens - chunk_size
-    found: list[FoundContent] = []
+    positions: list[int] = []
+    position_start, chunk_start = [0], [0]
+    hashes: list[bytes] = []
+    offsets: list[int] = []
+    places: list[int] = []
     seen: set[bytes] = set()
     dropped, first_reason = 0, ""
     for content in reply.candidates:
-        positions = content.positions
-        if not (positions and 0 <= positions[0] and positions[-1] <= last
-                and all(a < b for a, b in zip(positions, positions[1:]))):
+        found = content.positions
+        if not (found and 0 <= found[0] and found[-1] <= last
+                and all(a < b for a, b in zip(found, found[1:]))):
             dropped += 1
             first_reason = first_reason or (
-                f"positions {positions[:8]} are not ascending inside the "
+                f"positions {found[:8]} are not ascending inside the "
                 f"{num_tokens}-token query")
             continue
-        by_place: dict[Place, list] = {}  # nearly always one place
+        named = len(hashes)
         for entry in content.chunks[:MAX_CANDIDATE_CHUNKS]:
             # The checks of `_why_unusable`, inline: this loop runs per chunk named.
             chunk_hash = chunk_hash_of_hex(entry.chunk_hash)
@@ -127,16 +136,18 @@ def _candidates(reply: BlendCandidatesReply, chunk_size: int, instance_id: str,
                     entry.chunk_hash, chunk_hash, entry.old_st, seen)
                 continue
             seen.add(chunk_hash)
-            place = (THIS_SERVER if me and me in entry.l1 else
-                     SHARED if entry.shared else PEER)
-            chunks = by_place.get(place)
-            if chunks is None:
-                by_place[place] = [(chunk_hash, entry.old_st)]
-            else:
-                chunks.append((chunk_hash, entry.old_st))
-        for place, chunks in by_place.items():
-            found.append(FoundContent(positions, place, tuple(chunks)))
-    return Found(tuple(found), False, dropped, first_reason)
+            hashes.append(chunk_hash)
+            offsets.append(entry.old_st)
+            places.append(THIS_SERVER if me and me in entry.l1 else
+                          SHARED if entry.shared else PEER)
+        if len(hashes) > named:
+            positions.extend(found)
+            position_start.append(len(positions))
+            chunk_start.append(len(hashes))
+    as_int = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return Found(FoundColumns(as_int(position_start), as_int(positions), as_int(chunk_start),
+                              as_int(offsets), hashes, as_int(places)),
+                 False, dropped, first_reason)
 
 
 def _matches(reply: BlendCandidatesReply, chunk_size: int, num_tokens: int) -> Found:
@@ -158,7 +169,7 @@ def _matches(reply: BlendCandidatesReply, chunk_size: int, num_tokens: int) -> F
         seen.add(chunk_hash)
         found.append(FoundContent((entry.cur_st,), PEER, ((chunk_hash, entry.old_st),)))
     found.sort(key=lambda content: content.positions[0])
-    return Found(tuple(found), True, dropped, first_reason)
+    return Found(columns_of(found), True, dropped, first_reason)
 
 
 def _why_unusable(text: str, chunk_hash: bytes | None, old_st: int, seen: set[bytes]) -> str:

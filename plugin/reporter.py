@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Sequence
 
@@ -24,6 +24,7 @@ from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNa
                         pack_kv_rank, token_ids_of, token_lists_to_json)
 from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig, coordinator_url_list
 from plugin.http import coordinator_http
+from plugin.workers import DaemonPool
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
@@ -40,6 +41,8 @@ class ReporterStats:
     failed_flushes: int = 0
     throttled: int = 0      # 503/429 answers: nothing posted until their Retry-After passed
     rejected_batches: int = 0
+    forbidden_batches: int = 0  # 403: outside the token's scope, dropped (never sendable)
+    forbidden_events: int = 0   # their entries
     applied: int = 0       # batches, as the coordinator counted them
     duplicates: int = 0
     stale: int = 0
@@ -129,12 +132,15 @@ class CacheEventReporter:
         self._seq = itertools.count(1)
         self._stats = ReporterStats(incarnation=self.incarnation)
         self._failing = False
+        self._forbidden_said = False  # a 403 is logged once, then counted
         self._retry_at = 0.0  # time.monotonic() before which nothing is posted (Retry-After)
         self._closed = False
         self._stop = threading.Event()
         self._owns_executor = executor is None and start
         if self._owns_executor:
-            executor = ThreadPoolExecutor(1, thread_name_prefix="blend-events")
+            # A daemon thread: its flush loop ends only on close(), and must not keep the
+            # process alive without it.
+            executor = DaemonPool(1, thread_name_prefix="blend-events")
         self._executor = executor
         self._flusher: Future | None = executor.submit(self._run) if start else None
 
@@ -321,6 +327,8 @@ class CacheEventReporter:
             log.error("coordinator rejected %d event batch(es) as invalid and they were "
                       "dropped: %s", len(batches), response.text[:300])
             return True
+        if response.status_code == 403:
+            return self._forbidden(batches, response)
         if response.status_code in (429, 503):
             delay = _retry_after_s(response.headers.get("retry-after"))
             self._retry_at = time.monotonic() + delay
@@ -345,6 +353,25 @@ class CacheEventReporter:
             if self._failing:
                 log.info("coordinator at %s accepts events again", self.base_url)
             self._failing = False
+        return True
+
+    def _forbidden(self, batches: list[CacheEventBatch], response: httpx.Response) -> bool:
+        """A 403: the token may not send a batch of these (an instance or salt outside
+        its scope), now or ever, so it is no outage. Which one: each batch is sent on its
+        own; the refused ones are dropped and counted, the others delivered (in order),
+        and the refusal is logged once."""
+        if len(batches) > 1:
+            return all(self._post([batch]) for batch in batches)
+        self._remove_sent(batches)
+        with self._lock:
+            self._stats.forbidden_batches += 1
+            self._stats.forbidden_events += len(batches[0].entries)
+            first, self._forbidden_said = not self._forbidden_said, True
+        (log.error if first else log.debug)(
+            "coordinator at %s refused a cache-event batch of %d event(s) with HTTP 403: "
+            "this token may not send it (its scope), so it was dropped; later refusals "
+            "are only counted (forbidden_batches): %s", self.base_url,
+            len(batches[0].entries), response.text[:300])
         return True
 
     def _remove_sent(self, batches: list[CacheEventBatch]) -> None:

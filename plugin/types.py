@@ -6,17 +6,19 @@ The rest of its contract: docs/CONTRACTS.md, `plugin.types`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from blend_wire import BlendNamespace
 from blend_wire.tokens import as_tokens
-from local_matcher.types import UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
+from local_matcher.selection import LegColumns
+from local_matcher.types import EMPTY_COLUMNS, UNKNOWN_TOKEN_OFFSET, BlendMatch, CBMatchResult
 
 __all__ = ["LookupKey", "CBUnifiedLookupResult", "BlendMatch", "CBMatchResult",
-           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET", "Place", "FoundContent",
+           "BlendNamespace", "UNKNOWN_TOKEN_OFFSET", "Place", "FoundContent", "FoundColumns",
+           "NOTHING_FOUND",
            "Source", "FleetStatus", "MatchState", "FleetReply", "BreakerState", "tokens_of"]
 
 
@@ -85,6 +87,14 @@ class FoundContent(NamedTuple):
     chunks: tuple[tuple[bytes, int], ...]
 
 
+#: One leg's found contents as columns (`local_matcher.selection.LegColumns`: positions and
+#: chunks in CSR, each chunk with its `Place`): what both legs hand the selection. Built
+#: where the candidates enter (the local index, a coordinator's reply); `FoundContent`s
+#: convert with `FoundColumns.of_groups` (tests, LMCache's default reply).
+FoundColumns = LegColumns
+NOTHING_FOUND = FoundColumns.of(EMPTY_COLUMNS, 0)
+
+
 class Source(enum.StrEnum):
     """Which leg(s) of a unified lookup reported a segment."""
 
@@ -122,7 +132,7 @@ class FleetReply:
     """One hand-over from the coordinator client. Always truthy; read `state`."""
 
     state: MatchState
-    found: tuple[FoundContent, ...] = ()
+    found: FoundColumns = field(default_factory=lambda: NOTHING_FOUND)
 
 
 

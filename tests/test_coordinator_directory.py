@@ -36,7 +36,8 @@ GROUPS = [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 
 class Reference:
     """The lifecycle table, written the obvious way. `trust`: LMCache's shared rules (one
-    content and offset per hash, whoever stored it); else each namespace's own."""
+    content and offset per hash, whoever stored it); else each namespace's own, and while
+    another instance holds a chunk in the namespace, its content and offset stand."""
 
     def __init__(self, blend_on: bool, trust: bool) -> None:
         self.blend_on = blend_on
@@ -50,12 +51,22 @@ class Reference:
         return h if self.trust else (h, BlendNamespace(space[0], space[1], space[2]))
 
     def store(self, inst, tier, h, space, tokens, offset):
-        self.places.setdefault((h, *space), set()).add((inst, tier))
         # Only a STORE with usable tokens sets content and offset (-1 included); one
         # without (none, the wrong length, an id outside uint32) leaves both as they were.
-        if self.blend_on and len(tokens) == C and all(0 <= t < 2**32 for t in tokens):
-            self.content[self._owner(h, space)] = tokens
-            self.offset[self._owner(h, space)] = offset
+        usable = self.blend_on and len(tokens) == C and all(0 <= t < 2**32 for t in tokens)
+        owner = self._owner(h, space)
+        if usable and not self.trust and self.content.get(owner) is not None and any(
+                p[0] != inst for k, held in self.places.items()
+                if self._owner(k[0], k[1:]) == owner for p in held):
+            # Another instance holds the chunk in this namespace: its content stands.
+            if self.content[owner] != tokens:
+                return  # refused: nothing of the STORE is recorded
+            if self.offset[owner] >= 0 and offset != self.offset[owner]:
+                usable = False  # the same tokens elsewhere: as a STORE without tokens
+        self.places.setdefault((h, *space), set()).add((inst, tier))
+        if usable:
+            self.content[owner] = tokens
+            self.offset[owner] = offset
 
     def delete(self, inst, tier, h, space):
         held = self.places.get((h, *space), set())

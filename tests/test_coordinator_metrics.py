@@ -93,11 +93,11 @@ async def test_a_scrape_does_not_wait_for_ingest(start):
     entered, release = threading.Event(), threading.Event()
     real_ingest = directory.ingest
 
-    def stuck_ingest(batches):
+    def stuck_ingest(batches, speaks_for=None):
         with directory._lock:
             entered.set()
             release.wait(10)
-        return real_ingest(batches)
+        return real_ingest(batches, speaks_for)
 
     directory.ingest = stuck_ingest
     pending = asyncio.ensure_future(coord.post_events(batch(entry("bb02"), seq=2)))

@@ -27,7 +27,9 @@ INSTANCES = ["i0", "i1", "i2"]
 PLACES = [("l1", "dram", False), ("l1", "cxl", False), ("l2", "disk", False),
           ("l2", "nfs", True)]
 SIZES = [10, 20, 30]
-TOKENS = [(), (), (1, 2, 3, 4), (5, 6, 7, 8)]
+# A hash's tokens, when a STORE carries any: one per hash, as honest servers report them
+# (other tokens under a hash another instance holds are refused: test_coordinator_directory).
+TOKENS_OF = {"a1": (1, 2, 3, 4), "a2": (5, 6, 7, 8), "a3": (1, 2, 3, 4)}
 
 
 def _key(h: str, salt: str, rank: int, group: int) -> EncodedObjectKey:
@@ -122,7 +124,7 @@ def test_placements_totals_and_access_counts_follow_lmcaches_rules(seed):
         for h, salt, rank, group in chosen:
             key = (h, salt, rank, group)
             size = rng.choice(SIZES)
-            tokens = rng.choice(TOKENS)
+            tokens = rng.choice([(), (), TOKENS_OF[h]])
             entries.append(CacheEventEntry(key=_key(*key), size_bytes=size,
                                            token_ids=list(tokens) if kind == "store" else [],
                                            token_offset=0 if tokens else -1))
@@ -204,3 +206,84 @@ def test_a_restart_after_a_shared_placement_moved_on_and_went_applies():
     assert directory.ingest([batch("i1", 1, [])]).applied == 1  # i1 restarts
     assert directory.stats()["num_keys"] == 0
     directory.drop_instance("i1")
+
+
+def test_a_listing_while_batches_free_and_reuse_numbers_names_what_it_copied():
+    """`list_keys` walks its copied rows without the directory lock. Batches free the
+    place and key numbers nobody holds any more and later ones reuse them: the walk read
+    them from the live tables (issue 32, item 8), so a row could name a place set to None
+    (TypeError) or another instance's place. Now the tables are copied with the rows."""
+    import sys
+    import threading
+    import time
+
+    directory = KeyDirectory(chunk_size=C)
+    steady = [CacheEventEntry(key=_key(f"{i:04x}", "", 0, 0), size_bytes=1)
+              for i in range(3000)]
+    directory.ingest([CacheEventBatch(instance_id="steady", seq=1, event_type="store",
+                                      tier="l1", backend="dram", entries=steady)])
+    stop, failures = threading.Event(), []
+
+    def churn() -> None:
+        for n in range(1, 10**6):
+            if stop.is_set():
+                return
+            # A new instance and salt each round: its places and keys are freed when it
+            # goes, and reused by the next round's.
+            entries = [CacheEventEntry(key=_key(f"{i:04x}", f"s{n}", 0, 0), size_bytes=n)
+                       for i in range(n % 7, 3000, 7)]
+            directory.ingest([CacheEventBatch(instance_id=f"churn-{n}", seq=1,
+                                              event_type="store", tier="l1",
+                                              backend="dram", entries=entries)])
+            directory.drop_instance(f"churn-{n}")
+
+    writer = threading.Thread(target=churn)
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns often: the walk meets the churn
+    writer.start()
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and not failures:
+            try:
+                _, page = directory.list_keys("all", "", "", 0, 10_000)
+            except Exception as exc:  # noqa: BLE001 - what the walk raised is the finding
+                failures.append(repr(exc))
+                break
+            for _, raw, places, _, _ in page:
+                for place in places:
+                    instance = place[0]
+                    salt_round = raw[1][1:] if raw[1] else None
+                    if instance != "steady" and instance != f"churn-{salt_round}":
+                        failures.append(f"key {raw} listed at {place}")
+    finally:
+        stop.set()
+        writer.join()
+        sys.setswitchinterval(switching)
+    assert not failures, failures[:3]
+
+
+def test_a_listing_names_what_it_copied_when_a_batch_frees_numbers_before_its_walk(
+        monkeypatch):
+    """The race above, made certain: a batch frees (and the next reuses) numbers between
+    the copy under the lock and the walk."""
+    from coordinator_stub.directory import queries
+
+    directory = KeyDirectory(chunk_size=C)
+
+    def store(instance: str, salt: str, seq: int = 1) -> None:
+        directory.ingest([CacheEventBatch(
+            instance_id=instance, seq=seq, event_type="store", tier="l1", backend="dram",
+            entries=[CacheEventEntry(key=_key("a1", salt, 0, 0), size_bytes=8)])])
+
+    store("i0", "t0")
+    real_walk = queries.key_page
+
+    def walk_after_churn(*args):
+        directory.drop_instance("i0")  # its place and key numbers are freed ...
+        store("i9", "t9")  # ... and reused
+        return real_walk(*args)
+
+    monkeypatch.setattr(queries, "key_page", walk_after_churn)
+    total, page = directory.list_keys("all", "", "", 0, 10)
+    assert (total, [(raw[1], [p[0] for p in places]) for _, raw, places, _, _ in page]) \
+        == (1, [("t0", ["i0"])])

@@ -14,14 +14,15 @@ from blend_wire import decode_tokens
 from helpers import (NOT_HUNG_S, FakeClock, HangingServer, LoopbackServer, Reply,
                      TricklingServer, closed_port_url, take_when_done, wait_until)
 from plugin import BlendCoordinatorClient, BlendNamespace, CBMatchResult, FleetReply, MatchState
-from plugin.types import FoundContent, Place
+from plugin.lookup import columns_of
+from plugin.types import NOTHING_FOUND, FoundContent, Place
 
 LANE = "unit"
 
 C = 16
 NS = BlendNamespace("model", "salt", 2)
 TOKENS = np.arange(4 * C, dtype=np.uint32)  # a 64-token query: cur_st may go up to 48
-DONE_EMPTY = FleetReply(MatchState.DONE, ())
+DONE_EMPTY = FleetReply(MatchState.DONE)
 FAILED = FleetReply(MatchState.FAILED)
 
 
@@ -38,8 +39,8 @@ def seg(chunk_hash: bytes, old_st: int, cur_st: int) -> CBMatchResult:
 
 def done(*segments: CBMatchResult) -> FleetReply:
     """The hand-over of a default-form reply: one position and one chunk per match."""
-    return FleetReply(MatchState.DONE, tuple(
-        FoundContent((s.cur_st,), Place.PEER, ((s.hash, s.old_st),)) for s in segments))
+    return FleetReply(MatchState.DONE, columns_of([
+        FoundContent((s.cur_st,), Place.PEER, ((s.hash, s.old_st),)) for s in segments]))
 
 
 def matches_reply(*entries) -> Reply:
@@ -80,7 +81,7 @@ def test_submit_once_per_request_id_and_pending_stays_tracked(client_factory):
         assert client.submit("r1", TOKENS, NS)
         assert not client.submit("r1", TOKENS, NS)
         pending = client.take("r1")
-        assert pending.state is MatchState.PENDING and pending.found == ()
+        assert pending.state is MatchState.PENDING and pending.found == NOTHING_FOUND
         assert client.take("r1").state is MatchState.PENDING  # asking does not cancel
         assert take_when_done(client, "r1") == DONE_EMPTY
         assert len(server.requests) == 1

@@ -129,3 +129,15 @@ def test_config_is_frozen():
     config = PluginConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.blend_timeout = 5.0  # type: ignore[misc]
+
+
+def test_the_engine_url_is_a_host_and_port_registered_for_routers():
+    name = "LMCACHE_COORDINATOR_ENGINE_URL"
+    config = PluginConfig.from_env({name: " http://10.0.0.5:8000 "})
+    assert config.engine_url == "http://10.0.0.5:8000"
+    assert config.registration_metadata == {"engine_url": "http://10.0.0.5:8000"}
+    assert PluginConfig.from_env({}).registration_metadata == {}
+    for bad in ("http://10.0.0.5:8000/v1", "http://10.0.0.5", "10.0.0.5:8000",
+                "http://u@10.0.0.5:8000", "http://10.0.0.5:8000?x=1"):
+        with pytest.raises(ConfigError, match=name):
+            PluginConfig.from_env({name: bad})

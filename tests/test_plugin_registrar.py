@@ -63,3 +63,30 @@ def test_a_refused_registration_is_logged_not_raised(caplog):
             finally:
                 registrar.close()
         assert "refused the registration: HTTP 422" in caplog.text
+
+
+def test_a_bound_chunk_size_is_sent_with_every_registration_from_then_on():
+    """LMCache 0.5.7 binds a negotiated chunk size through its one URL; with several, the
+    plugin's registrar carries it (issue 32, item 8): it registers with it at once (the
+    coordinator binds it), and a size the coordinator refuses is raised, as LMCache's bind
+    listener does."""
+    with launch_coordinator("--chunk-size", "256") as a, launch_coordinator() as b:
+        registrar = InstanceRegistrar(f"{a.url},{b.url}", instance_id="s3", ip="127.0.0.1",
+                                      http_port=8123, start=False)
+        try:
+            registrar.beat()
+            assert httpx.get(a.url + "/directory/stats", timeout=10).json()["chunk_size"] == 256
+            registrar.bind_chunk_size(288)
+            assert httpx.get(a.url + "/directory/stats", timeout=10).json()["chunk_size"] == 288
+            assert ids(a.url) == ["s3"] and registrar.stats().registrations == 2
+            a.stop()
+            registrar.beat()  # forgotten at b: registers there, with the bound size
+            assert httpx.get(b.url + "/directory/stats", timeout=10).json()["chunk_size"] == 288
+            try:
+                registrar.bind_chunk_size(512)
+            except RuntimeError as exc:
+                assert "512" in str(exc)
+            else:
+                raise AssertionError("a refused chunk size must raise")
+        finally:
+            registrar.close()

@@ -44,7 +44,7 @@ def test_lookups_take_turns_over_the_replicas():
     with LoopbackServer(found("aa")) as a, LoopbackServer(found("bb")) as b:
         client = make_client(f"{a.url},{b.url}")
         try:
-            answered = [ask(client, f"r{i}").found[0].chunks[0][0] for i in range(6)]
+            answered = [ask(client, f"r{i}").found.chunk_hashes[0] for i in range(6)]
         finally:
             client.close()
         assert sorted(answered) == [b"\xaa"] * 3 + [b"\xbb"] * 3
@@ -57,7 +57,7 @@ def test_a_replica_down_fails_over_and_opens_only_its_own_breaker():
         try:
             for i in range(6):  # every lookup is answered, by b
                 reply = ask(client, f"r{i}")
-                assert reply.state is MatchState.DONE and reply.found[0].chunks[0][0] == b"\xbb"
+                assert reply.state is MatchState.DONE and reply.found.chunk_hashes[0] == b"\xbb"
             stats = client.stats()
             assert stats.failed_over == 2  # then the dead replica's breaker opened
             assert stats.breaker_opened == 1

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from local_matcher import ContentIndex
 from plugin.lookup import select
-from plugin.types import FoundContent, Place
+from plugin.types import FoundColumns, Place
 
 LANE = "unit"
 
@@ -54,8 +54,7 @@ def legs(chunks):
 
 
 def as_found(index, query, place):
-    return [FoundContent(f.positions, place, f.chunks)
-            for f in index.candidates(np.array(query, dtype=np.uint32), NS)]
+    return FoundColumns.of(index.candidate_columns(np.array(query, dtype=np.uint32), NS), place)
 
 
 def brute_force(query, chunks, prefix) -> int:

@@ -153,15 +153,20 @@ class Ports:
                                                                     str(free_port())), command)
 
 
-def _env() -> dict:
+def _env(*, telemetry_from_the_line: bool = False) -> dict:
     env = quiet_lmcache_env({"PWD": str(ROOT)})
     env.pop("PYTHONPATH", None)  # the lines say what they need
+    if telemetry_from_the_line:
+        # An LMCache line must turn LMCache's usage telemetry off itself, as an operator
+        # copies it. (The unreachable report URL stays: nothing leaves even if it does not.)
+        env.pop("LMCACHE_TRACK_USAGE")
+        env.pop("DO_NOT_TRACK")
     return env
 
 
-def _spawn(command: str, log: Path) -> subprocess.Popen:
+def _spawn(command: str, log: Path, env: dict | None = None) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=_env(),
+        return subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env or _env(),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -265,6 +270,7 @@ def _check_lmcache_server(line: str, log: Path, server: subprocess.Popen, ports:
     assert "budget 1 s" in loaded, loaded
     if not front_end:
         assert "reported by the plugin" in loaded, loaded
+        _assert_no_usage_telemetry(line, log)
         return
     assert "reported by LMCache's subscriber" in loaded, loaded
     http = re.search(r"--http-port (\d+)", ports(line)).group(1)
@@ -276,6 +282,23 @@ def _check_lmcache_server(line: str, log: Path, server: subprocess.Popen, ports:
                                                   for i in reply["instances"]))
     assert any(i["http_port"] == int(http) for i in instances["instances"]), \
         f"the server on HTTP port {http} did not register with the coordinator: {instances}"
+    _assert_no_usage_telemetry(line, log)
+
+
+_USAGE = re.compile(r"Initializing [\w ]*usage")  # LMCache's lines when telemetry starts
+
+
+def _assert_no_usage_telemetry(line: str, log: Path) -> None:
+    started = _USAGE.findall(log.read_text(errors="replace"))
+    assert not started, f"{line}\nturns LMCache's usage telemetry on: {started}"
+
+
+def test_every_lmcache_line_turns_usage_telemetry_off():
+    # LMCache reports usage unless LMCACHE_TRACK_USAGE is exactly `false` (or DO_NOT_TRACK).
+    lines = [c for b in BLOCKS if b.kind == "run" for c in b.commands if _LMCACHE.search(c)]
+    assert lines
+    for line in lines:
+        assert "LMCACHE_TRACK_USAGE=false " in line, line
 
 
 def _start_coordinator(ports: Ports, tmp_path: Path) -> tuple[subprocess.Popen, str]:
@@ -318,7 +341,8 @@ def test_run_lines_work_as_written(tmp_path):
         try:
             for n, line in enumerate(servers):
                 log = tmp_path / f"lmcache-{n}.log"
-                running.append((line, log, _spawn(ports(_resolve_venvs(line)), log)))
+                running.append((line, log, _spawn(ports(_resolve_venvs(line)), log,
+                                                  _env(telemetry_from_the_line=True))))
             for line, log, server in running:
                 _check_lmcache_server(line, log, server, ports, coordinator_url)
         finally:
@@ -421,7 +445,9 @@ def _field_of(name: str) -> str:
 
     fields = [f.name for f in dataclasses.fields(PluginConfig)]
     sample = {"LMCACHE_COORDINATOR_CA_FILE": __file__,
-              "LMCACHE_COORDINATOR_URL": "http://x"}.get(name, "sample-value-0123456789")
+              "LMCACHE_COORDINATOR_URL": "http://x",
+              "LMCACHE_COORDINATOR_ENGINE_URL": "http://x:8000"}.get(name,
+                                                                     "sample-value-0123456789")
     changed = [f for f in fields
                if getattr(PluginConfig.from_env(environ={name: sample}), f)
                != getattr(PluginConfig.from_env(environ={}), f)]

@@ -2,12 +2,10 @@
 processes, stand-in serving instances as real HTTP servers on loopback.
 
 What users rely on: a request goes to the instance whose L1 holds its content (token ids,
-text through the served model's tokenizer file or the engine's `/tokenize`, chat messages
-rendered with the model's chat template), the answer streams back as the instance sends
-it; an instance with work queued is passed over for one without (issue 31); with nothing
-cached, or the coordinator slow or down, requests still go out, least-loaded / round-robin;
-an unreachable instance is skipped; bad input is refused with a reason and forwarded
-nowhere.
+text through the tokenizer, chat messages), the answer streams back as the instance sends
+it; with nothing cached, or the coordinator slow or down, requests still go out,
+least-loaded / round-robin; an unreachable instance is skipped; bad input is refused with a
+reason and forwarded nowhere.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from blend_wire import EVENTS_PATH, INSTANCES_PATH, encode, pack_kv_rank
+from blend_wire import ENGINE_URL_KEY, EVENTS_PATH, INSTANCES_PATH, encode, pack_kv_rank
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import (
     CHAT_TEMPLATE,
@@ -147,8 +145,15 @@ async def backends(*names: str):
 
 
 def register(coordinator_url: str, instance_id: str, port: int) -> None:
+    """`instance_id` registers as a serving process does, naming its engine on `port`
+    (LMCache's own front end, `ip:http_port`, is a port the router never dials)."""
     httpx.post(coordinator_url + INSTANCES_PATH, json={
-        "instance_id": instance_id, "ip": "127.0.0.1", "http_port": port}).raise_for_status()
+        "instance_id": instance_id, "ip": "127.0.0.1", "http_port": closed_port(),
+        "metadata": {ENGINE_URL_KEY: f"http://127.0.0.1:{port}"}}).raise_for_status()
+
+
+def closed_port() -> int:
+    return int(closed_port_url().rsplit(":", 1)[1])
 
 
 def store(coordinator_url: str, instance_id: str, tokens, seq: int) -> None:
@@ -248,7 +253,7 @@ async def test_an_unreachable_instance_is_skipped_and_bad_input_refused(coordina
     passage_ids = fresh(2 * C)
     async with backends("A") as fleet:
         register(coordinator.url, "A", fleet["A"].server.port)
-        register(coordinator.url, "gone", int(closed_port_url().rsplit(":", 1)[1]))
+        register(coordinator.url, "gone", closed_port())
         store(coordinator.url, "gone", passage_ids, seq=1)
         with router(coordinator.url, "--score-budget", "5") as url:
             await knows(url, 2)
@@ -289,7 +294,8 @@ async def test_a_slow_coordinator_costs_the_budget_not_the_request():
     async with backends("A", "B") as fleet:
         listing = {"instances": [
             {"instance_id": name, "ip": "127.0.0.1", "http_port": b.server.port,
-             "registration_time": 0.0, "metadata": {}, "p2p_advertised_url": "", "mq_port": 0}
+             "registration_time": 0.0, "metadata": {ENGINE_URL_KEY: f"http://127.0.0.1:{b.server.port}"},
+             "p2p_advertised_url": "", "mq_port": 0}
             for name, b in fleet.items()]}
 
         def behave(path: str, body: bytes) -> Reply:

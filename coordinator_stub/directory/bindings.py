@@ -12,6 +12,7 @@ directory lock; index updates go through the `IndexWriter` only.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from blend_wire import (
     EncodedObjectKey,
     TokenIds,
 )
+from coordinator_stub.directory.guard import foreign_place, what_stands
 from coordinator_stub.directory.journal import Journal, JournaledDict
 from coordinator_stub.directory.new_chunks import digest, store_batch
 from coordinator_stub.directory.placements import (
@@ -64,6 +66,11 @@ class OwnContent(JournaledDict):
 class Bindings:
     """One binding per chunk hash with a key, `(content, offset, holds, accesses,
     reported)`, and per instance the chunk hashes it holds a placement of."""
+
+    #: While `KeyDirectory.ingest` applies batches: which reporters their token speaks
+    #: for (its scope's instances); None: any. Set on the instance only meanwhile, so it
+    #: is never part of a snapshot.
+    speaks_for: Callable[[str], bool] | None = None
 
     def __init__(self, journal: Journal, placements: Placements, counters: dict[str, int],
                  trust_shared_hashes: bool) -> None:
@@ -115,7 +122,7 @@ class Bindings:
         try:
             for chunk_hash in chunk_hashes:
                 binding = self.table.get(chunk_hash)
-                claims = [] if binding is None else self._indexed_claims(binding)
+                claims = [] if binding is None else _indexed_claims(self._placements, binding)
                 restore = []
                 for namespace, content, offset in claims:
                     if type(content) is bytes:
@@ -138,17 +145,6 @@ class Bindings:
             log.exception("re-indexing after a failed batch failed too; lookups may miss "
                           "chunks until they are stored again")
 
-    def _indexed_claims(self, binding: tuple) -> list[tuple[BlendNamespace, Content, int]]:
-        """(namespace, content, offset) of every claim the binding says is indexed."""
-        content, offset, holds = binding[:3]
-        if type(content) is OwnContent:
-            return [(namespace, held[0], held[1]) for namespace, held in content.items()
-                    if held[1] >= 0]
-        if not indexed(content, offset):
-            return []
-        return [(namespace, content, offset)
-                for namespace in self._placements.namespaces_of(holds)]
-
     def unindex_all(self) -> None:
         """Every binding's content leaves the index (the chunk size changes); the tokens
         directory queries show are kept as `reported`."""
@@ -166,16 +162,24 @@ class Bindings:
     def _store(self, entry: CacheEventEntry, chunk_hash: bytes, place_no: int,
                held: set[bytes]) -> None:
         """One STORE entry (of `chunk_hash`, its key's): record the placement, then the
-        binding's content and offset."""
+        binding's content and offset. Unless shared hashes are trusted, what other
+        instances reported stands (`guard.what_stands`)."""
         key_no = self._placements.key_no(entry.key)
         binding = self.table.get(chunk_hash)
         content, offset, holds, accesses, reported = binding if binding is not None else (
             None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES, None)
-        holds, new_claim = self._placements.add(holds, key_no, place_no)
-        held.add(chunk_hash)
-        stamped = None
-        if self.writer is not None:  # blend lookup off: no content is recorded (or hashed)
-            stamped = self._stamped_tokens(entry)
+        # Blend lookup off: no content is recorded (or hashed).
+        stamped = None if self.writer is None else self._stamped_tokens(entry)
+        guarded = what_stands(self, chunk_hash, binding, key_no, place_no, stamped,
+                              entry.token_offset)
+        if guarded is None:
+            return
+        keep_place, stamped = guarded
+        new_claim = False
+        if not keep_place:
+            holds, new_claim = self._placements.add(holds, key_no, place_no)
+            held.add(chunk_hash)
+        if self.writer is not None:
             namespace = self._placements.key_ns[key_no]
             if type(content) is OwnContent:
                 self._store_own(chunk_hash, content, namespace, stamped, entry.token_offset)
@@ -373,7 +377,9 @@ class Bindings:
 
     def _delete(self, key: EncodedObjectKey, ident: int) -> None:
         """One DELETE entry: drop the placement of that identity; release what it was the
-        last of."""
+        last of. A shared pool's placement reported by an instance the emitter's token
+        does not speak for stays (counted), unless shared hashes are trusted (LMCache:
+        whoever deletes it)."""
         placements = self._placements
         key_no = placements.known_key_no(key)
         chunk_hash = bytes.fromhex(key.chunk_hash_hex)
@@ -381,6 +387,9 @@ class Bindings:
         removed = place_no = None
         if binding is not None and key_no is not None:
             place_no = placements.held_place(binding[2], key_no, ident)
+        if (place_no is not None and not self.trust_shared_hashes
+                and foreign_place(self, place_no)):
+            return
         if place_no is not None:
             removed = placements.remove(binding[2], key_no, place_no)
         if removed is None:
@@ -453,6 +462,18 @@ class Bindings:
             self.table[chunk_hash] = (content, offset, holds, accesses, reported)
         else:
             del self.table[chunk_hash]
+
+
+def _indexed_claims(placements: Placements, binding: tuple
+                    ) -> list[tuple[BlendNamespace, Content, int]]:
+    """(namespace, content, offset) of every claim the binding says is indexed."""
+    content, offset, holds = binding[:3]
+    if type(content) is OwnContent:
+        return [(namespace, held[0], held[1]) for namespace, held in content.items()
+                if held[1] >= 0]
+    if not indexed(content, offset):
+        return []
+    return [(namespace, content, offset) for namespace in placements.namespaces_of(holds)]
 
 
 def _packed(token_ids: TokenIds, unchanged: bytes | None) -> bytes | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from coordinator_stub.directory.journal import Journal, JournaledDict
 from coordinator_stub.directory.placements import Placements
 from coordinator_stub.directory.writer import IndexWriter
 
+if TYPE_CHECKING:
+    from local_matcher.types import CandidateColumns
+
 log = logging.getLogger(__name__)
 
 _COUNTERS = (
@@ -31,7 +34,7 @@ _COUNTERS = (
     "instances_dropped", "entries_applied", "entries_duplicate", "entries_stale",
     "entries_stored", "entries_deleted", "entries_accessed", "deletes_unknown",
     "accesses_unknown", "token_lists_wrong_length", "token_lists_out_of_range",
-    "chunk_size_mismatched_emitters")
+    "chunk_size_mismatched_emitters", "stores_conflicting", "foreign_placement_changes")
 
 
 class KeyDirectory:
@@ -96,6 +99,21 @@ class KeyDirectory:
             return []
         return index.candidates(tokens, namespace, wait=wait)
 
+    def candidate_columns(self, tokens: np.ndarray, namespace: BlendNamespace, *,
+                          wait: bool = True) -> CandidateColumns:
+        """`candidates` as columns (`ContentIndex.candidate_columns`)."""
+        index = self._index
+        if index is None or tokens.size < self.chunk_size:
+            from local_matcher.types import EMPTY_COLUMNS
+            return EMPTY_COLUMNS
+        return index.candidate_columns(tokens, namespace, wait=wait)
+
+    def place_columns(self, chunk_hashes: Sequence[bytes], namespace: BlendNamespace
+                      ) -> queries.PlaceColumns:
+        """`places_of` as columns (`queries.place_columns`), without the directory lock."""
+        return queries.place_columns(self._bindings.table, self._placements, chunk_hashes,
+                                     namespace)
+
     def places_of(self, chunk_hashes: list[bytes], namespace: BlendNamespace
                   ) -> list[tuple[list[str], bool]]:
         """Where `namespace`'s keys of each chunk are held: (instances whose L1 has one,
@@ -106,30 +124,42 @@ class KeyDirectory:
 
     # --- ingest -----------------------------------------------------------------------
 
-    def ingest(self, batches: list[CacheEventBatch]) -> EventsReply:
-        """Gate and apply validated batches, in order. Counts are of batches."""
+    def ingest(self, batches: list[CacheEventBatch],
+               speaks_for: Callable[[str], bool] | None = None) -> EventsReply:
+        """Gate and apply validated batches, in order. Counts are of batches.
+        `speaks_for`: the instances the posting token's scope names (None: any); a
+        shared pool's placement another reporter holds changes only if it names that
+        reporter (`Bindings._guarded`)."""
+        with self._lock:
+            if speaks_for is not None:
+                self._bindings.speaks_for = speaks_for
+            try:
+                return self._ingest_locked(batches)
+            finally:
+                vars(self._bindings).pop("speaks_for", None)
+
+    def _ingest_locked(self, batches: list[CacheEventBatch]) -> EventsReply:
         applied = duplicates = stale = 0
         counters = self._counters
-        with self._lock:
-            for batch in batches:
-                position = self._gate.snapshot(batch.instance_id)
-                verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq,
-                                           tier=batch.tier,
-                                           dropped_events=batch.dropped_events, ts=batch.ts)
-                if verdict is Verdict.DUPLICATE:
-                    duplicates += 1
-                    counters["entries_duplicate"] += len(batch.entries)
-                    continue
-                if verdict is Verdict.STALE:
-                    stale += 1
-                    counters["entries_stale"] += len(batch.entries)
-                    continue
-                self._apply_atomically(batch, verdict, position)
-                applied += 1
-                counters["entries_applied"] += len(batch.entries)
-            counters["batches_applied"] += applied
-            counters["batches_duplicate"] += duplicates
-            counters["batches_stale"] += stale
+        for batch in batches:
+            position = self._gate.snapshot(batch.instance_id)
+            verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq,
+                                       tier=batch.tier,
+                                       dropped_events=batch.dropped_events, ts=batch.ts)
+            if verdict is Verdict.DUPLICATE:
+                duplicates += 1
+                counters["entries_duplicate"] += len(batch.entries)
+                continue
+            if verdict is Verdict.STALE:
+                stale += 1
+                counters["entries_stale"] += len(batch.entries)
+                continue
+            self._apply_atomically(batch, verdict, position)
+            applied += 1
+            counters["entries_applied"] += len(batch.entries)
+        counters["batches_applied"] += applied
+        counters["batches_duplicate"] += duplicates
+        counters["batches_stale"] += stale
         return EventsReply(applied=applied, duplicates=duplicates, stale=stale)
 
     def _apply_atomically(self, batch: CacheEventBatch, verdict: Verdict,
@@ -196,18 +226,36 @@ class KeyDirectory:
         """Index at `chunk_size` from now on (LMCache 0.5.7's `bind_chunk_size`, whose
         rules the caller checks); False if it already was. Chunks indexed at the old size
         cannot be chunks at the new one: they leave the index (their placements, and the
-        tokens directory queries show, stay)."""
+        tokens directory queries show, stay). All or nothing: the new index is built
+        first and the bindings change under the undo journal, so a bind that fails
+        (say, out of memory) leaves the size, the index and the bindings as they were."""
         with self._lock:
             if chunk_size == self.chunk_size:
                 return False
-            self._bindings.unindex_all()
-            self.chunk_size = chunk_size
-            self._bindings.size_warned.clear()
+            index = None
             if self._index is not None:
                 from local_matcher import ContentIndex
 
-                self._new_index(ContentIndex, chunk_size)
+                index = ContentIndex(chunk_size=chunk_size, probe_stride=self.probe_stride)
+            self._journal.begin()
+            try:
+                self._bindings.unindex_all()
+            except BaseException:
+                self._journal.rollback()
+                raise
+            self._journal.commit()
+            self.chunk_size = chunk_size
+            self._bindings.size_warned.clear()
+            if index is not None:
+                self._bindings.writer = IndexWriter(index, chunk_size)
+                self._index = index
             return True
+
+    def tracks(self, instance_id: str) -> bool:
+        """Whether the id has a gate cursor or holds a placement (read without the lock:
+        two dict lookups)."""
+        return (self._gate.position(instance_id) is not None
+                or instance_id in self._bindings.held_by)
 
     def has_ghosts(self, registered: Callable[[str], bool]) -> bool:
         """Whether some id with a gate cursor is not `registered` and holds nothing."""
@@ -264,6 +312,8 @@ class KeyDirectory:
         # they are, and a differing one is checked against the indexed tokens.
         vars(self).update(state)
         self._lock = threading.Lock()
+        for name in _COUNTERS:  # counters added since the snapshot was written start at 0
+            self._counters.setdefault(name, 0)
 
     def state_parts(self) -> tuple:
         """The objects whose fields make up a snapshot's layout (`snapshot.layout_of`),
@@ -297,11 +347,13 @@ class KeyDirectory:
         strings match anything), as `(total, page)`; a page row is `(chunk_hash, raw_key,
         matching places, num_tokens, access_count)`. Order: by chunk, in the order chunks
         were first stored, then by key, in the order keys first held the chunk. The
-        directory lock is held only to copy the binding table, so a listing walks a
-        consistent snapshot while ingest goes on."""
+        directory lock is held only to copy the binding table and the place and key
+        tables its rows refer to (numbers freed after a batch are reused), so a listing
+        walks a consistent snapshot while ingest goes on."""
         with self._lock:
             rows = queries.key_rows(self._bindings.table, self.chunk_size)
-        return queries.key_page(rows, self._placements, tier, instance_id, backend, offset,
+            places, key_raw = list(self._placements.places), list(self._placements.key_raw)
+        return queries.key_page(rows, places, key_raw, tier, instance_id, backend, offset,
                                 limit)
 
     def totals(self) -> dict[str, int]:

@@ -2,10 +2,12 @@
 chunks are held, a key's places, tokens and access count, the key listing (docs/WIRE.md,
 "POST /directory/lookup", "GET /directory/keys"). `KeyDirectory` calls these under its
 lock, except `places_of` (lookups never wait for ingest: see there) and the walk of a
-listing's copied rows.
+listing's copied rows and tables.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -22,53 +24,75 @@ from coordinator_stub.directory.placements import (
 )
 from coordinator_stub.directory.writer import IndexWriter
 
-# `places_of` answers for a chunk held nowhere the requester can see, or only in a shared
-# tier (shared by every answer: never mutated).
-_NOWHERE: tuple[list[str], bool] = ((), False)
-_SHARED_ONLY: tuple[list[str], bool] = ((), True)
+class PlaceColumns(NamedTuple):
+    """Where each of a list of chunks is held, as columns: chunk i's L1 holders are
+    ``instances[k]`` for k in ``holders[holder_start[i]:holder_start[i + 1]]`` (sorted by
+    id), and ``shared[i]`` is 1 when a shared tier has it."""
+
+    instances: list[str]
+    holder_start: np.ndarray
+    holders: np.ndarray
+    shared: np.ndarray
+
+    def l1_of(self, chunk: int) -> list[str]:
+        return [self.instances[k] for k in
+                self.holders[self.holder_start[chunk]:self.holder_start[chunk + 1]].tolist()]
 
 
-def places_of(table: dict, placements: Placements, chunk_hashes: list[bytes],
-              namespace: BlendNamespace) -> list[tuple[list[str], bool]]:
-    """Where `namespace`'s keys of each chunk are held: (instances whose L1 has one,
-    sorted; whether a shared tier has one).
+def place_columns(table: dict, placements: Placements, chunk_hashes: Sequence[bytes],
+                  namespace: BlendNamespace) -> PlaceColumns:
+    """Where `namespace`'s keys of each chunk are held (`PlaceColumns`).
 
     A hint for the requester's choice among chunks of one content, read without the
     directory lock so that lookups never wait for ingest: it is the state as of some
     moment while batches apply (tuples are replaced whole; a many-keys record changed
-    under the read answers "nowhere known", which only makes a chunk look remote)."""
+    under the read answers "nowhere known", which only makes a chunk look remote). One
+    dictionary read per chunk, the directory's (its bindings are per chunk)."""
     key_ns, places = placements.key_ns, placements.places
-    found = []
-    for chunk_hash in chunk_hashes:
-        binding = table.get(chunk_hash)
+    number: dict[str, int] = {}
+    counts = np.zeros(len(chunk_hashes), dtype=np.int64)
+    shared = np.zeros(len(chunk_hashes), dtype=np.uint8)
+    holders: list[int] = []
+    for i, binding in enumerate(map(table.get, chunk_hashes)):
         holds = None if binding is None else binding[2]
         try:
             if type(holds) is tuple and len(holds) == 2:  # one placement: nearly all
-                if key_ns[holds[0]] != namespace:
-                    found.append(_NOWHERE)
-                    continue
-                place = places[holds[1]]
-                found.append(_SHARED_ONLY if place[SHARED] else
-                             ([place[INSTANCE]], False) if place[TIER] == "l1"
-                             else _NOWHERE)
+                if key_ns[holds[0]] == namespace:
+                    place = places[holds[1]]
+                    if place[SHARED]:
+                        shared[i] = 1
+                    elif place[TIER] == "l1":
+                        holders.append(number.setdefault(place[INSTANCE], len(number)))
+                        counts[i] = 1
                 continue
             if holds is None:
-                found.append(_NOWHERE)
                 continue
             pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple else
                      [(k, p) for k, ps in list(holds.places.items()) for p in ps])
-            l1, shared = set(), False
+            l1, is_shared = set(), False
             for key_no, place_no in pairs:
                 if key_ns[key_no] == namespace:
                     place = places[place_no]
                     if place[SHARED]:
-                        shared = True
+                        is_shared = True
                     elif place[TIER] == "l1":
                         l1.add(place[INSTANCE])
-            found.append((sorted(l1), shared))
         except (RuntimeError, IndexError, TypeError):
-            found.append(_NOWHERE)
-    return found
+            continue
+        shared[i] = is_shared
+        counts[i] = len(l1)
+        holders.extend(number.setdefault(name, len(number)) for name in sorted(l1))
+    holder_start = np.zeros(len(chunk_hashes) + 1, dtype=np.int64)
+    np.cumsum(counts, out=holder_start[1:])
+    return PlaceColumns(list(number), holder_start, np.array(holders, dtype=np.int64),
+                        shared)
+
+
+def places_of(table: dict, placements: Placements, chunk_hashes: Sequence[bytes],
+              namespace: BlendNamespace) -> list[tuple[list[str], bool]]:
+    """`place_columns` as one (L1 holders, sorted; shared?) per chunk (plain data)."""
+    columns = place_columns(table, placements, chunk_hashes, namespace)
+    return [(columns.l1_of(i), bool(columns.shared[i])) for i in range(len(chunk_hashes))]
 
 
 def placements_of(table: dict, placements: Placements, writer: IndexWriter | None,
@@ -132,12 +156,12 @@ def key_rows(table: dict, chunk_size: int) -> list[tuple]:
             for chunk_hash, (content, _, holds, accesses, reported) in table.items()]
 
 
-def key_page(rows: list[tuple], placements: Placements, tier: str, instance_id: str,
+def key_page(rows: list[tuple], places: list, key_raw: list, tier: str, instance_id: str,
              backend: str, offset: int, limit: int
              ) -> tuple[int, list[tuple[bytes, tuple, list, int, int]]]:
-    """The listing of `key_rows` (`KeyDirectory.list_keys`), walked without the lock
-    (the rows are a copy, and the interning tables only grow)."""
-    places, key_raw = placements.places, placements.key_raw
+    """The listing of `key_rows` (`KeyDirectory.list_keys`), walked without the lock:
+    the rows, `places` and `key_raw` (`Placements`' tables) are copies taken together
+    under it (a batch frees numbers, and a later one reuses them)."""
     total, page = 0, []
     for chunk_hash, num_tokens, holds, accesses in rows:
         pairs = zip(holds[0::2], holds[1::2]) if type(holds) is tuple else holds

@@ -9,7 +9,9 @@ Contract:
   No token, or an unknown one: 401 with `WWW-Authenticate: Bearer`; a token without the
   role: 403; bodies `{"detail": "<why>"}`.
 - `scope_of(request)`: the token's `Scope` for that role (`ANY` with access control off),
-  which the service checks the request against.
+  which the service checks the request against; `caller_of(request)`: the token's digest
+  (the header's spelling aside), whose turn a lookup takes; `lists_instances(request)`:
+  whether the token may list the registry (emitter or admin).
 
 Tokens are compared by their SHA-256 digests (a dict lookup), so the time a check takes
 does not depend on how much of a guess is right.
@@ -43,12 +45,39 @@ def required_role(method: str, path: str) -> str | None:
 SCOPE = web.RequestKey("scope", Scope)
 
 
+#: The digest of the request's token (absent: access off): who is asking, however the
+#: header spells it, for the match workers' fair queuing (one reader, one flow).
+CALLER = web.RequestKey("caller", bytes)
+#: Whether the token may list the registry (`GET /instances`: emitter or admin); absent:
+#: access off, anyone may.
+LISTS_INSTANCES = web.RequestKey("lists_instances", bool)
+
+
 def scope_of(request: web.Request) -> Scope:
     return request.get(SCOPE, ANY)
 
 
+def caller_of(request: web.Request) -> bytes | None:
+    """The digest of the request's token (None with access control off)."""
+    return request.get(CALLER)
+
+
+def lists_instances(request: web.Request) -> bool:
+    """Whether the request's token may list every registered instance."""
+    return request.get(LISTS_INSTANCES, True)
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+
+
+def _token_digest(header: str) -> bytes | None:
+    """The digest of a `Bearer` header's token: the scheme in any case, the token between
+    any whitespace (`bearer  T` is `Bearer T`); None when it is not one."""
+    parts = header.split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return None
+    return _digest(parts[1].strip())
 
 
 def _refusal(status: int, detail: str) -> web.Response:
@@ -75,11 +104,13 @@ def access_middleware(grants: Iterable[tuple]):
         needed = required_role(request.method, request.path)
         if needed is None:
             return await handler(request)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        granted = scopes_of.get(_digest(token.strip())) if scheme.lower() == "bearer" else None
+        digest = _token_digest(request.headers.get("Authorization", ""))
+        granted = scopes_of.get(digest) if digest is not None else None
         if granted is None:
             return _refusal(401, "a bearer token is required (Authorization: Bearer <token>) "
                                  "and this one is missing or unknown")
+        request[CALLER] = digest
+        request[LISTS_INSTANCES] = ADMIN in granted or EMITTER in granted
         if ADMIN in granted:
             request[SCOPE] = ANY
         elif needed in granted:

@@ -39,12 +39,13 @@ from blend_wire import (
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import (BadRequest, ChunkSizeConflict, Forbidden,
                                      ServiceUnavailable, TooLarge)
-from coordinator_stub.http.access import access_middleware, scope_of
+from coordinator_stub.http.access import access_middleware, caller_of, lists_instances, scope_of
 from coordinator_stub.http.budget import ByteBudget, give_back_memory
 from coordinator_stub.http.connections import ConnectionGuard, connection_cap
 from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator_stub.service.coordinator import Coordinator
-from coordinator_stub.service.matchpool import FairPool
+from coordinator_stub.service.matchpool import ClientGone, FairPool
+from coordinator_stub.service.quotas import OverQuota
 from coordinator_stub.writes import WritePath
 from coordinator_stub.writes.local import LocalWrites
 from local_matcher import IndexBusy
@@ -111,6 +112,11 @@ async def _refusals(request: web.Request,
         return _detail(422, exc.detail, "validation", request)
     except BadRequest as exc:
         return _detail(400, str(exc), "bad_request", request)
+    except OverQuota as exc:
+        response = _detail(429, str(exc), "instance_cap", request)
+        response.headers["Retry-After"] = str(
+            round(request.app[COORDINATOR].config.instance_timeout))
+        return response
     except Forbidden as exc:
         return _detail(403, str(exc), "forbidden", request)
     except TooLarge as exc:
@@ -162,11 +168,13 @@ async def _read_body(request: web.Request, limit: int | None = None,
     return body
 
 
-def _reader_of(request: web.Request) -> tuple[str, str | None]:
+def _reader_of(request: web.Request) -> tuple[str, object]:
     """Whose turn a lookup takes at the matcher: its bearer token when access control is
-    on (checked by then: a client cannot make up readers), else the client's address."""
-    if request.app[COORDINATOR].config.access_tokens:
-        return "token", request.headers.get("Authorization", "")
+    on (checked by then: a client cannot make up readers; the token itself, not how the
+    header spells it), else the client's address."""
+    caller = caller_of(request)
+    if caller is not None:
+        return "token", caller
     return "peer", request.remote
 
 
@@ -196,7 +204,9 @@ async def _events(request: web.Request) -> web.Response:
             f"--max-ingest-bytes); retry after {RETRY_AFTER_S} s")
     try:
         body = await _read_body(request)
-        return _json(await request.app[WRITES].events(body, scope_of(request)))
+        coordinator = request.app[COORDINATOR]
+        return _json(await request.app[WRITES].events(body,
+                                                      coordinator.capped(scope_of(request))))
     finally:
         release()
         if budget.burst_over():
@@ -218,17 +228,37 @@ async def _matched(request: web.Request, parse: Callable, answer: Callable,
     scope = scope_of(request)
     pool = request.app[_MATCH_POOL]
     reader = _reader_of(request)
+    query = None
     if len(body) <= _INLINE_MATCH_BYTES and pool.idle:
         query = parse(body, scope=scope)
         try:
             return answer(query, wait=False)
         except IndexBusy:
-            return await pool.submit_async(reader, len(body), answer, query)
-    if len(body) > _INLINE_PARSE_BYTES:
-        return await pool.submit_async(reader, len(body), whole, body, scope)
-    # The shape is validated on the loop (microseconds); the worker decodes the tokens
-    # without the GIL and matches, so the loop keeps serving.
-    return await pool.submit_async(reader, len(body), answer, parse(body, scope=scope))
+            pass
+    # Queued work whose client has gone (a router that gave up on its budget) is dropped
+    # when a worker reaches it, not matched for nobody.
+    submit = partial(pool.submit_async, reader, len(body), wanted=partial(_connected, request))
+    try:
+        if len(body) > _INLINE_PARSE_BYTES:
+            return await submit(whole, body, scope)
+        # The shape is validated on the loop (microseconds); the worker decodes the tokens
+        # without the GIL and matches, so the loop keeps serving.
+        return await submit(answer, parse(body, scope=scope) if query is None else query)
+    except ClientGone:
+        raise _ClientClosed() from None
+
+
+class _ClientClosed(web.HTTPClientError):
+    """The answer to a lookup dropped because its client left (nobody reads it)."""
+
+    status_code = 499
+
+
+def _connected(request: web.Request) -> bool:
+    """The request's client is still connected (read from a worker thread: a moment
+    stale at worst, which only runs one lookup more)."""
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
 
 
 async def _blend_lookup(request: web.Request) -> web.Response:
@@ -249,8 +279,10 @@ async def _blend_score(request: web.Request) -> web.Response:
     is a candidates lookup and then the selection per instance (CPU-bound)."""
     coordinator = request.app[COORDINATOR]
     started = time.perf_counter()
+    everyone = lists_instances(request)  # else only instances holding some of it
     reply = await _matched(request, partial(coordinator.parse_lookup, shape=BlendScoreRequest),
-                           coordinator.scores, coordinator.score)
+                           partial(coordinator.scores, everyone=everyone),
+                           partial(coordinator.score, everyone=everyone))
     metrics = request.app.get(METRICS)
     if metrics is not None:
         metrics.observe_lookup("blend-score", time.perf_counter() - started)
@@ -407,7 +439,7 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     app.middlewares.append(_refusals)
     if config.enable_metrics:
         app[METRICS] = CoordinatorMetrics(coordinator.directory,
-                                          lambda: len(coordinator.instances))
+                                          lambda: len(coordinator.instances), coordinator.quota)
     app[WRITES] = _writes_of(coordinator, app.get(METRICS))
     app.cleanup_ctx.append(_worker_pools)
     app.cleanup_ctx.append(_write_path)

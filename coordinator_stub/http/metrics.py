@@ -13,6 +13,7 @@ from prometheus_client import platform_collector, process_collector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.service.quotas import InstanceQuota
 
 #: The exposition's media type (text format; WIRE.md).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -28,7 +29,8 @@ class CoordinatorMetrics:
     """The coordinator's series. Request-path code records with `observe_lookup`,
     `rejected` and `reaped`; everything else is read at scrape time."""
 
-    def __init__(self, directory: KeyDirectory, registered: Callable[[], int]) -> None:
+    def __init__(self, directory: KeyDirectory, registered: Callable[[], int],
+                 quota: InstanceQuota | None = None) -> None:
         self.registry = CollectorRegistry()
         process_collector.ProcessCollector(registry=self.registry)
         platform_collector.PlatformCollector(registry=self.registry)
@@ -49,7 +51,7 @@ class CoordinatorMetrics:
         self._reaped = Counter(_PREFIX + "instances_reaped",
                                "Instances deregistered for missing heartbeats",
                                registry=self.registry)
-        self.registry.register(_DirectoryCollector(directory, registered))
+        self.registry.register(_DirectoryCollector(directory, registered, quota))
 
     def observe_lookup(self, endpoint: str, seconds: float, matches: int = 0) -> None:
         """`endpoint`: "blend-lookup", "blend-score" or "directory-lookup"."""
@@ -70,8 +72,9 @@ class CoordinatorMetrics:
 class _DirectoryCollector:
     """Reads the directory's running totals at scrape time."""
 
-    def __init__(self, directory: KeyDirectory, registered: Callable[[], int]) -> None:
-        self._directory, self._registered = directory, registered
+    def __init__(self, directory: KeyDirectory, registered: Callable[[], int],
+                 quota: InstanceQuota | None) -> None:
+        self._directory, self._registered, self._quota = directory, registered, quota
 
     def describe(self) -> list[Metric]:
         return []  # families are only known at collect time; nothing to pre-register
@@ -108,23 +111,19 @@ class _DirectoryCollector:
                                     ("access", "entries_accessed")):
             by_type.add_metric([event_type], totals[counter])
         yield by_type
-        yield CounterMetricFamily(_PREFIX + "instances_fenced",
-                                  "Instances fenced by a higher incarnation",
-                                  value=totals["instances_fenced"])
-        yield CounterMetricFamily(_PREFIX + "instances_dropped",
-                                  "Instances whose L1 was fenced on deregistration or reaping",
-                                  value=totals["instances_dropped"])
         yield GaugeMetricFamily(_PREFIX + "instances_registered", "Registered instances",
                                 value=self._registered())
         yield GaugeMetricFamily(_PREFIX + "directory_keys", "Keys with a placement",
                                 value=totals["num_keys"])
-        yield CounterMetricFamily(_PREFIX + "chunk_size_mismatch_entries",
-                                  "STORE entries not indexed: their token list is not the "
-                                  "coordinator's chunk size",
-                                  value=totals["token_lists_wrong_length"])
-        yield CounterMetricFamily(_PREFIX + "chunk_size_mismatched_emitters",
-                                  "Emitters warned of a chunk-size mismatch",
-                                  value=totals["chunk_size_mismatched_emitters"])
+        for name, field, text in _DIRECTORY_COUNTERS:
+            yield CounterMetricFamily(_PREFIX + name, text, value=totals[field])
+        if self._quota is not None:
+            yield GaugeMetricFamily(_PREFIX + "scoped_instance_ids",
+                                    "Instance ids scoped tokens brought in, counted against "
+                                    "--max-instances-per-scope", value=self._quota.counted())
+            yield CounterMetricFamily(_PREFIX + "instance_cap_refusals",
+                                      "New instance ids refused: their token's scope was at "
+                                      "--max-instances-per-scope", value=self._quota.refused)
         yield from _gate_metrics(totals, self._directory.ingest_streams())
         blend = self._directory.blend_stats()
         for name, field, text in (
@@ -133,6 +132,24 @@ class _DirectoryCollector:
                 ("index_claims", "num_claims", "Namespace claims on indexed chunks"),
                 ("index_bytes", "bytes", "Bytes held by the blend index")):
             yield GaugeMetricFamily(_PREFIX + name, text, value=blend[field])
+
+
+#: Running totals of the directory exposed as counters: (series, totals field, help).
+_DIRECTORY_COUNTERS = (
+    ("instances_fenced", "instances_fenced", "Instances fenced by a higher incarnation"),
+    ("instances_dropped", "instances_dropped",
+     "Instances whose L1 was fenced on deregistration or reaping"),
+    ("chunk_size_mismatch_entries", "token_lists_wrong_length",
+     "STORE entries not indexed: their token list is not the coordinator's chunk size"),
+    ("chunk_size_mismatched_emitters", "chunk_size_mismatched_emitters",
+     "Emitters warned of a chunk-size mismatch"),
+    ("conflicting_stores", "stores_conflicting",
+     "STORE entries refused: other tokens than the chunk's, which another instance holds "
+     "in the namespace"),
+    ("foreign_placement_changes", "foreign_placement_changes",
+     "STOREs and DELETEs left undone: a shared pool's placement reported by an instance "
+     "outside the token's scope"),
+)
 
 
 _LMCACHE = "lmcache_coordinator_ingest_"

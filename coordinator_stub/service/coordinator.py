@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from blend_wire import (
@@ -53,7 +54,9 @@ from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, To
 from coordinator_stub.scopes import ANY, Scope
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.service.instances import InstanceRegistry
-from coordinator_stub.service.score import PlacedContent, score_instances
+from coordinator_stub.service.quotas import InstanceQuota, capped
+from coordinator_stub.service.score import score_instances
+from local_matcher.types import EMPTY_COLUMNS
 
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,7 @@ class Coordinator:
                                       enable_blend_lookup=config.enable_blend_lookup,
                                       trust_shared_hashes=config.trust_shared_hashes)
         self.instances = InstanceRegistry()
+        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps)
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
         compile_decoding()  # before any request, which would otherwise wait for it
@@ -116,23 +120,35 @@ class Coordinator:
 
     def _candidates(self, tokens, namespace, wait: bool) -> BlendCandidatesReply:
         directory = self.directory
-        found = directory.candidates(tokens, namespace, wait=wait)
-        places = iter(directory.places_of(
-            [chunk_hash for content in found for chunk_hash, _ in content.chunks], namespace))
-        return BlendCandidatesReply(chunk_size=self.directory.chunk_size, candidates=[
-            WireFoundContent(positions=content.positions, chunks=[
-                WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=l1,
-                               shared=shared)
-                for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places)])
-            for content in found])
+        found = directory.candidate_columns(tokens, namespace, wait=wait)
+        places = directory.place_columns(found.chunk_hashes, namespace)
+        # The JSON form names each chunk as an object: per-chunk work the wire asks for.
+        names, shared = places.instances, places.shared.tolist()
+        holder_start, holders = places.holder_start.tolist(), places.holders.tolist()
+        offers = [WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=tuple(
+                      names[k] for k in holders[holder_start[i]:holder_start[i + 1]]),
+                      shared=bool(shared[i]))
+                  for i, (chunk_hash, old_st) in enumerate(zip(found.chunk_hashes,
+                                                               found.old_st.tolist()))]
+        positions = found.positions.tolist()
+        pos, chunks = found.position_start.tolist(), found.chunk_start.tolist()
+        return BlendCandidatesReply(chunk_size=self.directory.chunk_size,
+                                    blend_lookup=self.directory.blend_enabled, candidates=[
+            WireFoundContent(positions=positions[pos[i]:pos[i + 1]],
+                             chunks=offers[chunks[i]:chunks[i + 1]])
+            for i in range(found.num_contents)])
 
-    def score(self, body: bytes, scope: Scope = ANY) -> BlendScoreReply:
-        return self.scores(self.parse_lookup(body, BlendScoreRequest, scope))
+    def score(self, body: bytes, scope: Scope = ANY, *, everyone: bool = True
+              ) -> BlendScoreReply:
+        return self.scores(self.parse_lookup(body, BlendScoreRequest, scope),
+                           everyone=everyone)
 
-    def scores(self, request: BlendScoreRequest, *, wait: bool = True) -> BlendScoreReply:
+    def scores(self, request: BlendScoreRequest, *, wait: bool = True,
+               everyone: bool = True) -> BlendScoreReply:
         """WIRE.md's `/directory/blend-score`: every registered instance asked for (all by
         default) scored by what its unified lookup would reuse (`coordinator_stub.service.score`).
-        `wait` as `matches`."""
+        `wait` as `matches`. `everyone` False (a caller that may not list the registry):
+        only the instances whose L1 holds some of the request in its namespace."""
         tokens = self._tokens(request)
         namespace = request.namespace
         directory = self.directory
@@ -141,23 +157,15 @@ class Coordinator:
         if request.instance_ids is not None:
             asked = set(request.instance_ids)
             instance_ids = [i for i in instance_ids if i in asked]
-        contents = []
-        if directory.blend_enabled and tokens.size >= size:
-            found = directory.candidates(tokens, namespace, wait=wait)
-            places = iter(directory.places_of(
-                [chunk_hash for content in found for chunk_hash, _ in content.chunks],
-                namespace))
-            for content in found:
-                contents.append(PlacedContent(content.positions, tuple(
-                    (chunk_hash, old_st, frozenset(l1), shared)
-                    for (chunk_hash, old_st), (l1, shared) in zip(content.chunks, places))))
-        prefix_places = []
-        for l1, shared in directory.places_of(prefix_chunk_hashes(tokens, size), namespace):
-            if not l1 and not shared:
-                break  # no instance's prefix leg goes past a chunk nobody serves
-            prefix_places.append((frozenset(l1), shared))
+        found = (directory.candidate_columns(tokens, namespace, wait=wait)
+                 if directory.blend_enabled and tokens.size >= size else EMPTY_COLUMNS)
+        places = directory.place_columns(found.chunk_hashes, namespace)
+        prefix = directory.place_columns(prefix_chunk_hashes(tokens, size), namespace)
+        if not everyone:
+            holders = set(places.instances).union(prefix.instances)
+            instance_ids = [i for i in instance_ids if i in holders]
         return BlendScoreReply(chunk_size=size, instances=score_instances(
-            instance_ids, contents, prefix_places, size, self.config.score_shared_weight,
+            instance_ids, found, places, prefix, size, self.config.score_shared_weight,
             self.config.score_peer_weight))
 
     # --- directory queries ------------------------------------------------------------------
@@ -253,7 +261,34 @@ class Coordinator:
                                 f"{','.join(scope.instances)}: name one in instance_id "
                                 "(an empty one would be assigned at random)")
             scope.check_instance(request.instance_id, "$.instance_id")
+        if not scope.unrestricted:
+            self.quota.admit(scope, request.instance_id, "$.instance_id")
+        if request.chunk_size is not None and not scope.unrestricted:
+            request = self._unbound_by_scoped(request)
         return request
+
+    def _unbound_by_scoped(self, request: RegisterRequest) -> RegisterRequest:
+        """A registration of a scoped emitter does not bind the fleet's chunk size (as
+        `PUT /config/chunk-size` needs an unscoped emitter: the size applies to every
+        tenant). Its size must be the coordinator's, bound or not (else
+        `ChunkSizeConflict`); it is registered without it (WIRE.md, "Instances")."""
+        current = self.directory.chunk_size
+        if request.chunk_size != current:
+            raise ChunkSizeConflict(
+                f"this server's chunk size is {request.chunk_size} and the coordinator's is "
+                f"{current}; a token scoped by instances= or salts= cannot bind the fleet's "
+                f"chunk size: start the coordinator with --chunk-size {request.chunk_size}, "
+                "or bind it with an unscoped emitter token (PUT /config/chunk-size)")
+        return msgspec.structs.replace(request, chunk_size=None)
+
+    def capped(self, scope: Scope) -> Scope:
+        """`scope` as `/events` checks it: its emitters counted (`service.quotas`)."""
+        return capped(scope, self.quota)
+
+    def _keeps(self, instance_id: str) -> bool:
+        """Whether the coordinator keeps anything of the id (registered, a cursor, a
+        placement): what an instance quota counts."""
+        return instance_id in self.instances or self.directory.tracks(instance_id)
 
     def check_registration(self, request: RegisterRequest) -> RegisterRequest:
         """Bind the chunk size a registration carries (ChunkSizeConflict)."""

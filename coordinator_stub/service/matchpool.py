@@ -22,6 +22,10 @@ class PoolClosed(RuntimeError):
     """The coordinator is shutting down; the lookup did not run."""
 
 
+class ClientGone(RuntimeError):
+    """The lookup's client went away before a worker reached it; it did not run."""
+
+
 class FairPool:
     def __init__(self, workers: int, name: str = "match") -> None:
         self._cond = threading.Condition()
@@ -41,9 +45,13 @@ class FairPool:
                ) -> concurrent.futures.Future:
         return self._queue(concurrent.futures.Future(), flow, cost, fn, args)
 
-    def submit_async(self, flow: Hashable, cost: int, fn: Callable[..., Any], *args
-                     ) -> asyncio.Future:
-        """As `submit`, from a running event loop: await the future it returns there."""
+    def submit_async(self, flow: Hashable, cost: int, fn: Callable[..., Any], *args,
+                     wanted: Callable[[], bool] | None = None) -> asyncio.Future:
+        """As `submit`, from a running event loop: await the future it returns there.
+        `wanted`: asked by the worker that reaches the job; False (its client left) drops
+        it unrun, the future failing with `ClientGone`."""
+        if wanted is not None:
+            fn, args = _run_if_wanted, (wanted, fn, *args)
         return self._queue(asyncio.get_running_loop().create_future(), flow, cost, fn, args)
 
     def _queue(self, future, flow: Hashable, cost: int, fn: Callable[..., Any], args: tuple):
@@ -143,6 +151,12 @@ def _run_job(future, fn: Callable[..., Any], args: tuple) -> None:
     _on_loop_of(future, _settle, future, outcome, failed)
 
 
+def _run_if_wanted(wanted: Callable[[], bool], fn: Callable[..., Any], *args) -> Any:
+    if not wanted():
+        raise ClientGone("the client went away before its lookup ran")
+    return fn(*args)
+
+
 def _on_loop_of(future: asyncio.Future, callback: Callable[..., None], *args) -> None:
     loop = future.get_loop()
     try:
@@ -174,4 +188,4 @@ def _close(future, cancel: bool) -> None:
         future.set_exception(PoolClosed("the coordinator is shutting down"))
 
 
-__all__ = ["FairPool", "JOB_COST", "PoolClosed"]
+__all__ = ["ClientGone", "FairPool", "JOB_COST", "PoolClosed"]

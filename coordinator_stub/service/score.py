@@ -1,5 +1,5 @@
 """Per-instance CacheBlend score: how much of a request each instance would reuse, and where
-from (docs/WIRE.md, "Blend score"). Pure: plain data in, `InstanceScore`s out.
+from (docs/WIRE.md, "Blend score"). Columns in, `InstanceScore`s out.
 
 For one instance, what its unified lookup would reuse is:
 
@@ -12,73 +12,72 @@ For one instance, what its unified lookup would reuse is:
 
 `score = prefix_tokens + l1_tokens + w_shared * shared_tokens + w_peer * peer_tokens`.
 
-Cost: the selection runs once per instance that holds something of the request in its L1
-(it sees the request differently from the rest) plus once for all the others, which see it
-alike (only shared tiers and peers) and share one result: O(holders x candidates +
-instances), not O(instances x candidates).
+Cost: one kernel call (`local_matcher.selection.score`) runs the selection once per asked
+instance that holds something of the request in its L1 (it sees the request differently
+from the rest) plus once for all the others, which see it alike (only shared tiers and
+peers) and share one result: O(holders x (occurrences + chunks) + instances), no Python
+per content, chunk or holder selection.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, NamedTuple, Sequence
+from typing import Sequence
+
+import numpy as np
 
 from blend_wire import InstanceScore
-from local_matcher.selection import select_offers
-
-#: A chunk's places as the directory names them: (instances whose L1 holds it, shared?).
-Places = tuple[frozenset[str], bool]
-_THIS_L1, _SHARED, _ELSEWHERE = 0, 1, 2
+from coordinator_stub.directory.queries import PlaceColumns
+from local_matcher import selection
+from local_matcher.types import CandidateColumns
 
 
-class PlacedContent(NamedTuple):
-    """One content found in the request: its positions and its chunks with their places."""
-
-    positions: tuple[int, ...]
-    chunks: tuple[tuple[Hashable, int, frozenset[str], bool], ...]  # hash, old_st, l1, shared
-
-
-def score_instances(instance_ids: Sequence[str], contents: Sequence[PlacedContent],
-                    prefix_places: Sequence[Places], chunk_size: int, w_shared: float,
-                    w_peer: float) -> list[InstanceScore]:
+def score_instances(instance_ids: Sequence[str], found: CandidateColumns,
+                    places: PlaceColumns, prefix: PlaceColumns, chunk_size: int,
+                    w_shared: float, w_peer: float) -> list[InstanceScore]:
     """Every instance of `instance_ids` scored, best first (ties by `instance_id`).
 
-    `prefix_places`: the places of the request's leading chunks by LMCache's names, in
-    order (it may stop at the first chunk nobody holds)."""
-    holders = {i for c in contents for _, _, l1, _ in c.chunks for i in l1}
-    holders |= {i for l1, _ in prefix_places for i in l1}
-    stranger = None  # the result of every instance that holds nothing of the request in L1
+    `found` and `places`: the request's candidates and where each chunk is held;
+    `prefix`: the places of the request's leading chunks by LMCache's names, in order
+    (it may stop at the first chunk nobody holds)."""
+    wanted = set(instance_ids)
+    asked = {instance_id: row for row, instance_id in enumerate(
+        name for name in dict.fromkeys(places.instances + prefix.instances)
+        if name in wanted)}
+    holders = len(asked)
+    prefixes = np.full(holders + 1, _prefix_chunks(prefix, None) * chunk_size,
+                       dtype=np.int64)
+    for instance_id, row in asked.items():
+        prefixes[row] = _prefix_chunks(prefix, instance_id) * chunk_size
+    # The holders CSR renumbered to the asked holders' rows (others hold nothing here).
+    row_of = np.array([asked.get(name, -1) for name in places.instances], dtype=np.int64)
+    rows = row_of[places.holders] if len(places.holders) else places.holders
+    keep = rows >= 0
+    chunk_of = np.repeat(np.arange(len(places.shared)), np.diff(places.holder_start))
+    holder_start = np.zeros(len(places.shared) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(chunk_of[keep], minlength=len(places.shared)), out=holder_start[1:])
+    tokens = selection.score(found, places.shared, holder_start, rows[keep], prefixes,
+                             chunk_size).tolist()
+    prefixes = prefixes.tolist()
     scores = []
     for instance_id in instance_ids:
-        if instance_id in holders:
-            result = _score(instance_id, contents, prefix_places, chunk_size)
-        else:
-            if stranger is None:
-                stranger = _score(None, contents, prefix_places, chunk_size)
-            result = stranger
-        prefix, l1, shared, peer = result
+        row = asked.get(instance_id, holders)
+        l1, shared, peer = tokens[row]
         scores.append(InstanceScore(
-            instance_id=instance_id, prefix_tokens=prefix, l1_tokens=l1, shared_tokens=shared,
-            peer_tokens=peer, score=prefix + l1 + w_shared * shared + w_peer * peer))
+            instance_id=instance_id, prefix_tokens=prefixes[row], l1_tokens=l1,
+            shared_tokens=shared, peer_tokens=peer,
+            score=prefixes[row] + l1 + w_shared * shared + w_peer * peer))
     scores.sort(key=lambda s: (-s.score, s.instance_id))
     return scores
 
 
-def _score(instance_id: str | None, contents: Sequence[PlacedContent],
-           prefix_places: Sequence[Places], chunk_size: int) -> tuple[int, int, int, int]:
-    prefix_chunks = 0
-    for l1, shared in prefix_places:
-        if not shared and instance_id not in l1:
-            break
-        prefix_chunks += 1
-    prefix = prefix_chunks * chunk_size
-    leg = []
-    for c in contents:  # one selection group per content and place, as the plugin's
-        by_place: dict[int, list] = {}
-        for chunk_hash, old_st, l1, shared in c.chunks:
-            place = _THIS_L1 if instance_id in l1 else _SHARED if shared else _ELSEWHERE
-            by_place.setdefault(place, []).append((chunk_hash, old_st))
-        leg.extend((c.positions, place, tuple(chunks)) for place, chunks in by_place.items())
-    by_place = [0, 0, 0]
-    for _, _, _, place, _ in select_offers((leg,), prefix, chunk_size):
-        by_place[place] += chunk_size
-    return prefix, by_place[_THIS_L1], by_place[_SHARED], by_place[_ELSEWHERE]
+def _prefix_chunks(prefix: PlaceColumns, instance_id: str | None) -> int:
+    """How many leading chunks an instance's prefix leg serves (None: an instance that
+    holds none of them in L1): each held by a shared tier or in its L1."""
+    number = (prefix.instances.index(instance_id)
+              if instance_id is not None and instance_id in prefix.instances else -1)
+    served = prefix.shared.astype(bool)
+    if number >= 0:
+        chunk_of = np.repeat(np.arange(len(served)), np.diff(prefix.holder_start))
+        served[chunk_of[prefix.holders == number]] = True
+    unserved = np.flatnonzero(~served)
+    return int(unserved[0]) if unserved.size else len(served)

@@ -74,7 +74,7 @@ class _Job:
 class FairIngest:
     """One scheduler thread running validation and application steps, fairly queued."""
 
-    def __init__(self, apply_batch: Callable[[CacheEventBatch], str], *,
+    def __init__(self, apply_batch: Callable[[CacheEventBatch, Scope | None], str], *,
                  keep_decoded_bytes: int = 16 << 20) -> None:
         self._apply_batch = apply_batch
         self.keep_decoded_bytes = keep_decoded_bytes
@@ -240,7 +240,7 @@ class FairIngest:
         batch = job.decoded[i] if job.kept else _decode_batch(job.raws[i], i)
         if job.kept:
             job.decoded[i] = None  # its objects go as soon as it is applied
-        verdict = self._apply_batch(batch)
+        verdict = self._apply_batch(batch, job.scope)
         job.counts[_COUNT_OF[verdict]] += 1
         job.next += 1
         return _reply(job) if job.next == len(job.raws) else None
@@ -378,8 +378,8 @@ class LocalWrites:
                                  ).add_done_callback(done)
         return reply
 
-    def _apply_batch(self, batch: CacheEventBatch) -> str:
-        reply = self.coordinator.directory.ingest([batch])
+    def _apply_batch(self, batch: CacheEventBatch, scope: Scope | None = None) -> str:
+        reply = self.coordinator.directory.ingest([batch], speaks_for_of(scope))
         return "applied" if reply.applied else "duplicate" if reply.duplicates else "stale"
 
     async def register(self, request) -> bytes:
@@ -409,6 +409,12 @@ class LocalWrites:
 
     def stats(self) -> None:
         return None
+
+
+def speaks_for_of(scope: Scope | None) -> Callable[[str], bool] | None:
+    """The instances a poster's token speaks for, as `KeyDirectory.ingest` takes them
+    (None: any)."""
+    return None if scope is None or scope.instances is None else scope.allows_instance
 
 
 def _off_loop(work: Callable, *args):

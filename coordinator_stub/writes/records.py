@@ -2,17 +2,19 @@
 "Coordinator replicas").
 
 Contract:
-- Kinds: `events` (an `/events` body's batches, `{"batches": [...]}`), `register` (a
+- Kinds: `events` (an `/events` body's batches, `{"batches": [...]}`, with
+  `"speaks_for": [P, ...]`, the poster's instance scope, when it had one), `register` (a
   `POST /instances` body with its id assigned), `beats` (a JSON list of ids heard from),
   `drop` (an instance id), `reap` (`{"timeout": s, "ids": [...]}`). `payloads(raws,
-  batches, limit)` cuts validated batches into `events` payloads of at most `limit` bytes.
+  batches, limit, speaks_for)` cuts validated batches into `events` payloads of at most
+  `limit` bytes.
 - `RecordApplier.apply(records)`, on the one apply thread, in stream order: every record
   whole or not at all, deterministic (a record that cannot be applied is skipped alike on
   every replica), by log time (`log_time`: the largest record time seen), never a local
   clock but for the replica's own half of reaping (`coordinator_stub.writes.liveness`).
   Its result per record id: the reply value, or the exception that refused it.
-- `decoded`: batches the replica decoded when it validated a body it took, by record id;
-  applied from there instead of decoding the record again.
+- `decoded`: `(batches, speaks_for)` the replica decoded when it validated a body it took,
+  by record id; applied from there instead of decoding the record again.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from typing import Callable
 
 import msgspec
 
-from blend_wire import EventsRequest, RegisterReply, RegisterRequest, WireError, decode, encode
+from blend_wire import (CacheEventBatch, RegisterReply, RegisterRequest, WireError, decode,
+                        encode)
 from coordinator_stub.durability.eventlog import LogRecord
 from coordinator_stub.errors import TooLarge
+from coordinator_stub.scopes import Scope
 from coordinator_stub.writes.liveness import Liveness
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,13 @@ REGISTER = "register"
 BEATS = "beats"
 DROP = "drop"
 REAP = "reap"
+
+class EventsRecord(msgspec.Struct):
+    batches: list[CacheEventBatch]
+    # The instance ids and prefixes the poster's token speaks for (a shared pool's
+    # placement another reporter holds changes only if they name it); None: any.
+    speaks_for: list[str] | None = None
+
 
 class Reap(msgspec.Struct):
     timeout: float
@@ -90,10 +101,13 @@ class RecordApplier:
         directory = self.coordinator.directory
         instances = self.coordinator.instances
         if record.kind == EVENTS:
-            batches = self.decoded.pop(record.record_id, None)
-            if batches is None:
-                batches = decode(record.payload, EventsRequest).batches
-            return directory.ingest(batches)
+            held = self.decoded.pop(record.record_id, None)
+            if held is None:
+                events = decode(record.payload, EventsRecord)
+                held = events.batches, events.speaks_for
+            batches, speaks_for = held
+            return directory.ingest(batches, None if speaks_for is None
+                                    else Scope(instances=tuple(speaks_for)).allows_instance)
         if record.kind == REGISTER:
             instance_id, re_registered = instances.register(
                 decode(record.payload, RegisterRequest), at=self.log_time)
@@ -133,9 +147,13 @@ class RecordApplier:
         self.coordinator.directory.drop_instance(instance_id)
 
 
-def payloads(raws: list[msgspec.Raw], batches: list, limit: int):
+def payloads(raws: list[msgspec.Raw], batches: list, limit: int,
+             speaks_for: tuple[str, ...] | None = None):
     """`({"batches": [...]}` payload, its decoded batches) of at most `limit` bytes each,
-    batches in order."""
+    batches in order; each payload says `speaks_for` (a scope's instances) when given."""
+    opening = (b'{"batches":[' if speaks_for is None else
+               b'{"speaks_for":' + encode(list(speaks_for)) + b',"batches":[')
+    limit -= len(opening) - len(b'{"batches":[')
     group: list[bytes] = []
     decoded: list = []
     size = 0
@@ -147,10 +165,10 @@ def payloads(raws: list[msgspec.Raw], batches: list, limit: int):
                 f"({limit} bytes: the NATS server's max_payload); send smaller batches or "
                 "raise max_payload")
         if group and size + len(raw) + 16 > limit:
-            yield b'{"batches":[' + b",".join(group) + b"]}", decoded
+            yield opening + b",".join(group) + b"]}", decoded
             group, decoded, size = [], [], 0
         group.append(raw)
         decoded.append(batch)
         size += len(raw) + 1
     if group:
-        yield b'{"batches":[' + b",".join(group) + b"]}", decoded
+        yield opening + b",".join(group) + b"]}", decoded

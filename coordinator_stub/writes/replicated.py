@@ -288,13 +288,15 @@ class LogReplica:
         replies: list[asyncio.Future] = []
         record_ids: list[str] = []
         try:
-            for payload, decoded in payloads(raws, batches, self.log.max_record_bytes):
+            speaks_for = None if scope is None else scope.instances
+            for payload, decoded in payloads(raws, batches, self.log.max_record_bytes,
+                                             speaks_for):
                 record_id = uuid.uuid4().hex
                 record_ids.append(record_id)
                 waiter = self._waiters[record_id] = loop.create_future()
                 replies.append(waiter)
                 # Applied here from these, not decoded again (peers decode the record).
-                self.applier.decoded[record_id] = decoded
+                self.applier.decoded[record_id] = decoded, speaks_for
                 try:
                     await self.log.append(EVENTS, payload, record_id)
                 except LogUnavailable as exc:

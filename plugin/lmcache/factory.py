@@ -106,7 +106,7 @@ def build_fleet_blend(build: FleetBuild) -> FleetBlendModule:
         raise ValueError(f"builtin_lookup={builtin!r} must be true or false")
     config = plugin_config(build)
     registrar = None
-    if len(config.coordinator_urls) > 1:
+    if len(config.coordinator_urls) > 1 or (config.coordinator_urls and config.engine_url):
         registrar = take_over_replicas(build, config, blends[0], builtin)
     module = FleetBlendModule(blends[0], config, lmcache_reports=lmcache_reports_events(build),
                               builtin_lookup=builtin, registrar=registrar)

@@ -12,7 +12,6 @@ Design: docs/DESIGN.md, "Inside a real LMCache MP server".
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import logging
 
@@ -21,6 +20,7 @@ from lmcache.v1.multiprocess.ext_server_module import server_module_handler
 from lmcache.v1.multiprocess.request_handler import HandlerType, request_handler
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
+from blend_wire.version import project_version
 from plugin.config import PluginConfig
 from plugin.lmcache.host import LMCacheHost
 from plugin.lmcache.internals import LMCACHE_VERSION, BlendInternals
@@ -33,14 +33,6 @@ from plugin.reporter import CacheEventReporter
 from plugin.types import LookupKey
 
 log = logging.getLogger(__name__)
-
-
-def plugin_version() -> str:
-    """fleet-blend's installed version ("unknown" when run from a checkout not installed)."""
-    try:
-        return importlib.metadata.version("fleet-blend")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class FleetBlendModule:
@@ -76,7 +68,7 @@ class FleetBlendModule:
         if lmcache_client and not builtin_lookup:
             self._internals.close_coordinator_client()  # its lookup is not served any more
         self.loaded = {
-            "name": "fleet-blend", "version": plugin_version(),
+            "name": "fleet-blend", "version": project_version(),
             "coordinator_urls": list(config.coordinator_urls),
             "budget_s": config.match_budget_s,
             "event_reporting": self.reporting,

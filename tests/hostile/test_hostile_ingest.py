@@ -55,7 +55,7 @@ def test_a_small_batch_waits_for_at_most_a_step_of_another_emitters_flood():
     applied: list[tuple[str, int]] = []
     writes = LocalWrites(Coordinator(CoordinatorConfig(chunk_size=4, enable_blend_lookup=True)))
 
-    def apply(b):
+    def apply(b, scope=None):
         applied.append((b.instance_id, b.seq))
         return writes._apply_batch(b)
 
@@ -106,7 +106,7 @@ class _Flood:
         self.body_bytes = len(_sized_body("flood-0", 1, entries))
         assert self.body_bytes > TURN_BYTES  # each flood step is a turn of its own
 
-    def _apply(self, b) -> str:
+    def _apply(self, b, scope=None) -> str:
         if b.instance_id == "victim":
             applied, steps = self.arrived
             self.waits.append((self.flood_applied - applied, self.ingest.steps - steps))
@@ -185,7 +185,7 @@ def test_backlogged_emitters_share_bytes_of_work_fairly():
     # emitters' turns are up to TURN_BYTES of their steps).
     sizes = {"small": 40, "medium": 160, "large": 640}  # entries per batch
     applied: list[tuple[str, int]] = []
-    ingest = FairIngest(lambda b: applied.append((b.instance_id, len(b.entries)))
+    ingest = FairIngest(lambda b, scope=None: applied.append((b.instance_id, len(b.entries)))
                         or "applied")
     per_entry = len(_sized_body("x", 1, 2)) - len(_sized_body("x", 1, 1))
     bodies = {name: 2 * 640 // n for name, n in sizes.items()}  # two large batches' worth
@@ -211,7 +211,8 @@ def test_backlogged_emitters_share_bytes_of_work_fairly():
 
 def test_an_emitters_bodies_apply_in_arrival_order_across_turns():
     applied = []
-    ingest = FairIngest(lambda b: applied.append((b.instance_id, b.seq)) or "applied")
+    ingest = FairIngest(lambda b, scope=None:
+                        applied.append((b.instance_id, b.seq)) or "applied")
     futures = [ingest.submit(_flood_body(3, 2, instance=f"i{k % 2}", seq0=1 + 3 * (k // 2)))
                for k in range(6)]
     ingest.start()
@@ -226,7 +227,7 @@ def test_an_emitters_bodies_apply_in_arrival_order_across_turns():
 
 def test_a_bad_last_batch_rejects_the_whole_body_naming_it():
     applied = []
-    ingest = FairIngest(lambda b: applied.append(b.seq) or "applied")
+    ingest = FairIngest(lambda b, scope=None: applied.append(b.seq) or "applied")
     ingest.start()
     try:
         body = encode({"batches": [_store_batch("i", 1, 2), _store_batch("i", 2, 2),
@@ -319,8 +320,8 @@ async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
     service, queue = coord.coordinator, coord.app[WRITES].ingest_queue
     applied: list[str] = []  # the emitter of every batch, in the order they were applied
     ingest, submit = service.directory.ingest, queue.submit
-    service.directory.ingest = lambda batches: (
-        applied.extend(b.instance_id for b in batches) or ingest(batches))
+    service.directory.ingest = lambda batches, speaks_for=None: (
+        applied.extend(b.instance_id for b in batches) or ingest(batches, speaks_for))
     queued_at: list[int] = []  # batches applied when the victim's body reached the queue
 
     def recording_submit(body, *args):

@@ -18,6 +18,7 @@ import numpy as np
 
 from helpers import HangingServer, LoopbackServer, Reply, take_when_done
 from plugin import BlendCoordinatorClient, BlendNamespace, MatchState
+from plugin.lookup import found_contents
 
 LANE = "unit"
 
@@ -82,7 +83,7 @@ def test_offsets_outside_the_token_range_are_dropped_in_both_forms():
     with LoopbackServer(lambda p, b: Reply(200, default)) as server:
         reply, stats = ask(server.url)
     assert reply.state is MatchState.DONE
-    assert [(f.positions, f.chunks[0][0]) for f in reply.found] == [((32,), b"\xdd")]
+    assert [(f.positions, f.chunks[0][0]) for f in found_contents(reply.found)] == [((32,), b"\xdd")]
     assert stats.dropped_entries == 3
 
     candidates = {"chunk_size": C, "candidates": [
@@ -92,7 +93,7 @@ def test_offsets_outside_the_token_range_are_dropped_in_both_forms():
         {"positions": [48], "chunks": [{"chunk_hash": "dd", "old_st": 2**53 - 1}]}]}
     with LoopbackServer(lambda p, b: Reply(200, candidates)) as server:
         reply, stats = ask(server.url)
-    assert [(f.positions, f.chunks[0][0]) for f in reply.found] == [((48,), b"\xdd")]
+    assert [(f.positions, f.chunks[0][0]) for f in found_contents(reply.found)] == [((48,), b"\xdd")]
     assert stats.dropped_entries == 3
 
 
@@ -142,4 +143,4 @@ def test_a_compressed_honest_reply_still_works():
     with StreamingServer(head, lambda: iter([body])) as server:
         reply, _ = ask(server.url)
     assert reply.state is MatchState.DONE
-    assert [f.positions for f in reply.found] == [(32,)]
+    assert [f.positions for f in found_contents(reply.found)] == [(32,)]
