@@ -23,6 +23,25 @@ from blend_wire.version import version_line
 log = logging.getLogger("blend_router")
 
 
+def _add_tokens_and_choice(parser: argparse.ArgumentParser) -> None:
+    """The flags of tokenization and of the choice of instance."""
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="the served model's tokenizer.json (or the folder holding it, "
+                             "with tokenizer_config.json's chat template) for text prompts "
+                             "and chats (default, or 'none': none)")
+    parser.add_argument("--engine-tokenize", action="store_true",
+                        help="ask an engine's POST /tokenize (vLLM's API), within the score "
+                             "budget, for what --tokenizer cannot tokenize; without either, "
+                             "text requests are routed unscored")
+    parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
+                        help="tokens of work one request waiting for its first piece costs "
+                             "its instance in the choice (default: %(default)s)")
+    parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
+                        help="an instance with more requests waiting than the least-loaded "
+                             "one plus this is not chosen; -1: no bound (default: "
+                             "%(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m blend_router",
@@ -53,21 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refresh-interval", type=float, default=2.0,
                         help="seconds between reads of the coordinator's instance registry "
                              "(default: %(default)s)")
-    parser.add_argument("--tokenizer", metavar="PATH", default=None,
-                        help="the served model's tokenizer.json (or the folder holding it, "
-                             "with tokenizer_config.json's chat template) for text prompts "
-                             "and chats (default: none)")
-    parser.add_argument("--engine-tokenize", action="store_true",
-                        help="ask an engine's POST /tokenize (vLLM's API), within the score "
-                             "budget, for what --tokenizer cannot tokenize; without either, "
-                             "text requests are routed unscored")
-    parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
-                        help="tokens of work one request waiting for its first piece costs "
-                             "its instance in the choice (default: %(default)s)")
-    parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
-                        help="an instance with more requests waiting than the least-loaded "
-                             "one plus this is not chosen; -1: no bound (default: "
-                             "%(default)s)")
+    _add_tokens_and_choice(parser)
     parser.add_argument("--model-name", default="",
                         help="the model name the instances' LMCache reports (default: each "
                              "request's 'model')")
@@ -139,7 +144,7 @@ def main(argv=None) -> int:
             engine_tokenize=args.engine_tokenize,
             load_cost=LoadCost(per_request_tokens=args.inflight_cost, max_imbalance=None
                                if args.max_imbalance == -1 else args.max_imbalance))
-        tokenizer = None if args.tokenizer is None else ModelTokenizer(args.tokenizer)
+        tokenizer = None if args.tokenizer in (None, "none") else ModelTokenizer(args.tokenizer)
         app = create_router(config, tokenizer)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
