@@ -275,24 +275,26 @@ async def run_ingest(host: str, port: int, per_instance: list[list[bytes]]) -> l
 
 
 async def run_lookups(host: str, port: int, queries: list[Query], clients: int,
-                      duration: float, *, fresh: bool = False,
-                      client_kind: str = "raw") -> list[tuple[float, int, bytes]]:
+                      duration: float, *, fresh: bool = False, client_kind: str = "raw",
+                      rate: float = 0.0) -> list[tuple[float, int, bytes]]:
     """(latency s, query index, reply body) of every lookup completed in the window.
 
     `client_kind` "raw": this module's minimal client, each request's head and body in one
     write; "httpx": `httpx.AsyncClient`, what LMCache's blend client (an `httpx.Client`)
     puts on the wire: its headers, head and body in separate writes. `fresh`: each lookup
-    on a new connection (opened inside the timed round-trip), else keep-alive."""
+    on a new connection (opened inside the timed round-trip), else keep-alive. `rate`:
+    lookups per second in all, each client pacing its share (0: back to back)."""
     if client_kind == "httpx":
-        return await _httpx_lookups(host, port, queries, clients, duration, fresh)
+        return await _httpx_lookups(host, port, queries, clients, duration, fresh, rate)
     samples: list[tuple[float, int, bytes]] = []
     connections = [None if fresh else await Connection.open(host, port)
                    for _ in range(clients)]
     deadline = time.perf_counter() + duration
 
     async def client(number: int, connection: Connection | None) -> None:
-        index = number
+        index, pace = number, _Pace(rate / clients if rate else 0.0)
         while time.perf_counter() < deadline:
+            await pace.wait()
             query = index % len(queries)
             started = time.perf_counter()
             if fresh:
@@ -315,8 +317,22 @@ async def run_lookups(host: str, port: int, queries: list[Query], clients: int,
     return samples
 
 
+class _Pace:
+    """Spaces one client's requests `1 / per_second` apart (none apart at 0)."""
+
+    def __init__(self, per_second: float) -> None:
+        self.interval = 1.0 / per_second if per_second else 0.0
+        self.next_at = time.perf_counter() + self.interval * np.random.random()
+
+    async def wait(self) -> None:
+        if self.interval:
+            await asyncio.sleep(max(0.0, self.next_at - time.perf_counter()))
+            self.next_at += self.interval
+
+
 async def _httpx_lookups(host: str, port: int, queries: list[Query], clients: int,
-                         duration: float, fresh: bool) -> list[tuple[float, int, bytes]]:
+                         duration: float, fresh: bool, rate: float
+                         ) -> list[tuple[float, int, bytes]]:
     import httpx
 
     bodies = [q.request.split(b"\r\n\r\n", 1)[1] for q in queries]
@@ -327,8 +343,9 @@ async def _httpx_lookups(host: str, port: int, queries: list[Query], clients: in
     async with httpx.AsyncClient(base_url=f"http://{host}:{port}", limits=limits,
                                  trust_env=False, timeout=30.0) as http:
         async def client(number: int) -> None:
-            index = number
+            index, pace = number, _Pace(rate / clients if rate else 0.0)
             while time.perf_counter() < deadline:
+                await pace.wait()
                 query = index % len(queries)
                 started = time.perf_counter()
                 reply = await http.post(BLEND_LOOKUP_PATH, content=bodies[query],
@@ -405,6 +422,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="the lookup client: raw (a minimal client, each request in "
                                "one write; default) or httpx (httpx.AsyncClient: the "
                                "library, headers and writes of LMCache's blend client)")
+    workload.add_argument("--rate", type=float, default=0.0,
+                          help="lookups per second from all clients together, paced "
+                               "(default 0: back to back, the coordinator saturated)")
     workload.add_argument("--fresh-connections", action="store_true",
                           help="a new connection per lookup (default: keep-alive, as "
                                "LMCache's blend client's httpx.Client does)")
@@ -517,7 +537,7 @@ def measure(name: str, running, corpus: Corpus, args: argparse.Namespace) -> Fig
         t0 = time.perf_counter()
         samples = asyncio.run(run_lookups(host, port, queries, args.clients, args.duration,
                                           fresh=args.fresh_connections,
-                                          client_kind=args.client))
+                                          client_kind=args.client, rate=args.rate))
         figures.lookup_s = time.perf_counter() - t0
         coord_cpu = sum(coordinator.cpu_times()[:2]) - coord_cpu
         figures.lookup_gen_cores = (cpu_seconds_self() - gen_cpu) / figures.lookup_s
@@ -734,6 +754,7 @@ def main(argv=None) -> int:
     print(f"workload shape ({args.workload}): {args.tokens} token ids, planted chunks in "
           f"runs of {args.run}, each text stored by {args.copies} tenant(s), "
           f"{args.misses:.0%} of lookups holding nothing stored, {args.client} client, "
+          f"{f'{args.rate:g} lookups/s, ' if args.rate else ''}"
           f"{'a new connection per lookup' if args.fresh_connections else 'keep-alive'}")
     corpus = build_corpus(args.chunks, args.chunk_size, args.chunks_per_sequence, args.tenants,
                           args.instances, rng, tokens=args.tokens, copies=args.copies)
