@@ -18,7 +18,10 @@ neither competes with the other for the cores):
 4. lookups: queries of about 8,000 tokens, each holding 16 stored chunks of the
    requester's tenant at random offsets, from 8 concurrent clients for 10 s: lookups/s,
    p50, p99, the coordinator's CPU time per lookup, and recall (every planted chunk must
-   come back with its stored offset);
+   come back with its stored offset). The "workload shape" options change what the stored
+   text and the lookups look like (`--workload rag`: skewed token ids, planted chunks as
+   runs of one stored sequence, texts stored by two tenants, httpx as the client), how
+   fast lookups come (`--rate`) and whether connections are kept (docs/BENCHMARKS.md);
 5. noisy neighbour (`--noisy-duration`, 0 skips it): a victim instance posts small batches
    (16 chunks) one after another while a victim client asks lookups one after another,
    first alone ("quiet"), then while `--noisy-flooders` other instances post multi-MiB
