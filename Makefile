@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 # download), then the test and lmcache extras and LMCache on top (`make test`: ~1.4 GB).
 BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
+# The bench extra (matplotlib) on top, for the benchmarks that plot.
+BENCH_STAMP := $(VENV)/.installed-bench
 # The LMCache MP server the plugin loads into (plugin/lmcache/ is written for it).
 # --no-deps: its declared dependencies include CUDA-only packages; the CPU stack it imports
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
@@ -18,7 +20,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-hostile bench-memory soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-granularity bench-hostile bench-memory soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
@@ -35,6 +37,10 @@ $(STAMP): $(BASE_STAMP)
 	@$(call STEP,[2/3] installing the test and lmcache extras (pytest / hypothesis / nats / torch CPU / ...: the long step),$(PY) -m pip install --quiet -e '.[test$(COMMA)lmcache]')
 	@$(call STEP,[3/3] installing lmcache==$(LMCACHE_VERSION) (--no-deps),$(PY) -m pip install --quiet --no-deps lmcache==$(LMCACHE_VERSION))
 	@touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	@$(call STEP,installing the bench extra (matplotlib),$(PY) -m pip install --quiet -e '.[bench]')
+	@touch $(BENCH_STAMP)
 
 $(LMCACHE_057_STAMP): Makefile | $(STAMP)
 	@rm -rf $(LMCACHE_057_DIR)
@@ -94,6 +100,11 @@ bench-lmcache: $(STAMP)
 # source, licence, rebuilding the token file); other data: ARGS="--data DIR".
 bench-rag: $(STAMP)
 	$(PY) -m benchmarks.bench_rag $(ARGS)
+
+# Reuse against chunk size (256..16) on MuSiQue and what each size costs (ours and LMCache's
+# server); writes docs/chunk-size.png. A few minutes; ARGS="--quick" for a smoke run.
+bench-granularity: $(BENCH_STAMP)
+	$(PY) -m benchmarks.bench_granularity $(ARGS)
 
 # ~19k hostile sockets from two processes: needs `ulimit -n` of about 10k or more.
 bench-hostile: $(STAMP)

@@ -78,11 +78,11 @@ from plugin.reporter import encode_key
 INSTANCES = 4
 
 SYSTEMS = ["unified", "local", "fleet", "lmcache_coordinator", "lmcache_local", "once",
-           "brute"]
+           "brute", "ceiling"]
 LABELS = {
     "unified": "ours (unified)", "local": "ours local-only", "fleet": "ours fleet leg alone",
     "lmcache_coordinator": "LMCache, coordinator mode", "lmcache_local": "LMCache local matcher",
-    "once": "reusable, each chunk once", "brute": "brute force",
+    "once": "reusable, each chunk once", "brute": "brute force", "ceiling": "token ceiling",
 }
 
 
@@ -118,6 +118,9 @@ class Workload:
     description: str
     stores: list[tuple[int, np.ndarray]]   # (server, the stored sequence), in order
     queries: list[tuple[int, np.ndarray]]  # (server asked, the prompt)
+    # Per query, the token span [start, end) that stored text holds at some alignment (its
+    # passages; in B the system too, stored at the same place): what `token_ceiling` counts.
+    held: list[tuple[int, int]]
 
 
 def workload_a(system: np.ndarray, questions: Sequence[Question]) -> Workload:
@@ -128,8 +131,9 @@ def workload_a(system: np.ndarray, questions: Sequence[Question]) -> Workload:
     stores = [(i % INSTANCES, p) for i, p in enumerate(distinct.values())]
     queries = [(i % INSTANCES, prompt(system, q.passages, q.question))
                for i, q in enumerate(questions)]
+    held = [(len(system), len(system) + sum(map(len, q.passages))) for q in questions]
     return Workload("A", "each distinct passage stored once, alone (CacheBlend's use), then "
-                    "the prompts", stores, queries)
+                    "the prompts", stores, queries, held)
 
 
 def workload_b(system: np.ndarray, questions: Sequence[Question], seed: int) -> Workload:
@@ -140,8 +144,9 @@ def workload_b(system: np.ndarray, questions: Sequence[Question], seed: int) -> 
         order = rng.permutation(len(q.passages))
         queries.append(((i + 1) % INSTANCES,
                         prompt(system, [q.passages[j] for j in order], q.question)))
+    held = [(0, len(system) + sum(map(len, q.passages))) for q in questions]
     return Workload("B", "each prompt stored, then asked again on the next server with its "
-                    "passages shuffled", stores, queries)
+                    "passages shuffled", stores, queries, held)
 
 
 # --- the brute forces --------------------------------------------------------------------------
@@ -171,6 +176,13 @@ def reusable_tokens(query: np.ndarray, prefix_tokens: int, chunk: int,
         kept += 1
         end = position + chunk
     return prefix_tokens + kept * chunk
+
+
+def token_ceiling(prefix_tokens: int, held: tuple[int, int]) -> int:
+    """Tokens any chunk size could reuse: the prefix coverage, and every token of the span
+    `held` (stored text at some alignment), whatever the chunk grid: |[0, prefix) U held|."""
+    start, end = held
+    return prefix_tokens + max(0, end - max(start, prefix_tokens))
 
 
 def stored_contents(store: Mapping[Hashable, np.ndarray]) -> dict[bytes, int]:
@@ -291,7 +303,9 @@ def segments_of(plugin: BlendPlugin, request_id: str) -> list[tuple[int, bytes]]
     return [(s.cur_st, s.hash) for s in trace.segments]
 
 
-def run_one(work: Workload, chunk: int, lmcache: bool, warmup: int) -> Run:
+def run_one(work: Workload, chunk: int, lmcache: bool, warmup: int, *,
+            cpu_rounds: int = 1) -> Run:
+    """`work` at `chunk` tokens per chunk; the CPU per lookup over `cpu_rounds` passes."""
     run = Run(work.name, chunk)
     coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", str(chunk),
                                     "--log-level", "WARNING", stderr=subprocess.DEVNULL)
@@ -359,6 +373,7 @@ def run_one(work: Workload, chunk: int, lmcache: bool, warmup: int) -> Run:
                                    + check_segments(segments, tokens, prefix, chunk, l2))
             run.reused["once"].append(reusable_tokens(tokens, prefix, chunk, contents, True))
             run.reused["brute"].append(reusable_tokens(tokens, prefix, chunk, contents, False))
+            run.reused["ceiling"].append(token_ceiling(prefix, work.held[q]))
 
             body = {"tokens_b64": encode_tokens(tokens), "model_name": MODEL, "world_size": 1,
                     "cache_salt": ""}
@@ -375,15 +390,17 @@ def run_one(work: Workload, chunk: int, lmcache: bool, warmup: int) -> Run:
         # unified lookups alone, polled every millisecond (a busy poll would count as CPU).
         coordinator_cpu = psutil.Process(coordinator.process.pid)
         own, theirs = time.process_time(), sum(coordinator_cpu.cpu_times()[:2])
-        for q, (server, tokens) in enumerate(work.queries):
-            key = LookupKey(f"{work.name}-{chunk}-cpu{q}", tokens, MODEL)
+        cpu_pass = [(r, q, query) for r in range(cpu_rounds)
+                    for q, query in enumerate(work.queries)]
+        for r, q, (server, tokens) in cpu_pass:
+            key = LookupKey(f"{work.name}-{chunk}-cpu{r}-{q}", tokens, MODEL)
             started = time.perf_counter()
             while unified[server].cb_unified_lookup(key, 1) is None:
                 time.sleep(0.001)
             run.latencies_alone.append(time.perf_counter() - started)
-        run.cpu_plugin_ms = (time.process_time() - own) / len(work.queries) * 1e3
+        run.cpu_plugin_ms = (time.process_time() - own) / len(cpu_pass) * 1e3
         run.cpu_coordinator_ms = ((sum(coordinator_cpu.cpu_times()[:2]) - theirs)
-                                  / len(work.queries) * 1e3)
+                                  / len(cpu_pass) * 1e3)
     finally:
         http.close()
         for plugin in unified + local + fleet_only:
@@ -434,12 +451,25 @@ def detail_table(runs: list[Run]) -> list[str]:
     return lines
 
 
+def chunk_sizes(text: str) -> list[int]:
+    """`--chunk-sizes` value: one size or a comma-separated list of them."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"chunk sizes are positive integers: {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"chunk sizes are positive integers: {text!r}")
+    return sizes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_rag",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=MUSIQUE_DATA_DIR,
                         help=f"folder holding {DATA_FILE} (default: {MUSIQUE_DATA_DIR})")
-    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[256, 64])
+    parser.add_argument("--chunk-sizes", type=chunk_sizes, nargs="+", default=[[256, 64]],
+                        help="tokens per chunk, each a run: 256 64 or 256,64,32 "
+                             "(default: 256 64)")
     parser.add_argument("--workloads", nargs="+", choices=["A", "B"], default=["A", "B"])
     parser.add_argument("--queries", type=int, default=150,
                         help="the first N questions (default: all 150)")
@@ -463,7 +493,7 @@ def main(argv=None) -> int:
     workloads = {"A": lambda: workload_a(system, questions),
                  "B": lambda: workload_b(system, questions, args.seed)}
     runs = []
-    for chunk in args.chunk_sizes:
+    for chunk in [size for sizes in args.chunk_sizes for size in sizes]:
         for name in args.workloads:
             work = workloads[name]()
             started = time.perf_counter()

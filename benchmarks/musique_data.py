@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-#: The data's one default (bench_rag and bench_routing; `--data DIR` elsewhere).
+#: The data's one default (bench_rag, bench_routing, bench_granularity; `--data DIR`
+#: elsewhere).
 MUSIQUE_DATA_DIR = Path(__file__).resolve().parent / "data" / "musique"
 SOURCE_FILE = "musique_s.json.gz"
 DATA_FILE = "musique_tokens.json.gz"

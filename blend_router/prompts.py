@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import multiprocessing
 import os
 import threading
@@ -19,6 +20,8 @@ from typing import Annotated, Union
 
 import msgspec
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -151,4 +154,14 @@ class Parser:
     async def parse(self, path: str, raw: bytes) -> ParsedRequest:
         if len(raw) <= INLINE_PARSE_BYTES or self._pool is None:
             return parse_request(path, raw)
-        return await asyncio.wrap_future(self._pool.submit(parse_request, path, raw))
+        pool = self._pool
+        try:
+            return await asyncio.wrap_future(pool.submit(parse_request, path, raw))
+        except concurrent.futures.BrokenExecutor:
+            # The worker died (killed, out of memory): a new one for the next request, and
+            # this one parsed here rather than refused for the router's trouble.
+            if self._pool is pool:
+                log.warning("the body-parsing worker process died; starting another")
+                pool.shutdown(wait=False, cancel_futures=True)
+                await asyncio.get_running_loop().run_in_executor(None, self.start)
+            return parse_request(path, raw)

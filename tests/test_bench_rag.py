@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.bench_rag import lmcache_selection, reusable_tokens, stored_contents
+from benchmarks.bench_rag import (lmcache_selection, reusable_tokens, stored_contents,
+                                  token_ceiling)
 
 LANE = "unit"
 
@@ -54,3 +55,10 @@ def test_lmcache_selection_drops_the_prefix_the_unfetchable_and_overlaps():
                              fetchable=lambda h: h != b"gone")
     # a is inside the prefix; b at 3 is kept, c at 4 overlaps it; d at 6; gone is not found.
     assert kept == [(3, b"b"), (6, b"d")]
+
+
+def test_token_ceiling_is_the_prefix_and_the_held_span_counted_once():
+    assert token_ceiling(0, (10, 50)) == 40
+    assert token_ceiling(16, (10, 50)) == 16 + 34     # the prefix covers 10..16 already
+    assert token_ceiling(64, (0, 50)) == 64           # all inside the prefix
+    assert token_ceiling(5, (0, 50)) == 50

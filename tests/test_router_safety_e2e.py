@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -423,7 +425,10 @@ async def test_large_prompts_are_parsed_off_the_event_loop(coordinator):
         register(coordinator.url, "A", fleet["A"].url).raise_for_status()
         body = json.dumps({"model": MODEL, "prompt": rng.integers(
             100000, 150000, 3 * 2**19).tolist()}).encode()
-        with router(coordinator.url, "--score-budget", "0.2") as url:
+        with launch_coordinator("--coordinator-url", coordinator.url, "--refresh-interval",
+                                "0.2", "--tokenizer", "none", "--score-budget", "0.2",
+                                module="blend_router") as running:
+            url = running.url
             await knows(url, 1)
             stalls = []
 
@@ -442,6 +447,17 @@ async def test_large_prompts_are_parsed_off_the_event_loop(coordinator):
             await watcher
             assert [status for status, _, _ in results] == [200] * 3
             assert max(stalls) < 0.3, sorted(stalls)[-5:]  # on the loop: 0.8 s and more
+            # The parsing process killed (out of memory, say): the next body is parsed all
+            # the same, and another process takes over.
+            for _ in range(2):
+                workers = subprocess.run(
+                    ["pgrep", "-P", str(running.process.pid), "-f", "multiprocessing.spawn"],
+                    capture_output=True, text=True).stdout.split()
+                assert workers
+                for pid in workers:
+                    os.kill(int(pid), signal.SIGKILL)
+                status, _, _ = await post(url, body, timeout=120.0)
+                assert status == 200
 
 
 # --- start-up -------------------------------------------------------------------------------
