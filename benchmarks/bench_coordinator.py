@@ -18,7 +18,10 @@ neither competes with the other for the cores):
 4. lookups: queries of about 8,000 tokens, each holding 16 stored chunks of the
    requester's tenant at random offsets, from 8 concurrent clients for 10 s: lookups/s,
    p50, p99, the coordinator's CPU time per lookup, and recall (every planted chunk must
-   come back with its stored offset);
+   come back with its stored offset). The "workload shape" options change what the stored
+   text and the lookups look like (`--workload rag`: skewed token ids, planted chunks as
+   runs of one stored sequence, texts stored by two tenants, httpx as the client), how
+   fast lookups come (`--rate`) and whether connections are kept (docs/BENCHMARKS.md);
 5. noisy neighbour (`--noisy-duration`, 0 skips it): a victim instance posts small batches
    (16 chunks) one after another while a victim client asks lookups one after another,
    first alone ("quiet"), then while `--noisy-flooders` other instances post multi-MiB
@@ -141,22 +144,45 @@ class Corpus:
     instance: np.ndarray  # emitting instance of each chunk
 
 
+#: Zipf exponent of `--tokens zipf`: token frequencies of natural text fall off about as
+#: 1/rank (a few ids such as "the", ",", " " are most of any text).
+ZIPF_A = 1.1
+
+
+def token_ids(rng: np.random.Generator, shape, dist: str = "uniform") -> np.ndarray:
+    """Token ids: `uniform` over the vocabulary, or `zipf` (rank r drawn with probability
+    ~ 1/r^ZIPF_A; ranks map to ids by a fixed permutation, so frequent ids are not all small)."""
+    if dist == "uniform":
+        return rng.integers(0, VOCAB, size=shape, dtype=np.uint32)
+    ranks = np.minimum(rng.zipf(ZIPF_A, size=shape) - 1, VOCAB - 1)
+    return _ZIPF_IDS[ranks]
+
+
+_ZIPF_IDS = np.random.default_rng(12345).permutation(VOCAB).astype(np.uint32)
+
+
 def build_corpus(n: int, chunk_size: int, per_seq: int, tenants: int, instances: int,
-                 rng: np.random.Generator) -> Corpus:
-    tokens = rng.integers(0, VOCAB, size=(n, chunk_size), dtype=np.uint32)
-    hashes, offsets = [], np.empty(n, dtype=np.int64)
+                 rng: np.random.Generator, *, tokens: str = "uniform",
+                 copies: int = 1) -> Corpus:
+    """`n` chunks in sequences of `per_seq`; sequence s goes to tenant s % tenants and
+    instance s % instances. With `copies` K, K consecutive sequences share one text (the
+    same document stored by K tenants: one content, K chunk hashes), else each is new."""
     seq_of = np.arange(n) // per_seq
+    texts = token_ids(rng, (-(-n // (per_seq * copies)) * per_seq, chunk_size), tokens)
+    rows = (seq_of // copies) * per_seq + np.arange(n) % per_seq
+    corpus_tokens = texts[rows]
+    hashes, offsets = [], np.empty(n, dtype=np.int64)
     previous = b""
     for i in range(n):
         position = i % per_seq
-        if position == 0:
-            previous = b""
+        if position == 0:  # a copy's chain starts from its own seed: another chunk hash
+            previous = b"" if copies == 1 else f"copy {seq_of[i]}".encode()
         # Prefix-chained like a serving process's chunk hashes: the same text behind
         # another prefix is another chunk.
-        previous = hashlib.blake2b(previous + tokens[i].tobytes(), digest_size=32).digest()
+        previous = hashlib.blake2b(previous + corpus_tokens[i].tobytes(), digest_size=32).digest()
         hashes.append(previous)
         offsets[i] = position * chunk_size
-    return Corpus(tokens, hashes, offsets, (seq_of % tenants).astype(np.int64),
+    return Corpus(corpus_tokens, hashes, offsets, (seq_of % tenants).astype(np.int64),
                   (seq_of % instances).astype(np.int64))
 
 
@@ -193,25 +219,36 @@ class Query:
 
 
 def build_queries(corpus: Corpus, count: int, length: int, planted: int, tenants: int,
-                  host: str, port: int, rng: np.random.Generator) -> list[Query]:
+                  host: str, port: int, rng: np.random.Generator, *, run: int = 1,
+                  tokens: str = "uniform", misses: float = 0.0) -> list[Query]:
+    """`count` lookups of about `length` tokens, each holding `planted` stored chunks of
+    the requester's tenant at random offsets, in runs of `run` consecutive chunks of one
+    stored sequence (a retrieved document's stretch; 1: chunks of anywhere), filler of
+    `tokens` ids around them. A share `misses` of them hold no stored chunk at all."""
     chunk_size = corpus.tokens.shape[1]
-    filler_total = max(0, length - planted * chunk_size)
-    by_tenant = [np.flatnonzero(corpus.tenant == t) for t in range(tenants)]
+    per_seq = int(corpus.offsets.max()) // chunk_size + 1
+    # A run starts at a multiple of `run` in its sequence, so two runs never share a chunk.
+    starts_at = (corpus.offsets // chunk_size % run == 0) & (corpus.offsets // chunk_size
+                                                             <= per_seq - run)
+    by_tenant = [np.flatnonzero((corpus.tenant == t) & starts_at) for t in range(tenants)]
     queries = []
     for _ in range(count):
         tenant = int(rng.integers(tenants))
-        chosen = rng.choice(by_tenant[tenant], size=planted, replace=False)
-        # Random gaps of filler around the planted chunks: random offsets, no overlap.
-        cuts = np.sort(rng.integers(0, filler_total + 1, size=planted))
+        runs = 0 if misses and rng.random() < misses else planted // run
+        starts = rng.choice(by_tenant[tenant], size=runs, replace=False)
+        filler_total = max(0, length - runs * run * chunk_size)
+        # Random gaps of filler around the planted runs: random offsets, no overlap.
+        cuts = np.sort(rng.integers(0, filler_total + 1, size=runs))
         gaps = np.diff(np.concatenate([[0], cuts, [filler_total]]))
         parts, expected, position = [], set(), 0
-        for gap, row in zip(gaps[:-1], chosen):
-            parts.append(rng.integers(0, VOCAB, size=gap, dtype=np.uint32))
+        for gap, first in zip(gaps[:-1], starts):
+            parts.append(token_ids(rng, int(gap), tokens))
             position += int(gap)
-            parts.append(corpus.tokens[row])
-            expected.add((corpus.hashes[row].hex(), int(corpus.offsets[row]), position))
-            position += chunk_size
-        parts.append(rng.integers(0, VOCAB, size=gaps[-1], dtype=np.uint32))
+            for row in range(first, first + run):
+                parts.append(corpus.tokens[row])
+                expected.add((corpus.hashes[row].hex(), int(corpus.offsets[row]), position))
+                position += chunk_size
+        parts.append(token_ids(rng, int(gaps[-1]), tokens))
         body = encode({"tokens_b64": encode_tokens(np.concatenate(parts)), "model_name": MODEL,
                        "world_size": 1, "cache_salt": f"t{tenant}"})
         queries.append(Query(http_request("POST", BLEND_LOOKUP_PATH, host, port, body),
@@ -241,18 +278,33 @@ async def run_ingest(host: str, port: int, per_instance: list[list[bytes]]) -> l
 
 
 async def run_lookups(host: str, port: int, queries: list[Query], clients: int,
-                      duration: float) -> list[tuple[float, int, bytes]]:
-    """(latency s, query index, reply body) of every lookup completed in the window."""
+                      duration: float, *, fresh: bool = False, client_kind: str = "raw",
+                      rate: float = 0.0) -> list[tuple[float, int, bytes]]:
+    """(latency s, query index, reply body) of every lookup completed in the window.
+
+    `client_kind` "raw": this module's minimal client, each request's head and body in one
+    write; "httpx": `httpx.AsyncClient`, what LMCache's blend client (an `httpx.Client`)
+    puts on the wire: its headers, head and body in separate writes. `fresh`: each lookup
+    on a new connection (opened inside the timed round-trip), else keep-alive. `rate`:
+    lookups per second in all, each client pacing its share (0: back to back)."""
+    if client_kind == "httpx":
+        return await _httpx_lookups(host, port, queries, clients, duration, fresh, rate)
     samples: list[tuple[float, int, bytes]] = []
-    connections = [await Connection.open(host, port) for _ in range(clients)]
+    connections = [None if fresh else await Connection.open(host, port)
+                   for _ in range(clients)]
     deadline = time.perf_counter() + duration
 
-    async def client(number: int, connection: Connection) -> None:
-        index = number
+    async def client(number: int, connection: Connection | None) -> None:
+        index, pace = number, _Pace(rate / clients if rate else 0.0)
         while time.perf_counter() < deadline:
+            await pace.wait()
             query = index % len(queries)
             started = time.perf_counter()
+            if fresh:
+                connection = await Connection.open(host, port)
             status, body = await connection.roundtrip(queries[query].request)
+            if fresh:
+                connection.close()
             elapsed = time.perf_counter() - started
             if status != 200:
                 raise RuntimeError(f"lookup answered {status}: {body[:300]!r}")
@@ -263,7 +315,52 @@ async def run_lookups(host: str, port: int, queries: list[Query], clients: int,
         await asyncio.gather(*(client(i, c) for i, c in enumerate(connections)))
     finally:
         for connection in connections:
-            connection.close()
+            if connection is not None:
+                connection.close()
+    return samples
+
+
+class _Pace:
+    """Spaces one client's requests `1 / per_second` apart (none apart at 0)."""
+
+    def __init__(self, per_second: float) -> None:
+        self.interval = 1.0 / per_second if per_second else 0.0
+        self.next_at = time.perf_counter() + self.interval * np.random.random()
+
+    async def wait(self) -> None:
+        if self.interval:
+            await asyncio.sleep(max(0.0, self.next_at - time.perf_counter()))
+            self.next_at += self.interval
+
+
+async def _httpx_lookups(host: str, port: int, queries: list[Query], clients: int,
+                         duration: float, fresh: bool, rate: float
+                         ) -> list[tuple[float, int, bytes]]:
+    import httpx
+
+    bodies = [q.request.split(b"\r\n\r\n", 1)[1] for q in queries]
+    limits = (httpx.Limits(max_keepalive_connections=0) if fresh
+              else httpx.Limits(max_connections=clients, max_keepalive_connections=clients))
+    samples: list[tuple[float, int, bytes]] = []
+    deadline = time.perf_counter() + duration
+    async with httpx.AsyncClient(base_url=f"http://{host}:{port}", limits=limits,
+                                 trust_env=False, timeout=30.0) as http:
+        async def client(number: int) -> None:
+            index, pace = number, _Pace(rate / clients if rate else 0.0)
+            while time.perf_counter() < deadline:
+                await pace.wait()
+                query = index % len(queries)
+                started = time.perf_counter()
+                reply = await http.post(BLEND_LOOKUP_PATH, content=bodies[query],
+                                        headers={"Content-Type": "application/json"})
+                elapsed = time.perf_counter() - started
+                if reply.status_code != 200:
+                    raise RuntimeError(f"lookup answered {reply.status_code}: "
+                                       f"{reply.content[:300]!r}")
+                samples.append((elapsed, query, reply.content))
+                index += clients
+
+        await asyncio.gather(*(client(i) for i in range(clients)))
     return samples
 
 
@@ -308,13 +405,49 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="batches (of --batch-entries) per flood body")
     parser.add_argument("--noisy-bodies", type=int, default=6,
                         help="distinct bodies per flooder (then re-sent: duplicates)")
+    workload = parser.add_argument_group(
+        "workload shape", "what the stored text and the lookups look like (the defaults are "
+        "the synthetic workload the recorded figures used; --workload rag sets the rest)")
+    workload.add_argument("--workload", choices=("synthetic", "rag"), default="synthetic",
+                          help="rag: --tokens zipf --run 4 --copies 2 --client httpx (see "
+                               "docs/BENCHMARKS.md)")
+    workload.add_argument("--tokens", choices=("uniform", "zipf"), default=None,
+                          help="token ids of stored text and filler (default: uniform)")
+    workload.add_argument("--run", type=int, default=None,
+                          help="planted chunks come in runs of this many consecutive chunks "
+                               "of one stored sequence (default 1: from anywhere)")
+    workload.add_argument("--copies", type=int, default=None,
+                          help="each stored text is stored by this many tenants (one "
+                               "content, that many chunk hashes; default 1)")
+    workload.add_argument("--misses", type=float, default=0.0,
+                          help="share of lookups that hold no stored chunk (default 0)")
+    workload.add_argument("--client", choices=("raw", "httpx"), default=None,
+                          help="the lookup client: raw (a minimal client, each request in "
+                               "one write; default) or httpx (httpx.AsyncClient: the "
+                               "library, headers and writes of LMCache's blend client)")
+    workload.add_argument("--rate", type=float, default=0.0,
+                          help="lookups per second from all clients together, paced "
+                               "(default 0: back to back, the coordinator saturated)")
+    workload.add_argument("--fresh-connections", action="store_true",
+                          help="a new connection per lookup (default: keep-alive, as "
+                               "LMCache's blend client's httpx.Client does)")
     parser.add_argument("--profile", action="store_true",
                         help="then break one lookup and one ingested chunk of ours down "
                              "into stages (benchmarks/coordinator_profile.py)")
     parser.add_argument("--reference", choices=("lmcache", "stated"), default="lmcache",
                         help="measure LMCache's own coordinator in this run (default), or "
                              "compare with the figures issue 3 states for it")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    preset = {"synthetic": dict(tokens="uniform", run=1, copies=1, client="raw"),
+              "rag": dict(tokens="zipf", run=4, copies=2, client="httpx")}[args.workload]
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not 1 <= args.copies <= args.tenants:
+        parser.error("--copies must be between 1 and --tenants (a tenant holds one copy)")
+    if not 1 <= args.run <= args.chunks_per_sequence or args.planted % args.run:
+        parser.error("--run must divide --planted and fit in --chunks-per-sequence")
+    return args
 
 
 @dataclass
@@ -359,7 +492,7 @@ def measure(name: str, running, corpus: Corpus, args: argparse.Namespace) -> Fig
         rng = np.random.default_rng(args.seed + 1)  # the same queries for every coordinator
         per_instance = ingest_requests(corpus, args.batch_entries, args.instances, host, port)
         queries = build_queries(corpus, args.queries, args.query_tokens, args.planted,
-                                args.tenants, host, port, rng)
+                                args.tenants, host, port, rng, **query_shape(args))
         body_bytes = sum(len(r) for rs in per_instance for r in rs)
         print(f"[{name}] prepared {sum(map(len, per_instance))} ingest requests "
               f"({body_bytes / 2**20:.0f} MiB) and {len(queries)} lookups in "
@@ -405,7 +538,9 @@ def measure(name: str, running, corpus: Corpus, args: argparse.Namespace) -> Fig
         # (2) lookups
         gen_cpu, coord_cpu = cpu_seconds_self(), sum(coordinator.cpu_times()[:2])
         t0 = time.perf_counter()
-        samples = asyncio.run(run_lookups(host, port, queries, args.clients, args.duration))
+        samples = asyncio.run(run_lookups(host, port, queries, args.clients, args.duration,
+                                          fresh=args.fresh_connections,
+                                          client_kind=args.client, rate=args.rate))
         figures.lookup_s = time.perf_counter() - t0
         coord_cpu = sum(coordinator.cpu_times()[:2]) - coord_cpu
         figures.lookup_gen_cores = (cpu_seconds_self() - gen_cpu) / figures.lookup_s
@@ -583,6 +718,10 @@ def stated_reference() -> Figures:
     return Figures("LMCache 0.5.6 as stated in issue 3", measured=False, **STATED_REFERENCE)
 
 
+def query_shape(args: argparse.Namespace) -> dict:
+    return dict(run=args.run, tokens=args.tokens, misses=args.misses)
+
+
 def run_profile(corpus: Corpus, args: argparse.Namespace, ours: Figures) -> None:
     """The stage breakdown (benchmarks/coordinator_profile.py) against ours' figures."""
     from benchmarks import coordinator_profile
@@ -594,7 +733,7 @@ def run_profile(corpus: Corpus, args: argparse.Namespace, ours: Figures) -> None
     host, port = "127.0.0.1", 0  # the head's Host only; the profile's servers ignore it
     per_instance = ingest_requests(corpus, args.batch_entries, args.instances, host, port)
     queries = build_queries(corpus, args.queries, args.query_tokens, args.planted,
-                            args.tenants, host, port, rng)
+                            args.tenants, host, port, rng, **query_shape(args))
     lookup, ingest = coordinator_profile.profile(
         per_instance, [q.request for q in queries], args.chunk_size, args.chunks,
         args.clients, args.duration, ours.lookup_cpu_ms * 1e3, ours.ingest_cpu_ms)
@@ -615,8 +754,13 @@ def main(argv=None) -> int:
     if args.reference == "lmcache" and version is None:
         print("reference: LMCache is not importable here, so the ratios below are against "
               "the figures issue 3 states for LMCache 0.5.6, NOT measured in this run")
+    print(f"workload shape ({args.workload}): {args.tokens} token ids, planted chunks in "
+          f"runs of {args.run}, each text stored by {args.copies} tenant(s), "
+          f"{args.misses:.0%} of lookups holding nothing stored, {args.client} client, "
+          f"{f'{args.rate:g} lookups/s, ' if args.rate else ''}"
+          f"{'a new connection per lookup' if args.fresh_connections else 'keep-alive'}")
     corpus = build_corpus(args.chunks, args.chunk_size, args.chunks_per_sequence, args.tenants,
-                          args.instances, rng)
+                          args.instances, rng, tokens=args.tokens, copies=args.copies)
 
     ours = measure("ours (coordinator_stub)",
                    start_coordinator("--enable-blend-lookup", "--chunk-size",

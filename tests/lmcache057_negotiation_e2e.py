@@ -5,7 +5,8 @@ Run by tests/test_lmcache057.py in its 0.5.7 child (the file name keeps the suit
 `--chunk-size 256` whose engines register a model with 48-token blocks: LMCache rounds the
 size up to 288 and binds it at the coordinator (`--chunk-size 256` there, the minimum);
 the adapter's listener rebuilds each plugin at 288. Then B finds A's document through the
-fleet and its own through its local matcher, in 288-token chunks.
+fleet and its own through its local matcher, in 288-token chunks. A third server, C, is
+given two coordinator URLs: its registration carries the size to the first.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ settled = functools.partial(wait_until, timeout=60.0, interval=0.05)
 def fleet(tmp_path_factory):
     assert lmcache.__version__ == "0.5.7rc2", "run by tests/test_lmcache057.py on 0.5.7"
     coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", "256")
+    # C is given two URLs, this one first: LMCache's own bind takes one URL, so the
+    # plugin's registrar carries the size (issue 32, item 8).
+    try:
+        other = start_coordinator("--enable-blend-lookup", "--chunk-size", "256")
+    except BaseException:
+        coordinator.stop()
+        raise
     servers = ServerFleet(coordinator_url=coordinator.url, chunk_size=256,
                           l2_dir=str(tmp_path_factory.mktemp("l2")),
                           log_dir=str(tmp_path_factory.mktemp("logs")),
@@ -40,12 +48,16 @@ def fleet(tmp_path_factory):
                           client_options={"block_size": 48, "chunk_alignment": 48,
                                           "num_blocks": 768})
     try:
-        servers.start_many({name: dict(instance_id=f"server-{name}") for name in ("A", "B")})
-        servers.url = coordinator.url
+        servers.start_many({
+            **{name: dict(instance_id=f"server-{name}") for name in ("A", "B")},
+            "C": dict(instance_id="server-C",
+                      coordinator_url=f"{other.url},{coordinator.url}")})
+        servers.url, servers.other_url = coordinator.url, other.url
         yield servers
     finally:
         servers.close()
         coordinator.stop()
+        other.stop()
 
 
 def test_the_negotiated_size_is_bound_everywhere(fleet):
@@ -57,6 +69,16 @@ def test_the_negotiated_size_is_bound_everywhere(fleet):
     reply = httpx.put(f"{fleet.url}/config/chunk-size", json={"chunk_size": 256},
                       timeout=HTTP_TIMEOUT)
     assert reply.status_code == 409
+
+
+def test_with_several_urls_the_registration_carries_the_negotiated_size(fleet):
+    """Only C speaks to the other coordinator, through the plugin's registrar: its
+    registration bound the size LMCache negotiated there."""
+    assert fleet.clients["C"].chunk_size == NEGOTIATED
+    stats = httpx.get(f"{fleet.other_url}{STATS_PATH}", timeout=HTTP_TIMEOUT).json()
+    assert stats["chunk_size"] == NEGOTIATED
+    listed = httpx.get(f"{fleet.other_url}/instances", timeout=HTTP_TIMEOUT).json()
+    assert [i["instance_id"] for i in listed["instances"]] == ["server-C"]
 
 
 def test_fleet_and_local_legs_work_at_the_negotiated_size(fleet):

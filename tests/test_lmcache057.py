@@ -1,10 +1,11 @@
 """The LMCache tests again on LMCache 0.5.7rc2: the adapter's unit tests and the whole
 e2e (tests/test_lmcache_e2e.py: fleet leg, union, local-only with the coordinator down, L1
-eviction with an L2 copy, restart fencing, abandoned-lookup release, events), run in a
-child pytest whose path puts `make test`'s 0.5.7 install (plugin.harness.lmcache_process's
-`LMCACHE_057_DIR`) first, plus what only 0.5.7 has: a chunk size negotiated at
-registration (tests/lmcache057_negotiation_e2e.py). A child process, because the engine client speaks the LMCache
-its own process imports, and one process cannot import two LMCache versions.
+eviction with an L2 copy, restart fencing, abandoned-lookup release, events), the
+replicas, CLI and candidates e2e, run in a child pytest whose path puts `make test`'s 0.5.7
+install (plugin.harness.lmcache_process's `LMCACHE_057_DIR`) first, plus what only 0.5.7
+has: a chunk size negotiated at registration (tests/lmcache057_negotiation_e2e.py). A child
+process, because the engine client speaks the LMCache its own process imports, and one
+process cannot import two LMCache versions.
 
 Parametrized by version so a later release is one more entry (and its own install).
 """
@@ -24,7 +25,13 @@ LANE = "lmcache"
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("tests/test_lmcache_adapter.py", "tests/test_lmcache_e2e.py",
-         "tests/lmcache057_negotiation_e2e.py")
+         "tests/lmcache057_negotiation_e2e.py",
+         # Several coordinator URLs (the plugin's registrar carries the negotiated size),
+         # LMCache's CLI against the coordinator, and LMCache's own coordinator answering
+         # the plugin's candidates form with its default one.
+         "tests/test_lmcache_replicas_e2e.py", "tests/test_lmcache_coordinator_e2e.py",
+         "tests/test_candidates_e2e.py::"
+         "test_against_lmcache_coordinator_the_default_form_is_detected_once")
 
 
 @pytest.mark.parametrize("version", [LMCACHE_057])
