@@ -24,7 +24,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Callable
 
 import aiohttp
 import numpy as np
@@ -223,6 +223,6 @@ def _each_message(model: ModelTokenizer, chat: Chat) -> np.ndarray | None:
     return np.concatenate([model.encode(t, add_special_tokens=False) for t in texts])
 
 
-async def _off_loop(work: Callable[[], np.ndarray | None]) -> Awaitable:
+async def _off_loop(work: Callable[[], np.ndarray | None]) -> np.ndarray | None:
     # Tokenizing a long prompt, or rendering a template, takes milliseconds.
     return await asyncio.get_running_loop().run_in_executor(None, work)

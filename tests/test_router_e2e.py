@@ -201,7 +201,8 @@ def coordinator():
         yield process
 
 
-async def test_requests_go_where_their_content_is_and_answers_stream_back(coordinator, tmp_path):
+async def test_requests_go_where_their_content_is_and_answers_stream_back(coordinator,
+                                                                          tmp_path):
     build_tokenizer(tmp_path, CORPUS)
     text_ids = model_ids(tmp_path, PASSAGE_TEXT)
     passage_ids = fresh(3 * C)
