@@ -90,7 +90,7 @@ bench-popular: $(STAMP)
 	$(PY) -m benchmarks.bench_popular_documents $(ARGS)
 
 # Routing by blend score vs round-robin vs prefix-only on MuSiQue (data: as bench-rag's).
-bench-routing: $(STAMP)
+bench-routing: $(BENCH_STAMP)
 	$(PY) -m benchmarks.bench_routing $(ARGS)
 
 bench-lmcache: $(STAMP)

@@ -1,235 +1,194 @@
-"""`make bench-routing`: where to send a request, on CacheBlend's MuSiQue prompts (issue 23).
+"""`make bench-routing`: routing policies in a queueing simulation on CacheBlend's MuSiQue
+prompts (issue 31; the simulation: benchmarks/routing_sim.py).
 
-A fleet of 4 instances and the bundled coordinator process. A third of the distinct
-passages sit in a shared L2 (stored once each, on their own, as CacheBlend stores passages).
-Requests: every question's prompt once, then every question again in a shuffled order, half
-of them the same prompt (a follow-up on the same context) and half with the passages
-shuffled (the retriever ranked them differently). Each request is stored where it is served,
-as a serving engine does: its chunks, named as LMCache names them, go to the serving
-instance's L1 and are reported to the coordinator (`POST /events`).
+Cells: 8 and 32 instances x Poisson arrivals at 50%, 80% and 95% of the fleet's capacity x
+two workloads:
+- `uniform`: each request one of the 150 questions at random, its 10 passages in one of 4
+  orders (the retriever's, or one of 3 others: the same passages ranked differently);
+- `hot`: half the requests carry one passage set (the first question's passages, in one of
+  its 4 orders, behind a random question), the other half as `uniform`.
 
-Policies, each on a fresh coordinator, the same requests:
-- `round-robin`: request i to instance i mod 4;
-- `prefix-only`: the instance with the most cached prefix (`prefix_tokens` of
-  `/directory/blend-score`: its own L1 or a shared tier), what prefix-aware routers do;
-- `routed by score`: the best `score` of `/directory/blend-score` (WIRE.md).
-Ties (e.g. a request nobody holds) go to the instance that has served fewest, then the
-lowest index, for both scored policies.
+Capacity: the requests/s the fleet serves when each costs the mean GPU time it costs under
+round-robin, measured in a calibration run of the same workload and fleet (round-robin at
+half the no-reuse capacity). So at 95% round-robin's instances are 95% busy, a policy that
+reuses more is less busy, and one that piles requests onto few instances queues there.
 
-Reuse is measured on the serving instance, from the benchmark's own record of what each
-instance's L1 and the shared tier hold (not from the coordinator's reply): its prefix leg
-(leading chunks in its L1 or a shared tier), then the plugin's selection over every stored
-chunk found in the request (`local_matcher.ContentIndex.candidates`, the one selection rule
-`local_matcher.selection`, this instance's L1 first, shared next, peers last). Tokens are
-reported as reused from the serving instance's own L1, from the shared tier, from peers (only
-another instance's L1 holds them), and recomputed.
+Policies (routing_sim.policies): round-robin; least-loaded (fewest in flight, the router's
+fallback); prefix-only (each instance's own cached prefix, what llm-d and Dynamo score,
+weighed against load as ours); cache-greedy (the best blend score, load breaks ties: the
+router before issue 31); ours (the blend score minus the queued work, within the imbalance
+bound: `blend_router.policy.LoadCost`).
 
-Then the cost of a score: every re-asked prompt scored for all 4 instances and looked up
-(the blend lookup's candidates form, what the plugin sends, and its default form), over HTTP
-to the same coordinator, alternating; p50 and the ratio.
+Per cell and policy: mean and p99 time to first token past the first 10% of requests
+(caches filling), the share of prompt tokens reused (not recomputed: own L1 and peers) and
+of them from the instance's own L1, and the largest share of requests one instance served.
+A PNG of TTFT against load per policy (`--plot`, needs matplotlib: the `bench` extra).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
 
-from benchmarks.common import machine_description, percentile_ms
 from benchmarks.bench_rag import load_musique, prompt
+from benchmarks.common import machine_description
 from benchmarks.musique_data import MUSIQUE_DATA_DIR
-from blend_wire import (
-    BLEND_LOOKUP_PATH,
-    BLEND_SCORE_PATH,
-    EVENTS_PATH,
-    INSTANCES_PATH,
-    encode,
-    encode_tokens,
-    pack_kv_rank,
-    prefix_chunk_hashes,
+from benchmarks.routing_sim import (
+    POLICIES,
+    Rates,
+    Served,
+    Simulation,
+    arrivals,
+    policies,
+    round_robin,
+    summary,
 )
-from coordinator_stub.launch.process import launch_coordinator
-from local_matcher import ContentIndex
-from local_matcher.selection import select_offers
+from blend_router.policy import LoadCost
 
-INSTANCES = 4
-MODEL = "musique"
-POLICIES = ["round-robin", "prefix-only", "score"]
-LABELS = {"round-robin": "round-robin", "prefix-only": "prefix-only scoring",
-          "score": "routed by score"}
-_OWN, _SHARED, _PEER = 0, 1, 2
+WORKLOADS = ["uniform", "hot"]
+ORDERS = 4  # passage orders per question: the retriever's and 3 others
+DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "bench_routing_ttft.png"
 
 
-@dataclass
-class Request:
-    tokens: np.ndarray
-    hashes: list[bytes]  # LMCache's names of its chunks
+class Prompts:
+    """MuSiQue prompts: (question, order) -> tokens, built once and shared by reference."""
 
+    def __init__(self, data: Path, questions: int) -> None:
+        self.system, self.questions = load_musique(data)
+        self.questions = self.questions[:questions]
+        self._built: dict[tuple[int, int, int], np.ndarray] = {}
 
-@dataclass
-class Fleet:
-    """What the benchmark knows is stored where (its own record, not the coordinator's)."""
+    def get(self, passages_of: int, order: int, question_of: int) -> np.ndarray:
+        key = (passages_of, order, question_of)
+        if key not in self._built:
+            passages = self.questions[passages_of].passages
+            ranked = (np.arange(len(passages)) if order == 0 else
+                      np.random.default_rng(1000 * passages_of + order).permutation(
+                          len(passages)))
+            self._built[key] = prompt(self.system, [passages[j] for j in ranked],
+                                      self.questions[question_of].question)
+        return self._built[key]
 
-    chunk_size: int
-    l1: list[set[bytes]] = field(default_factory=lambda: [set() for _ in range(INSTANCES)])
-    shared: set[bytes] = field(default_factory=set)
-    index: ContentIndex = None
-    indexed: set[bytes] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.index = ContentIndex(self.chunk_size)
-
-    def add(self, tokens: np.ndarray, hashes: list[bytes]) -> None:
-        size = self.chunk_size
-        for i, chunk_hash in enumerate(hashes):
-            if chunk_hash not in self.indexed:
-                self.indexed.add(chunk_hash)
-                self.index.add(tokens[i * size:(i + 1) * size], chunk_hash, i * size, MODEL)
-
-    def reuse(self, server: int, request: Request) -> tuple[int, ...]:
-        """Tokens if `server` serves it: (own L1, of it the prefix, shared, of it the prefix,
-        peers, recomputed)."""
-        size, own = self.chunk_size, self.l1[server]
-        prefix_own = prefix_shared = 0
-        for chunk_hash in request.hashes:
-            if chunk_hash in own:
-                prefix_own += size
-            elif chunk_hash in self.shared:
-                prefix_shared += size
+    def workload(self, name: str, count: int, seed: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(count):
+            q, order = int(rng.integers(len(self.questions))), int(rng.integers(ORDERS))
+            if name == "hot" and rng.random() < 0.5:
+                out.append(self.get(0, order, q))
             else:
-                break
-        prefix = prefix_own + prefix_shared
-        leg = []
-        for found in self.index.candidates(request.tokens, MODEL):
-            groups: dict[int, list] = {}  # one selection group per place
-            for h, old_st in found.chunks:
-                place = _OWN if h in own else _SHARED if h in self.shared else _PEER
-                groups.setdefault(place, []).append((h, old_st))
-            leg += [(found.positions, place, tuple(chunks)) for place, chunks in groups.items()]
-        by_place = [0, 0, 0]
-        for _, _, _, place, _ in select_offers((leg,), prefix, size):
-            by_place[place] += size
-        recomputed = len(request.tokens) - prefix - sum(by_place)
-        return (prefix_own + by_place[_OWN], prefix_own, prefix_shared + by_place[_SHARED],
-                prefix_shared, by_place[_PEER], recomputed)
+                out.append(self.get(q, order, q))
+        return out
 
 
-def requests_of(data: Path, chunk_size: int, seed: int, limit: int
-                ) -> tuple[list[np.ndarray], list[Request]]:
-    """(the passages in the shared L2, the requests in order)."""
-    system, questions = load_musique(data)
-    questions = questions[:limit]
-    rng = np.random.default_rng(seed)
-    distinct: dict[bytes, np.ndarray] = {}
-    for q in questions:
-        for p in q.passages:
-            distinct.setdefault(p.tobytes(), p)
-    shared = [p for i, p in enumerate(distinct.values()) if i % 3 == 0]
-    first = [prompt(system, q.passages, q.question) for q in questions]
-    again = []
-    for n in rng.permutation(len(questions)):
-        q = questions[n]
-        if rng.random() < 0.5:
-            again.append(first[n])
-        else:
-            again.append(prompt(system, [q.passages[j] for j in rng.permutation(len(q.passages))],
-                                q.question))
-    return shared, [Request(t, prefix_chunk_hashes(t, chunk_size)) for t in first + again]
+def run_cell(prompts: list[np.ndarray], instances: int, rate: float, args, policy_fn
+             ) -> tuple[list[Served], Simulation]:
+    sim = Simulation(instances, args.l1_chunks, args.chunk_size, Rates())
+    requests = arrivals(prompts, rate, args.chunk_size, args.seed)
+    return sim.run(requests, policy_fn), sim
 
 
-def entries(tokens: np.ndarray, hashes: list[bytes], chunk_size: int) -> list[dict]:
-    return [{"key": {"chunk_hash_hex": h.hex(), "model_name": MODEL,
-                     "kv_rank": pack_kv_rank(1)},
-             "size_bytes": 1, "token_ids": tokens[i * chunk_size:(i + 1) * chunk_size].tolist(),
-             "token_offset": i * chunk_size} for i, h in enumerate(hashes)]
+def capacity(prompts: list[np.ndarray], instances: int, args) -> float:
+    """Requests/s the fleet serves at round-robin's cost per request (module docstring)."""
+    rates = Rates()
+    no_reuse = instances * rates.capacity_per_instance(float(np.mean([len(p) for p in prompts])))
+    served, _ = run_cell(prompts, instances, 0.5 * no_reuse, args, round_robin)
+    kept = [s for s in served if s.n >= len(prompts) // 10]
+    return instances / float(np.mean([s.gpu_s for s in kept]))
 
 
-class Events:
-    """Reports stores as serving instances do (one seq counter per instance)."""
-
-    def __init__(self, http: httpx.Client) -> None:
-        self.http, self.seq = http, {}
-
-    def store(self, instance: str, tokens, hashes, chunk_size, tier="l1", shared=False) -> None:
-        seq = self.seq[instance] = self.seq.get(instance, 0) + 1
-        body = {"batches": [{"instance_id": instance, "seq": seq, "event_type": "store",
-                             "tier": tier, "backend": "fs" if shared else "dram",
-                             "shared": shared, "entries": entries(tokens, hashes, chunk_size)}]}
-        response = self.http.post(EVENTS_PATH, content=encode(body))
-        response.raise_for_status()
-        assert response.json()["applied"] == 1, response.text
+def ours_cost(args) -> LoadCost:
+    return LoadCost(per_request_tokens=args.inflight_cost, queued_weight=args.queued_weight,
+                    max_imbalance=None if args.max_imbalance < 0 else args.max_imbalance)
 
 
-def instance_name(i: int) -> str:
-    return f"inst-{i}"
+def run_all(args) -> dict:
+    source = Prompts(args.data, args.questions)
+    ours = ours_cost(args)
+    table = {}
+    for workload in WORKLOADS:
+        prompts = source.workload(workload, args.requests, args.seed)
+        for instances in args.instances:
+            cap = capacity(prompts, instances, args)
+            for load in args.loads:
+                for name, policy_fn in policies(ours).items():
+                    if name not in args.policies:
+                        continue
+                    started = time.perf_counter()
+                    served, _ = run_cell(prompts, instances, load * cap, args, policy_fn)
+                    row = summary(served, len(prompts) // 10)
+                    row["capacity"] = cap
+                    table[workload, instances, load, name] = row
+                    if args.verbose:
+                        print(f"# {workload} {instances} {load} {name}: "
+                              f"{time.perf_counter() - started:.1f} s", flush=True)
+    return table
 
 
-def run(policy: str, shared: list[np.ndarray], requests: list[Request], chunk_size: int
-        ) -> tuple[np.ndarray, list[int], dict]:
-    """Serve every request under `policy`; per request the reuse row, and the servers."""
-    fleet = Fleet(chunk_size)
-    rows, servers = [], []
-    served = [0] * INSTANCES
-    cost: dict = {}
-    with launch_coordinator("--enable-blend-lookup", "--chunk-size", str(chunk_size),
-                            "--health-check-interval", "0",
-                            stderr=subprocess.DEVNULL) as coordinator, \
-            httpx.Client(base_url=coordinator.url, timeout=60.0) as http:
-        for i in range(INSTANCES):
-            http.post(INSTANCES_PATH, content=encode(
-                {"instance_id": instance_name(i), "ip": "127.0.0.1", "http_port": 8000 + i})
-            ).raise_for_status()
-        events = Events(http)
-        for passage in shared:
-            hashes = prefix_chunk_hashes(passage, chunk_size)
-            fleet.shared.update(hashes)
-            fleet.add(passage, hashes)
-            events.store("loader", passage, hashes, chunk_size, tier="l2", shared=True)
-        for n, request in enumerate(requests):
-            if policy == "round-robin":
-                server = n % INSTANCES
-            else:
-                reply = http.post(BLEND_SCORE_PATH, content=encode(
-                    {"tokens_b64": encode_tokens(request.tokens), "model_name": MODEL})).json()
-                field_ = "prefix_tokens" if policy == "prefix-only" else "score"
-                value = {s["instance_id"]: s[field_] for s in reply["instances"]}
-                server = max(range(INSTANCES),
-                             key=lambda i: (value[instance_name(i)], -served[i], -i))
-            rows.append(fleet.reuse(server, request))
-            servers.append(server)
-            served[server] += 1
-            fleet.l1[server].update(request.hashes)
-            fleet.add(request.tokens, request.hashes)
-            events.store(instance_name(server), request.tokens, request.hashes, chunk_size)
-        if policy == "score":
-            cost = measure_cost(http, requests[len(requests) // 2:])
-    return np.asarray(rows), servers, cost
+def print_table(table: dict, args) -> None:
+    print("| workload | instances | load | policy | mean TTFT ms | p99 TTFT ms | reused | "
+          "of it own L1 | busiest instance |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (workload, instances, load, name), row in table.items():
+        print(f"| {workload} | {instances} | {load:.0%} | {name} | {1000 * row['mean']:.0f} | "
+              f"{1000 * row['p99']:.0f} | {row['reused']:.1%} | {row['local']:.1%} | "
+              f"{row['max_share']:.1%} |")
+    print()
+    cells = sorted({key[:3] for key in table})
+    if not {"ours", "cache-greedy"} <= set(args.policies):
+        return
+    wins = reuse_kept = 0
+    for cell in cells:
+        rows = {name: table[(*cell, name)] for name in args.policies}
+        best = all(rows["ours"][m] <= min(r[m] for r in rows.values()) for m in ("mean", "p99"))
+        wins += best
+        kept = rows["ours"]["reused"] / rows["cache-greedy"]["reused"]
+        reuse_kept += kept >= 0.9
+        print(f"- {cell[0]}, {cell[1]} instances, {cell[2]:.0%}: ours lowest mean and p99: "
+              f"{'yes' if best else 'no'}; reuse {kept:.1%} of cache-greedy's "
+              f"(own L1 {rows['ours']['local'] / max(rows['cache-greedy']['local'], 1e-9):.1%})")
+    print(f"\nours lowest mean and p99 TTFT in {wins} of {len(cells)} cells; >= 90% of "
+          f"cache-greedy's reuse in {reuse_kept} of {len(cells)}")
 
 
-def measure_cost(http: httpx.Client, requests: list[Request]) -> dict:
-    """Per request, a blend score (all instances), a candidates lookup and a default lookup."""
-    samples: dict[str, list[float]] = {"score": [], "candidates": [], "default": []}
-    for _ in range(2):  # the first pass warms connections and caches; the second is kept
-        for kind in samples:
-            samples[kind].clear()
-        for request in requests:
-            body = {"tokens_b64": encode_tokens(request.tokens), "model_name": MODEL}
-            for kind, path, extra in (("default", BLEND_LOOKUP_PATH, {}),
-                                      ("candidates", BLEND_LOOKUP_PATH, {"candidates": True}),
-                                      ("score", BLEND_SCORE_PATH, {})):
-                payload = encode({**body, **extra})
-                started = time.perf_counter()
-                http.post(path, content=payload).raise_for_status()
-                samples[kind].append(time.perf_counter() - started)
-    return {kind: percentile_ms(values, 50) for kind, values in samples.items()}
+def plot(table: dict, args, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install -e '.[bench]'); {path} "
+              f"not written")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(WORKLOADS), len(args.instances), figsize=(
+        5 * len(args.instances), 4 * len(WORKLOADS)), squeeze=False, sharex=True)
+    for r, workload in enumerate(WORKLOADS):
+        for c, instances in enumerate(args.instances):
+            ax = axes[r][c]
+            for k, name in enumerate(args.policies):
+                color = f"C{k}"
+                ys = [table[workload, instances, load, name] for load in args.loads]
+                ax.plot(args.loads, [1000 * y["mean"] for y in ys], "o-", color=color,
+                        label=f"{name} mean")
+                ax.plot(args.loads, [1000 * y["p99"] for y in ys], "s--", color=color,
+                        alpha=0.6, label=f"{name} p99")
+            ax.set_yscale("log")
+            ax.set_title(f"{workload}, {instances} instances")
+            ax.set_xlabel("load (share of the fleet's capacity)")
+            ax.set_ylabel("TTFT, ms")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle("bench-routing: TTFT against load (MuSiQue, Llama-3-8B on A100 rates)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_routing",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=MUSIQUE_DATA_DIR,
@@ -237,38 +196,52 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--questions", type=int, default=150,
                         help="questions used (default: all %(default)s)")
-    parser.add_argument("--seed", type=int, default=23)
+    parser.add_argument("--requests", type=int, default=1000, help="requests per cell")
+    parser.add_argument("--instances", type=lambda s: [int(v) for v in s.split(",")],
+                        default=[8, 32], help="fleet sizes, comma-separated (default: 8,32)")
+    parser.add_argument("--loads", type=lambda s: [float(v) for v in s.split(",")],
+                        default=[0.5, 0.8, 0.95],
+                        help="arrival rates as shares of capacity (default: 0.5,0.8,0.95)")
+    parser.add_argument("--l1-chunks", type=int, default=1250,
+                        help="chunks each instance's L1 holds (default: %(default)s: 320k "
+                             "tokens of 256, 40 GiB of Llama-3-8B KV)")
+    parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
+                        help="ours: tokens one request in flight costs (default: %(default)s)")
+    parser.add_argument("--queued-weight", type=float, default=LoadCost.queued_weight,
+                        help="ours: weight of a queued prefill token against one of the "
+                             "request's own (default: %(default)s)")
+    parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
+                        help="ours: requests in flight above the least-loaded instance past "
+                             "which an instance is not chosen; -1: no bound (default: "
+                             "%(default)s)")
+    parser.add_argument("--policies", type=lambda s: s.split(","), default=POLICIES)
+    parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT,
+                        help="PNG to write (default: %(default)s); 'none': no plot")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small run for tests: 30 questions, 200 requests, 4 instances, "
+                             "80%% load, no plot")
+    parser.add_argument("--verbose", action="store_true", help="each run's time")
     args = parser.parse_args(argv)
-    shared, requests = requests_of(args.data, args.chunk_size, args.seed, args.questions)
-    total = sum(len(r.tokens) for r in requests)
-    print(f"# bench-routing: MuSiQue, {len(requests)} requests ({total} tokens), "
-          f"{INSTANCES} instances, chunk {args.chunk_size}, {len(shared)} passages in a shared "
-          f"L2; {machine_description()}")
-    results = {}
-    for policy in POLICIES:
-        started = time.perf_counter()
-        rows, servers, cost = run(policy, shared, requests, args.chunk_size)
-        results[policy] = (rows.sum(axis=0), np.bincount(servers, minlength=INSTANCES), cost)
-        print(f"# {policy}: {time.perf_counter() - started:.1f} s", flush=True)
+    if args.quick:
+        args.questions, args.requests, args.instances, args.loads = 30, 200, [4], [0.8]
+        args.plot = Path("none")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    print(f"# bench-routing: MuSiQue ({args.questions} questions), {args.requests} requests "
+          f"per cell, chunk {args.chunk_size}, L1 {args.l1_chunks} chunks per instance, "
+          f"ours {ours_cost(args)}, "
+          f"seed {args.seed}; {machine_description()}", flush=True)
+    table = run_all(args)
     print()
-    print("| policy | own L1 | of it prefix | shared tier | of it prefix | peers | recomputed "
-          "| own L1 vs round-robin | requests per instance |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    base = None
-    for policy in POLICIES:
-        (own, own_prefix, shared_t, shared_prefix, peer, recomputed), per_instance, _ = \
-            results[policy]
-        pct = lambda v: f"{v} ({100 * v / total:.1f}%)"  # noqa: E731
-        base = base if base is not None else own
-        print(f"| {LABELS[policy]} | {pct(own)} | {pct(own_prefix)} | {pct(shared_t)} | "
-              f"{pct(shared_prefix)} | {pct(peer)} | {pct(recomputed)} | "
-              f"{own / base:.2f}x | {'/'.join(map(str, per_instance))} |")
-    cost = results["score"][2]
-    print()
-    print(f"Cost, p50 over HTTP of {len(requests) // 2} re-asked prompts, 4 instances: "
-          f"blend score {cost['score']:.2f} ms, blend lookup candidates form "
-          f"{cost['candidates']:.2f} ms ({cost['score'] / cost['candidates']:.2f}x), default "
-          f"form {cost['default']:.2f} ms ({cost['score'] / cost['default']:.2f}x)")
+    print_table(table, args)
+    if str(args.plot) != "none":
+        plot(table, args, args.plot)
+    print(f"\n# {time.perf_counter() - started:.0f} s")
     return 0
 
 

@@ -9,7 +9,7 @@ nothing to say (nobody holds any of the request), it picks the least-loaded inst
 (fewest requests in flight through this router), round-robin among equals.
 
 Modules, one job each: `config` (RouterConfig), `prompts` (what of a body is scored),
-`tokenizer` (text to ids), `coordinator` (registry and score calls), `fleet` (instances and
+`tokenizer` (text and chats to ids: the model's file, the engine's /tokenize), `coordinator` (registry and score calls), `fleet` (instances and
 their load), `policy` (`choose_instance`: the choice of instance), `forward` (to the
 instance and back), `app` (the HTTP application).
 
@@ -19,6 +19,6 @@ coordinator's package nor the plugin (tests/test_layering.py).
 
 from blend_router.app import create_router
 from blend_router.config import RouterConfig
-from blend_router.tokenizer import Tokenizer
+from blend_router.tokenizer import ModelTokenizer
 
-__all__ = ["RouterConfig", "Tokenizer", "create_router"]
+__all__ = ["ModelTokenizer", "RouterConfig", "create_router"]

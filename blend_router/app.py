@@ -27,8 +27,14 @@ from blend_router.fleet import Fleet
 from blend_router.forward import Unreachable, backend_session, forward
 from blend_router.intake import read_body
 from blend_router.policy import choose_instance
-from blend_router.prompts import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, BadRequest, Parser
-from blend_router.tokenizer import Tokenizer, tokens_of
+from blend_router.prompts import (
+    CHAT_COMPLETIONS_PATH,
+    COMPLETIONS_PATH,
+    BadRequest,
+    ParsedRequest,
+    Parser,
+)
+from blend_router.tokenizer import EngineTokenizer, ModelTokenizer, Tokenizers
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +49,8 @@ def refusal(status: int, detail: str, reason: str) -> web.Response:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: ModelTokenizer | None) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.access = (ClientAccess.from_file(config.client_token_file)
                        if config.client_token_file else ClientAccess())
         self.fleet = Fleet(config.backends)
@@ -54,17 +59,33 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.backend_timeout_s,
                                               sock_connect=config.connect_timeout_s)
+        engine = EngineTokenizer(self.fleet.any_url, lambda: self.session) \
+            if config.engine_tokenize else None
+        self.tokenizers = Tokenizers(tokenizer, engine)
 
-    async def choose(self, tokens: np.ndarray | None, model: str, cache_salt: str
-                     ) -> tuple[str | None, str]:
+    async def tokens_of(self, parsed: ParsedRequest, deadline: float) -> np.ndarray | None:
+        """The request's ids to score; an engine's `/tokenize` only until `deadline`."""
+        if self.tokenizers.engine is None:
+            return await self.tokenizers.tokens_of(parsed)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.tokenizers.tokens_of(parsed)
+        except TimeoutError:
+            return None
+
+    async def choose(self, tokens: np.ndarray | None, model: str, cache_salt: str,
+                     deadline: float) -> tuple[str | None, str, int]:
         model_name = self.config.model_name or model
         size = 0 if tokens is None else int(tokens.size)
+        cost = self.config.load_cost
         if not size or not model_name:
             return choose_instance(self.fleet, None, unscored_reason="unscored",
-                                   request_tokens=size)
-        scores = await self.coordinator.score(tokens, model_name, cache_salt)
+                                   request_tokens=size, cost=cost)
+        scores = await self.coordinator.score(
+            tokens, model_name, cache_salt,
+            max(deadline - asyncio.get_running_loop().time(), 0.001))
         return choose_instance(self.fleet, scores, unscored_reason="coordinator-unavailable",
-                               request_tokens=size)
+                               request_tokens=size, cost=cost)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -76,36 +97,44 @@ class Router:
             except BadRequest as exc:
                 raise Refused(422, str(exc)) from None
             self.access.check_salt(salts, parsed.cache_salt)
-            tokens = await tokens_of(self.tokenizer, parsed)
+            loop = asyncio.get_running_loop()
+            # The engine's /tokenize and the score share one budget; a local tokenizer's
+            # milliseconds of CPU do not count against the score's.
+            deadline = loop.time() + self.config.score_budget_s
+            tokens = await self.tokens_of(parsed, deadline)
+            if self.tokenizers.engine is None:
+                deadline = loop.time() + self.config.score_budget_s
         except Refused as exc:
             return refusal(exc.status, exc.detail, "refused")
-        instance, reason = await self.choose(tokens, parsed.model, parsed.cache_salt)
-        size = 0 if tokens is None else int(tokens.size)
+        instance, reason, prefill = await self.choose(tokens, parsed.model, parsed.cache_salt,
+                                                      deadline)
         failed = None
         while instance is not None:
             try:
-                return await self.forward(request, raw, instance, reason, size)
+                return await self.forward(request, raw, instance, reason, prefill)
             except Unreachable as exc:
                 log.warning("instance %s unreachable (%s)", instance, exc)
                 if failed is not None:
                     break
                 failed, instance = instance, self.fleet.least_loaded(exclude=instance)
                 reason = "retry-after-unreachable"
+                prefill = 0 if tokens is None else int(tokens.size)
         if failed is not None:
             return refusal(502, f"instance {failed} could not be reached", "unreachable")
         return refusal(503, "no serving instance with a known engine is registered with the "
                             "coordinator (yet)", "no-instance")
 
     async def forward(self, request: web.Request, raw: bytes, instance: str, reason: str,
-                      tokens: int) -> web.StreamResponse:
-        self.fleet.begin(instance, tokens)
+                      prefill_tokens: int) -> web.StreamResponse:
+        in_flight = self.fleet.begin(instance, prefill_tokens)
         try:
             return await forward(self.session, request, raw,
                                  self.fleet.urls[instance] + request.path,
                                  {"X-Routed-To": instance, "X-Route-Reason": reason},
-                                 self._timeout, self.config.forward_client_authorization)
+                                 self._timeout, self.config.forward_client_authorization,
+                                 on_first_piece=lambda: self.fleet.first_piece(in_flight))
         finally:
-            self.fleet.end(instance, tokens)
+            self.fleet.end(in_flight)
 
 
 ROUTER = web.AppKey("router", Router)
@@ -153,7 +182,8 @@ async def _health(request: web.Request) -> web.Response:
                               "unroutable": len(fleet.unroutable)})
 
 
-def create_router(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.Application:
+def create_router(config: RouterConfig, tokenizer: ModelTokenizer | None = None
+                  ) -> web.Application:
     """The application (module doc); `ValueError` for a client token file it cannot use."""
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_reason_on_every_answer])

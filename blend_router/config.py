@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blend_router.policy import LoadCost
 from blend_wire import EngineAddress, engine_address
 
 
@@ -41,6 +42,10 @@ class RouterConfig:
     backend_connections_per_host: int = 64
     #: Connections open to the coordinator for scores at most (the registry has its own).
     coordinator_connections: int = 32
+    #: How queued work weighs against reuse in the choice (`--inflight-cost`, `--max-imbalance`).
+    load_cost: LoadCost = field(default_factory=LoadCost)
+    #: Ask an engine's `POST /tokenize` for text the `--tokenizer` file cannot tokenize.
+    engine_tokenize: bool = False
 
     def __post_init__(self) -> None:
         if not self.coordinator_url.startswith(("http://", "https://")):

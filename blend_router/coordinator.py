@@ -87,14 +87,16 @@ class CoordinatorClient:
             await self.refresh(fleet)
             await asyncio.sleep(self.config.refresh_interval_s)
 
-    async def score(self, tokens: np.ndarray, model_name: str, cache_salt: str
-                    ) -> BlendScoreReply | None:
-        """The coordinator's scores, or None when it did not answer within the budget."""
+    async def score(self, tokens: np.ndarray, model_name: str, cache_salt: str,
+                    budget_s: float | None = None) -> BlendScoreReply | None:
+        """The coordinator's scores, or None when it did not answer within `budget_s`
+        (default: the score budget)."""
         body = encode(BlendScoreRequest(tokens_b64=encode_tokens(tokens), model_name=model_name,
                                         world_size=self.config.world_size,
                                         cache_salt=cache_salt))
         try:
-            async with asyncio.timeout(self.config.score_budget_s):
+            async with asyncio.timeout(self.config.score_budget_s if budget_s is None
+                                       else budget_s):
                 async with self.session.post(self._score_url, data=body, headers={
                         **self._auth, "Content-Type": "application/json"}) as reply:
                     if reply.status != 200:

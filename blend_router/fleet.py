@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Mapping
 
 from blend_wire import ENGINE_URL_KEY, EngineAddress, InstancesReply, engine_address
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """One request out to `instance`: `prefill_tokens` still queued until its first piece."""
+
+    instance: str
+    prefill_tokens: int
+    prefilled: bool = False
 
 
 class Fleet:
@@ -17,12 +27,19 @@ class Fleet:
 
     An instance's engine is the operator's `--backend` for it, else the `engine_url` its
     registration's metadata names (checked again here: only a host and port are kept).
-    A registered instance with neither is not sent to (logged once)."""
+    A registered instance with neither is not sent to (logged once).
+
+    Per instance: the requests this router has in flight there (`in_flight`), of them those
+    still waiting for their first piece (`prefilling`: queued or in prefill) and their
+    tokens to prefill (`prefill_tokens`), counted from `begin` until the answer's first
+    piece (`first_piece`) or its end."""
 
     def __init__(self, backends: Mapping[str, EngineAddress] | None = None) -> None:
         self.urls: dict[str, str] = {}
         self.unroutable: set[str] = set()
         self.in_flight: dict[str, int] = {}
+        self.prefilling: dict[str, int] = {}
+        self.prefill_tokens: dict[str, int] = {}
         self._backends = dict(backends or {})
         self._turn = itertools.count()
 
@@ -57,12 +74,29 @@ class Fleet:
         idle = [i for i in ids if self.in_flight.get(i, 0) == least]
         return idle[next(self._turn) % len(idle)]
 
-    def begin(self, instance: str, tokens: int) -> None:
-        """A request of `tokens` prompt tokens goes out to `instance`."""
-        self.in_flight[instance] = self.in_flight.get(instance, 0) + 1
+    def any_url(self) -> str | None:
+        """An instance's engine URL, each in turn (None: none known): any engine of the
+        fleet tokenizes as the others do."""
+        urls = list(self.urls.values())
+        return urls[next(self._turn) % len(urls)] if urls else None
 
-    def end(self, instance: str, tokens: int) -> None:
+    def begin(self, instance: str, prefill_tokens: int) -> InFlight:
+        """A request expected to prefill `prefill_tokens` tokens goes out to `instance`."""
+        self.in_flight[instance] = self.in_flight.get(instance, 0) + 1
+        self.prefilling[instance] = self.prefilling.get(instance, 0) + 1
+        self.prefill_tokens[instance] = self.prefill_tokens.get(instance, 0) + prefill_tokens
+        return InFlight(instance, prefill_tokens)
+
+    def first_piece(self, request: InFlight) -> None:
+        """The instance sent the first piece of its answer: the prefill is done."""
+        if not request.prefilled:
+            request.prefilled = True
+            self.prefilling[request.instance] -= 1
+            self.prefill_tokens[request.instance] -= request.prefill_tokens
+
+    def end(self, request: InFlight) -> None:
         """The request `begin` counted is over (answered, failed or abandoned)."""
-        self.in_flight[instance] -= 1
-        if not self.in_flight[instance]:
-            del self.in_flight[instance]
+        self.first_piece(request)
+        self.in_flight[request.instance] -= 1
+        if not self.in_flight[request.instance]:
+            del self.in_flight[request.instance]

@@ -10,6 +10,7 @@ connection, so the engine stops generating for nobody.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
@@ -34,9 +35,12 @@ def backend_session(connections_per_host: int) -> aiohttp.ClientSession:
 
 async def forward(session: aiohttp.ClientSession, request: web.Request, raw: bytes, url: str,
                   answer_headers: dict[str, str], timeout: aiohttp.ClientTimeout,
-                  pass_authorization: bool) -> web.StreamResponse:
+                  pass_authorization: bool,
+                  on_first_piece: Callable[[], None] = lambda: None) -> web.StreamResponse:
     """POST `raw` to `url` and stream the answer to `request`'s client, `answer_headers`
-    added (`X-Routed-To`, `X-Route-Reason`). `Unreachable` if no connection opened."""
+    added (`X-Routed-To`, `X-Route-Reason`). `Unreachable` if no connection opened.
+    `on_first_piece` is called when the answer's first body bytes arrive (streamed: the
+    first token, so the prefill is over)."""
     out = {name: request.headers[name] for name in _PASSED_ON if name in request.headers}
     if pass_authorization and "Authorization" in request.headers:
         out["Authorization"] = request.headers["Authorization"]
@@ -60,7 +64,11 @@ async def forward(session: aiohttp.ClientSession, request: web.Request, raw: byt
             response.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
         await response.prepare(request)
         try:
+            first = True
             async for piece in upstream.content.iter_any():
+                if first:
+                    first = False
+                    on_first_piece()
                 await response.write(piece)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
                 aiohttp.ClientOSError, TimeoutError) as exc:

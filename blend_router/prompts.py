@@ -51,6 +51,7 @@ class _Completion(msgspec.Struct):
     model: Union[str, None] = None
     prompt: Union[str, list[Union[_TokenId, str, list[_TokenId]]], None] = None
     cache_salt: Union[str, None] = None
+    add_special_tokens: bool = True
 
 
 class _Chat(msgspec.Struct):
@@ -58,18 +59,22 @@ class _Chat(msgspec.Struct):
     model: Union[str, None] = None
     prompt_token_ids: Union[list[_TokenId], None] = None
     cache_salt: Union[str, None] = None
+    add_generation_prompt: bool = True
 
 
 class ParsedRequest(msgspec.Struct):
     """What the router reads of one request: `ids` (token ids to score), else `texts` (to
     tokenize; for chat, the messages' texts in order, `messages` holding the messages),
-    else nothing to score."""
+    else nothing to score. `add_special_tokens` (completions) and `add_generation_prompt`
+    (chats) as the engine takes them."""
 
     model: str
     cache_salt: str
     ids: Union[np.ndarray, None] = None
     texts: Union[list[str], None] = None
     messages: Union[list[Message], None] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
 _SHAPES = {COMPLETIONS_PATH: _Completion, CHAT_COMPLETIONS_PATH: _Chat}
@@ -89,11 +94,13 @@ def parse_request(path: str, raw: bytes) -> ParsedRequest:
         raise BadRequest("the body is nested too deeply to be a request") from None
     parsed = ParsedRequest(model=body.model or "", cache_salt=body.cache_salt or "")
     if isinstance(body, _Completion):
+        parsed.add_special_tokens = body.add_special_tokens
         _completion_prompt(body.prompt, parsed)
     elif body.prompt_token_ids is not None:
         parsed.ids = np.asarray(body.prompt_token_ids, dtype=np.uint32)
     else:
         parsed.messages = body.messages
+        parsed.add_generation_prompt = body.add_generation_prompt
         texts = []
         for message in body.messages:
             if isinstance(message.content, str):

@@ -19,11 +19,14 @@
   `action()`, a deterministic measure of work for "cost does not grow with N" tests.
 - `claim_one_by_one`: `ClaimLists.claim_new` done by `claim_all`, chunk by chunk, the
   reference the bulk claim is compared with.
+- `build_tokenizer(folder, corpus)`: a small Hugging Face tokenizer (tokenizer.json and a
+  chat template) written for the router's tests, `CHAT_TEMPLATE` its template.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import threading
@@ -286,3 +289,35 @@ def claim_one_by_one(claims, hashes, cids, offsets, namespaces, fresh):
     claims.claim_all(hashes, cids.tolist(), offsets.tolist(), namespaces
                      if type(namespaces) is list else [namespaces] * len(hashes), ids)
     return ids
+
+
+#: The chat template of `build_tokenizer`'s model: role markers around each message, as a
+#: real model's template writes them (Llama 3's, ChatML's), the BOS from the config.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                 "<|end|> {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def build_tokenizer(folder, corpus: str, chat_template: str | None = CHAT_TEMPLATE):
+    """A small Hugging Face tokenizer written to `folder` (tokenizer.json, and a
+    tokenizer_config.json carrying `chat_template` unless None): one id per word or
+    punctuation mark of `corpus`, a BOS `<s>` added to text prompts, the chat markers as
+    special tokens. Returns the `tokenizers.Tokenizer`."""
+    from pathlib import Path
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["[UNK]", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    words = sorted(set(re.findall(r"\w+|[^\w\s]", corpus)))
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(specials)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    if chat_template is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
+            "chat_template": chat_template}))
+    return tokenizer

@@ -15,21 +15,37 @@ import contextlib
 import json
 
 import httpx
+import jinja2
 import numpy as np
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from blend_router import Tokenizer
 from blend_wire import ENGINE_URL_KEY, EVENTS_PATH, INSTANCES_PATH, encode, pack_kv_rank
 from coordinator_stub.launch.process import launch_coordinator
-from helpers import LoopbackServer, Reply, closed_port_url, wait_until
+from helpers import (
+    CHAT_TEMPLATE,
+    LoopbackServer,
+    Reply,
+    build_tokenizer,
+    closed_port_url,
+    wait_until,
+)
 
 LANE = "coordinator"
 
 C = 16
 MODEL = "m"
 rng = np.random.default_rng(230)
+#: Turns of a chat, each shorter than a chunk: every stored chunk of the rendered chat holds
+#: the template's markers, so only ids rendered with the model's template match them.
+TURNS = [{"role": "system", "content": "You answer in five words."},
+         {"role": "user", "content": "Which river crosses the basin?"},
+         {"role": "assistant", "content": "The Amazon river does."},
+         {"role": "user", "content": "And which nations hold it?"},
+         {"role": "assistant", "content": "Brazil, Peru and Colombia."},
+         {"role": "user", "content": "How much is in Brazil?"},
+         {"role": "assistant", "content": "Sixty percent of it."}]
 PASSAGE_TEXT = (
     "The Amazon rainforest covers much of the Amazon basin of South America. This basin "
     "encompasses seven million square kilometres, of which five and a half million are "
@@ -39,25 +55,66 @@ PASSAGE_TEXT = (
     "Colombia.\n\n")
 
 
+CORPUS = PASSAGE_TEXT + " ".join(t["content"] for t in TURNS) + \
+    " Answer from the passage below. Who else? Say more."
+
+
+def model_ids(folder, text: str, add_special_tokens: bool = False) -> list[int]:
+    """`text`'s ids with the model's tokenizer.json in `folder`, as its engine stores them."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(
+        text, add_special_tokens=add_special_tokens).ids
+
+
+def chat_ids(folder, messages: list[dict]) -> list[int]:
+    """The chat as the engine renders it with the model's template, then its ids."""
+    return model_ids(folder, jinja2.Template(CHAT_TEMPLATE).render(
+        messages=messages, bos_token="<s>", add_generation_prompt=True))
+
+
 def fresh(n: int) -> list[int]:
     return rng.integers(1000, 60000, n).tolist()
 
 
 class Backend:
     """A stand-in serving instance: answers completions, streamed (SSE) or not, with its
-    name, and records every body it got."""
+    name, and records every body it got; `hold`, when set, keeps each answer back until it
+    is set (work queued there). Its `POST /tokenize` answers as vLLM's does, with `tokenizer`
+    (a `tokenizers.Tokenizer`) and `CHAT_TEMPLATE`, after `tokenize_delay_s`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.bodies: list[dict] = []
+        self.tokenize_bodies: list[dict] = []
+        self.hold: asyncio.Event | None = None
+        self.tokenizer = None
+        self.tokenize_delay_s = 0.0
         app = web.Application()
         app.router.add_post("/v1/completions", self.answer)
         app.router.add_post("/v1/chat/completions", self.answer)
+        app.router.add_post("/tokenize", self.tokenize)
         self.server = TestServer(app, host="127.0.0.1", port=0)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.tokenize_bodies.append(body)
+        await asyncio.sleep(self.tokenize_delay_s)
+        if "messages" in body:
+            text = jinja2.Template(CHAT_TEMPLATE).render(
+                messages=body["messages"], bos_token="<s>",
+                add_generation_prompt=body.get("add_generation_prompt", True))
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self.tokenizer.encode(body["prompt"],
+                                        add_special_tokens=body.get("add_special_tokens",
+                                                                    True)).ids
+        return web.json_response({"count": len(ids), "max_model_len": 8192, "tokens": ids})
 
     async def answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.hold is not None:
+            await self.hold.wait()
         if not body.get("stream"):
             return web.json_response({"served_by": self.name})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -144,17 +201,17 @@ def coordinator():
         yield process
 
 
-async def test_requests_go_where_their_content_is_and_answers_stream_back(coordinator):
-    tokenizer = Tokenizer()
+async def test_requests_go_where_their_content_is_and_answers_stream_back(coordinator, tmp_path):
+    build_tokenizer(tmp_path, CORPUS)
+    text_ids = model_ids(tmp_path, PASSAGE_TEXT)
     passage_ids = fresh(3 * C)
-    text_ids = tokenizer.encode(PASSAGE_TEXT).tolist()
     assert len(text_ids) >= 3 * C
     async with backends("A", "B", "C") as fleet:
         for name, backend in fleet.items():
             register(coordinator.url, name, backend.server.port)
         store(coordinator.url, "B", passage_ids, seq=1)
         store(coordinator.url, "C", text_ids, seq=1)
-        with router(coordinator.url, "--score-budget", "5") as url:
+        with router(coordinator.url, "--score-budget", "5", "--tokenizer", str(tmp_path)) as url:
             await knows(url, 3)
             prompt = fresh(5) + passage_ids + fresh(7)
             status, headers, text = await post(url, "/v1/completions", {
@@ -171,7 +228,7 @@ async def test_requests_go_where_their_content_is_and_answers_stream_back(coordi
             assert (status, headers["x-routed-to"], json.loads(text)) == \
                 (200, "B", {"served_by": "B"})
 
-            # Text, through the tokenizer: the passage C holds, behind an instruction.
+            # Text, through the model's tokenizer: the passage C holds, behind an instruction.
             status, headers, _ = await post(url, "/v1/completions", {
                 "model": MODEL, "prompt": "Answer from the passage below.\n\n" + PASSAGE_TEXT})
             assert (status, headers["x-routed-to"], headers["x-route-reason"]) == \
@@ -259,3 +316,88 @@ async def test_no_instance_known_is_503(coordinator):
     with router(coordinator.url) as url:
         status, _, text = await post(url, "/v1/completions", {"model": MODEL, "prompt": [1]})
         assert status == 503 and "no serving instance" in json.loads(text)["detail"]
+
+
+async def test_a_chat_is_scored_as_the_model_renders_it(coordinator, tmp_path):
+    build_tokenizer(tmp_path / "model", CORPUS)
+    build_tokenizer(tmp_path / "no-template", CORPUS, chat_template=None)
+    follow_up = TURNS + [{"role": "user", "content": "Who else?"}]
+    async with backends("A", "B") as fleet:
+        for name, backend in fleet.items():
+            register(coordinator.url, name, backend.server.port)
+        store(coordinator.url, "B", chat_ids(tmp_path / "model", TURNS), seq=1)
+        with router(coordinator.url, "--score-budget", "5",
+                    "--tokenizer", str(tmp_path / "model")) as url:
+            await knows(url, 2)
+            status, headers, _ = await post(url, "/v1/chat/completions", {
+                "model": MODEL, "messages": follow_up})
+            assert (status, headers["x-routed-to"], headers["x-route-reason"]) == \
+                (200, "B", "score")
+        # Without the template, each message on its own: no stored chunk (all hold
+        # markers) matches, which is what the template is for.
+        with router(coordinator.url, "--score-budget", "5",
+                    "--tokenizer", str(tmp_path / "no-template" / "tokenizer.json")) as url:
+            await knows(url, 2)
+            status, headers, _ = await post(url, "/v1/chat/completions", {
+                "model": MODEL, "messages": follow_up})
+            assert (status, headers["x-route-reason"]) == (200, "nothing-cached")
+
+
+async def test_text_and_chats_tokenized_by_the_engine_within_the_budget(coordinator, tmp_path):
+    tokenizer = build_tokenizer(tmp_path, CORPUS)
+    async with backends("A", "B", "C") as fleet:
+        for name, backend in fleet.items():
+            backend.tokenizer = tokenizer
+            register(coordinator.url, name, backend.server.port)
+        store(coordinator.url, "B", chat_ids(tmp_path, TURNS), seq=1)
+        store(coordinator.url, "C", model_ids(tmp_path, PASSAGE_TEXT), seq=1)
+        with router(coordinator.url, "--score-budget", "5", "--engine-tokenize") as url:
+            await knows(url, 3)
+            prompt = "Answer from the passage below.\n\n" + PASSAGE_TEXT
+            status, headers, _ = await post(url, "/v1/completions", {
+                "model": MODEL, "prompt": prompt})
+            assert (status, headers["x-routed-to"], headers["x-route-reason"]) == \
+                (200, "C", "score")
+            asked = [b for backend in fleet.values() for b in backend.tokenize_bodies]
+            assert asked == [{"model": MODEL, "prompt": prompt, "add_special_tokens": True}]
+            status, headers, _ = await post(url, "/v1/chat/completions", {
+                "model": MODEL, "messages": TURNS + [{"role": "user", "content": "Who else?"}]})
+            assert (status, headers["x-routed-to"], headers["x-route-reason"]) == \
+                (200, "B", "score")
+        for backend in fleet.values():
+            backend.tokenize_delay_s = 3.0
+        with router(coordinator.url, "--score-budget", "0.3", "--engine-tokenize") as url:
+            await knows(url, 3)
+            status, headers, text = await post(url, "/v1/completions", {
+                "model": MODEL, "prompt": prompt})
+            assert (status, headers["x-route-reason"]) == (200, "unscored")
+            assert json.loads(text) == {"served_by": headers["x-routed-to"]}
+
+
+async def test_an_instance_with_work_queued_is_passed_over(coordinator):
+    passage_ids = fresh(3 * C)
+    prompt = fresh(5) + passage_ids + fresh(7)
+    async with backends("A", "B") as fleet:
+        for name, backend in fleet.items():
+            register(coordinator.url, name, backend.server.port)
+        store(coordinator.url, "A", passage_ids, seq=1)
+        fleet["A"].hold = asyncio.Event()
+        with router(coordinator.url, "--score-budget", "5") as url:
+            await knows(url, 2)
+            first = asyncio.create_task(post(url, "/v1/completions", {
+                "model": MODEL, "prompt": prompt}))
+            assert await asyncio.to_thread(wait_until, lambda: fleet["A"].bodies, 20.0, 0.02)
+            # A holds the content but has a request in flight: B, for the load.
+            status, headers, _ = await post(url, "/v1/completions", {
+                "model": MODEL, "prompt": prompt})
+            assert (status, headers["x-routed-to"], headers["x-route-reason"]) == \
+                (200, "B", "load")
+            fleet["A"].hold.set()
+            status, headers, _ = await first
+            assert (status, headers["x-routed-to"], headers["x-route-reason"]) == \
+                (200, "A", "score")
+            # A's work is over: the content wins again.
+            status, headers, _ = await post(url, "/v1/completions", {
+                "model": MODEL, "prompt": prompt})
+            assert (status, headers["x-routed-to"], headers["x-route-reason"]) == \
+                (200, "A", "score")

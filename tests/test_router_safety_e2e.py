@@ -300,7 +300,10 @@ async def test_black_holes_and_abandoned_requests_starve_neither_instances_nor_t
             for n, hole in enumerate(holes):
                 register(coordinator.url, f"hole-{n}", hole.url).raise_for_status()
                 store(coordinator.url, f"hole-{n}", document, seq=1)
-            with router(coordinator.url, "--score-budget", "5") as url:
+            # Load left out of the choice (cache-greedy), so the holes get every request
+            # for their document and their connections pile up: what the pools must survive.
+            with router(coordinator.url, "--score-budget", "5", "--inflight-cost", "0",
+                        "--max-imbalance", "-1") as url:
                 await knows(url, 4)
 
                 async def abandoned():
