@@ -129,7 +129,7 @@ class KeyDirectory:
         """Gate and apply validated batches, in order. Counts are of batches.
         `speaks_for`: the instances the posting token's scope names (None: any); a
         shared pool's placement another reporter holds changes only if it names that
-        reporter (`Bindings._guarded`)."""
+        reporter (`guard.what_stands`)."""
         with self._lock:
             if speaks_for is not None:
                 self._bindings.speaks_for = speaks_for
