@@ -87,6 +87,9 @@ class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True, gc=
     # False (written only then) from a coordinator whose blend lookup is off: it can find
     # nothing, and says so, so that the client can tell its operator why reuse is zero.
     blend_lookup: bool = True
+    # True (written only then) when a limit cut the candidates (docs/WIRE.md, "Limits"):
+    # what is listed is right, but some positions or contents were left out.
+    truncated: bool = False
 
 
 # --- POST /directory/blend-score (ours) ----------------------------------------------

@@ -133,7 +133,8 @@ class Coordinator:
         positions = found.positions.tolist()
         pos, chunks = found.position_start.tolist(), found.chunk_start.tolist()
         return BlendCandidatesReply(chunk_size=self.directory.chunk_size,
-                                    blend_lookup=self.directory.blend_enabled, candidates=[
+                                    blend_lookup=self.directory.blend_enabled,
+                                    truncated=found.truncated, candidates=[
             WireFoundContent(positions=positions[pos[i]:pos[i + 1]],
                              chunks=offers[chunks[i]:chunks[i + 1]])
             for i in range(found.num_contents)])
