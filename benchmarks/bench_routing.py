@@ -46,7 +46,7 @@ from benchmarks.routing_sim import (
     round_robin,
     summary,
 )
-from blend_router.policy import LoadCost
+from blend_router.policy import RoutingPolicy
 
 WORKLOADS = ["uniform", "hot"]
 ORDERS = 4  # passage orders per question: the retriever's and 3 others
@@ -100,14 +100,16 @@ def capacity(prompts: list[np.ndarray], instances: int, args) -> float:
     return instances / float(np.mean([s.gpu_s for s in kept]))
 
 
-def ours_cost(args) -> LoadCost:
-    return LoadCost(per_request_tokens=args.inflight_cost, queued_weight=args.queued_weight,
-                    max_imbalance=None if args.max_imbalance < 0 else args.max_imbalance)
+def ours_policy(args) -> RoutingPolicy:
+    """Ours: the router's policy with this run's weight and bound, predicting service at the
+    simulated GPUs' rates (the router's defaults)."""
+    return RoutingPolicy(rates=Rates().service, delay_weight=args.delay_weight,
+                         max_imbalance=None if args.max_imbalance < 0 else args.max_imbalance)
 
 
 def run_all(args) -> dict:
     source = Prompts(args.data, args.questions)
-    ours = ours_cost(args)
+    ours = ours_policy(args)
     table = {}
     for workload in WORKLOADS:
         prompts = source.workload(workload, args.requests, args.seed)
@@ -205,15 +207,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--l1-chunks", type=int, default=1250,
                         help="chunks each instance's L1 holds (default: %(default)s: 320k "
                              "tokens of 256, 40 GiB of Llama-3-8B KV)")
-    parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
-                        help="ours: tokens one request in flight costs (default: %(default)s)")
-    parser.add_argument("--queued-weight", type=float, default=LoadCost.queued_weight,
-                        help="ours: weight of a queued prefill token against one of the "
-                             "request's own (default: %(default)s)")
-    parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
-                        help="ours: requests in flight above the least-loaded instance past "
-                             "which an instance is not chosen; -1: no bound (default: "
-                             "%(default)s)")
+    default = RoutingPolicy()
+    parser.add_argument("--delay-weight", type=float, default=default.delay_weight,
+                        help="ours: weight of the delay a request's service causes those "
+                             "queuing behind it (default: the router's, %(default)s)")
+    parser.add_argument("--max-imbalance", type=int, default=-1 if default.max_imbalance is None
+                        else default.max_imbalance,
+                        help="ours: requests waiting above the least-loaded instance past "
+                             "which an instance is not chosen; -1: no bound (default: the "
+                             "router's, %(default)s)")
     parser.add_argument("--policies", type=lambda s: s.split(","), default=POLICIES)
     parser.add_argument("--seed", type=int, default=31)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT,
@@ -234,7 +236,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     print(f"# bench-routing: MuSiQue ({args.questions} questions), {args.requests} requests "
           f"per cell, chunk {args.chunk_size}, L1 {args.l1_chunks} chunks per instance, "
-          f"ours {ours_cost(args)}, "
+          f"ours {ours_policy(args)}, "
           f"seed {args.seed}; {machine_description()}", flush=True)
     table = run_all(args)
     print()

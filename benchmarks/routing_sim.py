@@ -43,7 +43,7 @@ from typing import Callable
 import numpy as np
 
 from blend_router.fleet import Fleet, InFlight
-from blend_router.policy import CACHE_GREEDY, LoadCost, choose_instance
+from blend_router.policy import CACHE_GREEDY, RoutingPolicy, ServiceRates, choose_instance
 from blend_wire import (
     BlendScoreReply,
     BlendScoreRequest,
@@ -65,23 +65,23 @@ POLICIES = ["round-robin", "least-loaded", "prefix-only", "cache-greedy", "ours"
 
 @dataclass(frozen=True)
 class Rates:
-    """One instance's speeds (the module docstring says where each comes from)."""
+    """One instance's speeds (the module docstring says where each comes from): the
+    router's `ServiceRates` (prefill, loads, CacheBlend's recompute; the same figures are
+    the router's defaults) and the decode they share the GPU with."""
 
-    prefill_tokens_s: float = 10_000.0
-    l1_load_tokens_s: float = 190_000.0
-    peer_load_tokens_s: float = 95_000.0
-    blend_recompute: float = 0.15
+    service: ServiceRates = field(default_factory=ServiceRates)
     output_tokens: int = 64
     decode_tokens_s: float = 40.0
     decode_batch: int = 32
 
-    def first_token_s(self, tokens: int, s: InstanceScore) -> float:
+    def __post_init__(self) -> None:
+        if abs(self.service.decode_s - self.decode_gpu_s) > 1e-9:
+            raise ValueError(f"service.decode_s {self.service.decode_s} is not the decode's "
+                             f"GPU time {self.decode_gpu_s}")
+
+    def first_token_s(self, tokens: int, s: InstanceScore | None) -> float:
         """Seconds from service start to the first token, with `s`'s reuse."""
-        blended = s.l1_tokens + s.shared_tokens + s.peer_tokens
-        recomputed = tokens - s.prefix_tokens - blended
-        return ((recomputed + self.blend_recompute * blended) / self.prefill_tokens_s
-                + (s.prefix_tokens + s.l1_tokens) / self.l1_load_tokens_s
-                + (s.shared_tokens + s.peer_tokens) / self.peer_load_tokens_s)
+        return self.service.service_s(tokens, s)
 
     @property
     def decode_gpu_s(self) -> float:
@@ -94,7 +94,7 @@ class Rates:
 
     def capacity_per_instance(self, mean_tokens: float) -> float:
         """Requests/s one instance serves with nothing reused: the load's 100%."""
-        return 1.0 / (mean_tokens / self.prefill_tokens_s + self.decode_gpu_s)
+        return 1.0 / (mean_tokens / self.service.prefill_tokens_s + self.decode_gpu_s)
 
 
 @dataclass
@@ -127,7 +127,9 @@ class Instance:
     seq: int = 0
 
 
-Policy = Callable[["Simulation", Request, int], tuple[int, int]]
+#: A policy: (simulation, request, its place) -> (instance index, its predicted service
+#: there for the router's `Fleet`, its tokens to prefill there for Dynamo's bookkeeping).
+Policy = Callable[["Simulation", Request, int], tuple[int, float, int]]
 
 
 class Simulation:
@@ -144,6 +146,11 @@ class Simulation:
         self.fleet = Fleet()
         self.fleet.urls = {name: "" for name in self.ids}
         self.instances = [Instance() for _ in self.ids]
+        #: Per instance, as Dynamo's KV router counts load: the tokens still to prefill of
+        #: the requests sent there before their first token, and the KV (prompt tokens) of
+        #: those in flight.
+        self.prefill_pending = [0] * instances
+        self.kv_tokens = [0] * instances
         self.served: list[Served] = []
         self._events: list = []
         self._order = itertools.count()
@@ -184,10 +191,12 @@ class Simulation:
         return self.served
 
     def _arrive(self, now: float, request: Request, n: int, policy: Policy) -> None:
-        index, prefill = policy(self, request, n)
-        in_flight = self.fleet.begin(self.ids[index], prefill)
+        index, service_s, prefill = policy(self, request, n)
+        in_flight = self.fleet.begin(self.ids[index], service_s)
+        self.prefill_pending[index] += prefill
+        self.kv_tokens[index] += len(request.tokens)
         instance = self.instances[index]
-        instance.queue.append((request, in_flight))
+        instance.queue.append((request, in_flight, prefill))
         if not instance.busy:
             self._start(now, index)
 
@@ -197,21 +206,26 @@ class Simulation:
             instance.busy = False
             return
         instance.busy = True
-        request, in_flight = instance.queue.popleft()
+        request, in_flight, prefill = instance.queue.popleft()
         reuse = self.reuse(request, index)
         took = self.rates.first_token_s(len(request.tokens), reuse)
         self.served.append(Served(
             request.n, now + took - request.arrival, len(request.tokens),
             reuse.prefix_tokens + reuse.l1_tokens + reuse.shared_tokens + reuse.peer_tokens,
             reuse.prefix_tokens + reuse.l1_tokens, index, took + self.rates.decode_gpu_s))
-        self._at(now + took, lambda t: self._first_token(t, index, request, in_flight))
+        self._at(now + took, lambda t: self._first_token(t, index, request, in_flight, prefill))
 
-    def _first_token(self, now: float, index: int, request: Request, in_flight: InFlight
-                     ) -> None:
+    def _first_token(self, now: float, index: int, request: Request, in_flight: InFlight,
+                     prefill: int) -> None:
         self.fleet.first_piece(in_flight)
+        self.prefill_pending[index] -= prefill
         self._store(index, request)
         self._at(now + self.rates.decode_gpu_s, lambda t: self._start(t, index))
-        self._at(now + self.rates.stream_s, lambda t: self.fleet.end(in_flight))
+        self._at(now + self.rates.stream_s, lambda t: self._end(index, request, in_flight))
+
+    def _end(self, index: int, request: Request, in_flight: InFlight) -> None:
+        self.fleet.end(in_flight)
+        self.kv_tokens[index] -= len(request.tokens)
 
     # --- the instances' L1 -----------------------------------------------------------------
 
@@ -255,40 +269,56 @@ def _entry(chunk_hash: bytes, tokens: np.ndarray | None, offset: int) -> dict:
 
 # --- the policies -----------------------------------------------------------------------------
 
-def round_robin(sim: Simulation, request: Request, n: int) -> tuple[int, int]:
-    return n % len(sim.ids), len(request.tokens)
+def round_robin(sim: Simulation, request: Request, n: int) -> tuple[int, float, int]:
+    return n % len(sim.ids), sim.rates.first_token_s(len(request.tokens), None), \
+        len(request.tokens)
 
 
-def least_loaded(sim: Simulation, request: Request, n: int) -> tuple[int, int]:
+def least_loaded(sim: Simulation, request: Request, n: int) -> tuple[int, float, int]:
     """The router's fallback: fewest requests in flight, round-robin among equals."""
-    return sim.ids.index(sim.fleet.least_loaded()), len(request.tokens)
+    return sim.ids.index(sim.fleet.least_loaded()), \
+        sim.rates.first_token_s(len(request.tokens), None), len(request.tokens)
 
 
-def scored(cost: LoadCost, prefix_only: bool = False) -> Policy:
-    """The router's `choose_instance` on the coordinator's scores, with `cost`. `prefix_only`:
-    each instance scored by its own cached prefix alone (what llm-d's prefix scorer and
-    Dynamo's KV router score: the longest prefix in the instance's own cache; this fleet's
-    only tier is the instance's L1, weight 1; a peer's cache is not theirs to use)."""
-    def choose(sim: Simulation, request: Request, n: int) -> tuple[int, int]:
+def router(policy: RoutingPolicy) -> Policy:
+    """The router's own `choose_instance` on the coordinator's scores, with `policy`."""
+    def choose(sim: Simulation, request: Request, n: int) -> tuple[int, float, int]:
         reply = sim.scores(request)
-        if prefix_only:
-            reply = BlendScoreReply(chunk_size=reply.chunk_size, instances=[
-                InstanceScore(instance_id=s.instance_id, prefix_tokens=s.prefix_tokens,
-                              l1_tokens=0, shared_tokens=0, peer_tokens=0,
-                              score=float(s.prefix_tokens)) for s in reply.instances])
-        instance, _, prefill = choose_instance(
+        instance, _, service_s = choose_instance(
             sim.fleet, reply, unscored_reason="unscored", request_tokens=len(request.tokens),
-            cost=cost)
-        return sim.ids.index(instance), prefill
+            policy=policy)
+        prefix = next(s.prefix_tokens for s in reply.instances if s.instance_id == instance)
+        return sim.ids.index(instance), service_s, len(request.tokens) - prefix
     return choose
 
 
-def policies(ours: LoadCost) -> dict[str, Policy]:
-    """The benchmark's policies by name (POLICIES); prefix-only gets ours's load cost, as
-    llm-d and Dynamo weigh their prefix score against load."""
+def dynamo_prefix(overlap_weight: float = 1.0) -> Policy:
+    """Prefix-only, as Dynamo's KV router chooses (its documented cost function, default
+    `overlap_score_weight` 1.0): the lowest `overlap_weight * prefill + decode`, with
+    prefill = the tokens still to prefill of the requests sent to the instance before their
+    first token plus this request's tokens past its cached prefix there, and decode = the KV
+    of the requests in flight there plus this one's (tokens: Dynamo counts blocks, the same
+    ratio). The prefix is the instance's own (its L1 here, the only local tier: what a
+    prefix index of the instance's cache events finds); a peer's cache is not theirs to
+    use. Ties: round-robin."""
+    def choose(sim: Simulation, request: Request, n: int) -> tuple[int, float, int]:
+        reply = sim.scores(request)
+        prefix = {s.instance_id: s.prefix_tokens for s in reply.instances}
+        size = len(request.tokens)
+        costs = [overlap_weight * (sim.prefill_pending[k] + size - prefix.get(name, 0))
+                 + sim.kv_tokens[k] + size for k, name in enumerate(sim.ids)]
+        least = min(costs)
+        tied = [k for k, c in enumerate(costs) if c == least]
+        index = tied[n % len(tied)]
+        return index, sim.rates.first_token_s(size, None), size - prefix.get(sim.ids[index], 0)
+    return choose
+
+
+def policies(ours: RoutingPolicy) -> dict[str, Policy]:
+    """The benchmark's policies by name (POLICIES)."""
     return {"round-robin": round_robin, "least-loaded": least_loaded,
-            "prefix-only": scored(ours, prefix_only=True),
-            "cache-greedy": scored(CACHE_GREEDY), "ours": scored(ours)}
+            "prefix-only": dynamo_prefix(), "cache-greedy": router(CACHE_GREEDY),
+            "ours": router(ours)}
 
 
 # --- workloads --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from blend_router.app import create_router
 from blend_router.config import RouterConfig, parse_backend
-from blend_router.policy import LoadCost
+from blend_router.policy import RoutingPolicy, ServiceRates
 from blend_router.tokenizer import ModelTokenizer
 from blend_wire.version import version_line
 
@@ -33,13 +33,51 @@ def _add_tokens_and_choice(parser: argparse.ArgumentParser) -> None:
                         help="ask an engine's POST /tokenize (vLLM's API), within the score "
                              "budget, for what --tokenizer cannot tokenize; without either, "
                              "text requests are routed unscored")
-    parser.add_argument("--inflight-cost", type=float, default=LoadCost.per_request_tokens,
-                        help="tokens of work one request waiting for its first piece costs "
-                             "its instance in the choice (default: %(default)s)")
-    parser.add_argument("--max-imbalance", type=int, default=LoadCost.max_imbalance,
+    rates, policy = ServiceRates(), RoutingPolicy()
+    choice = parser.add_argument_group(
+        "choice of instance", "where the first token is predicted soonest: the work queued "
+        "ahead plus the request's own prefill and loads there, at these rates (defaults: "
+        "Llama-3-8B on one A100; docs/DESIGN.md, 'Routing')")
+    for flag, name, unit in (("--prefill-rate", "prefill_tokens_s", "prompt tokens prefilled"),
+                             ("--l1-load-rate", "l1_load_tokens_s",
+                              "tokens of KV loaded from the instance's own L1"),
+                             ("--shared-load-rate", "shared_load_tokens_s",
+                              "tokens of KV loaded from a shared tier"),
+                             ("--peer-load-rate", "peer_load_tokens_s",
+                              "tokens of KV loaded from a peer")):
+        choice.add_argument(flag, type=float, default=getattr(rates, name), dest=name,
+                            help=f"{unit} per second (default: %(default)s)")
+    choice.add_argument("--blend-recompute", type=float, default=rates.blend_recompute,
+                        help="share of reused non-prefix tokens CacheBlend recomputes "
+                             "(default: %(default)s)")
+    choice.add_argument("--decode-cost", type=float, default=rates.decode_s,
+                        help="GPU seconds one request's decode takes from the next prefill "
+                             "(default: %(default)s)")
+    choice.add_argument("--delay-weight", type=float, default=policy.delay_weight,
+                        help="the request's own service counts 1 + this x the requests "
+                             "waiting at the instance and per instance in the fleet: the "
+                             "delay it causes those queuing behind it; 0: its own time to "
+                             "first token only (default: %(default)s)")
+    choice.add_argument("--max-imbalance", type=int, default=-1 if policy.max_imbalance is None
+                        else policy.max_imbalance,
                         help="an instance with more requests waiting than the least-loaded "
                              "one plus this is not chosen; -1: no bound (default: "
                              "%(default)s)")
+    choice.add_argument("--cache-greedy", action="store_true",
+                        help="the best score wins and load only breaks ties (the router "
+                             "before load-aware routing)")
+
+
+def routing_policy(args: argparse.Namespace) -> RoutingPolicy:
+    """The choice the flags describe (ValueError for rates out of range)."""
+    rates = ServiceRates(prefill_tokens_s=args.prefill_tokens_s,
+                         l1_load_tokens_s=args.l1_load_tokens_s,
+                         shared_load_tokens_s=args.shared_load_tokens_s,
+                         peer_load_tokens_s=args.peer_load_tokens_s,
+                         blend_recompute=args.blend_recompute, decode_s=args.decode_cost)
+    return RoutingPolicy(rates=rates, delay_weight=args.delay_weight,
+                         max_imbalance=None if args.max_imbalance == -1 else args.max_imbalance,
+                         load_aware=not args.cache_greedy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,8 +180,7 @@ def main(argv=None) -> int:
             max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
             backend_connections_per_host=args.backend_connections_per_host,
             engine_tokenize=args.engine_tokenize,
-            load_cost=LoadCost(per_request_tokens=args.inflight_cost, max_imbalance=None
-                               if args.max_imbalance == -1 else args.max_imbalance))
+            routing=routing_policy(args))
         tokenizer = None if args.tokenizer in (None, "none") else ModelTokenizer(args.tokenizer)
         app = create_router(config, tokenizer)
     except (ValueError, RuntimeError) as exc:

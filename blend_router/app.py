@@ -74,18 +74,18 @@ class Router:
             return None
 
     async def choose(self, tokens: np.ndarray | None, model: str, cache_salt: str,
-                     deadline: float) -> tuple[str | None, str, int]:
+                     deadline: float) -> tuple[str | None, str, float]:
         model_name = self.config.model_name or model
         size = 0 if tokens is None else int(tokens.size)
-        cost = self.config.load_cost
+        policy = self.config.routing
         if not size or not model_name:
             return choose_instance(self.fleet, None, unscored_reason="unscored",
-                                   request_tokens=size, cost=cost)
+                                   request_tokens=size, policy=policy)
         scores = await self.coordinator.score(
             tokens, model_name, cache_salt,
             max(deadline - asyncio.get_running_loop().time(), 0.001))
         return choose_instance(self.fleet, scores, unscored_reason="coordinator-unavailable",
-                               request_tokens=size, cost=cost)
+                               request_tokens=size, policy=policy)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -106,27 +106,28 @@ class Router:
                 deadline = loop.time() + self.config.score_budget_s
         except Refused as exc:
             return refusal(exc.status, exc.detail, "refused")
-        instance, reason, prefill = await self.choose(tokens, parsed.model, parsed.cache_salt,
+        instance, reason, service_s = await self.choose(tokens, parsed.model, parsed.cache_salt,
                                                       deadline)
         failed = None
         while instance is not None:
             try:
-                return await self.forward(request, raw, instance, reason, prefill)
+                return await self.forward(request, raw, instance, reason, service_s)
             except Unreachable as exc:
                 log.warning("instance %s unreachable (%s)", instance, exc)
                 if failed is not None:
                     break
                 failed, instance = instance, self.fleet.least_loaded(exclude=instance)
                 reason = "retry-after-unreachable"
-                prefill = 0 if tokens is None else int(tokens.size)
+                service_s = self.config.routing.rates.service_s(
+                    0 if tokens is None else int(tokens.size), None)
         if failed is not None:
             return refusal(502, f"instance {failed} could not be reached", "unreachable")
         return refusal(503, "no serving instance with a known engine is registered with the "
                             "coordinator (yet)", "no-instance")
 
     async def forward(self, request: web.Request, raw: bytes, instance: str, reason: str,
-                      prefill_tokens: int) -> web.StreamResponse:
-        in_flight = self.fleet.begin(instance, prefill_tokens)
+                      service_s: float) -> web.StreamResponse:
+        in_flight = self.fleet.begin(instance, service_s)
         try:
             return await forward(self.session, request, raw,
                                  self.fleet.urls[instance] + request.path,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from blend_router.policy import LoadCost
+from blend_router.policy import RoutingPolicy
 from blend_wire import EngineAddress, engine_address
 
 
@@ -42,8 +42,9 @@ class RouterConfig:
     backend_connections_per_host: int = 64
     #: Connections open to the coordinator for scores at most (the registry has its own).
     coordinator_connections: int = 32
-    #: How queued work weighs against reuse in the choice (`--inflight-cost`, `--max-imbalance`).
-    load_cost: LoadCost = field(default_factory=LoadCost)
+    #: The choice of instance: the rates it predicts service with, the wait's weight, the
+    #: imbalance bound, or cache-greedy (`--prefill-rate` ..., `--cache-greedy`).
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     #: Ask an engine's `POST /tokenize` for text the `--tokenizer` file cannot tokenize.
     engine_tokenize: bool = False
 

@@ -14,10 +14,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """One request out to `instance`: `prefill_tokens` still queued until its first piece."""
+    """One request out to `instance`: `service_s` (its predicted service there) still
+    queued until its first piece."""
 
     instance: str
-    prefill_tokens: int
+    service_s: float
     prefilled: bool = False
 
 
@@ -31,15 +32,15 @@ class Fleet:
 
     Per instance: the requests this router has in flight there (`in_flight`), of them those
     still waiting for their first piece (`prefilling`: queued or in prefill) and their
-    tokens to prefill (`prefill_tokens`), counted from `begin` until the answer's first
-    piece (`first_piece`) or its end."""
+    predicted service in seconds (`queued_s`: prefill and loads, `policy.ServiceRates`),
+    counted from `begin` until the answer's first piece (`first_piece`) or its end."""
 
     def __init__(self, backends: Mapping[str, EngineAddress] | None = None) -> None:
         self.urls: dict[str, str] = {}
         self.unroutable: set[str] = set()
         self.in_flight: dict[str, int] = {}
         self.prefilling: dict[str, int] = {}
-        self.prefill_tokens: dict[str, int] = {}
+        self.queued_s: dict[str, float] = {}
         self._backends = dict(backends or {})
         self._turn = itertools.count()
 
@@ -80,19 +81,22 @@ class Fleet:
         urls = list(self.urls.values())
         return urls[next(self._turn) % len(urls)] if urls else None
 
-    def begin(self, instance: str, prefill_tokens: int) -> InFlight:
-        """A request expected to prefill `prefill_tokens` tokens goes out to `instance`."""
+    def begin(self, instance: str, service_s: float) -> InFlight:
+        """A request whose service is predicted to take `service_s` seconds (to its first
+        token) goes out to `instance`."""
         self.in_flight[instance] = self.in_flight.get(instance, 0) + 1
         self.prefilling[instance] = self.prefilling.get(instance, 0) + 1
-        self.prefill_tokens[instance] = self.prefill_tokens.get(instance, 0) + prefill_tokens
-        return InFlight(instance, prefill_tokens)
+        self.queued_s[instance] = self.queued_s.get(instance, 0.0) + service_s
+        return InFlight(instance, service_s)
 
     def first_piece(self, request: InFlight) -> None:
         """The instance sent the first piece of its answer: the prefill is done."""
         if not request.prefilled:
             request.prefilled = True
             self.prefilling[request.instance] -= 1
-            self.prefill_tokens[request.instance] -= request.prefill_tokens
+            self.queued_s[request.instance] -= request.service_s
+            if not self.prefilling[request.instance]:  # no float residue once none waits
+                self.queued_s[request.instance] = 0.0
 
     def end(self, request: InFlight) -> None:
         """The request `begin` counted is over (answered, failed or abandoned)."""

@@ -1,94 +1,164 @@
-"""The choice of instance for one request: the coordinator's score minus the cost of the work
-already queued at each instance, within a bound on imbalance (docs/DESIGN.md, "Routing").
+"""The choice of instance for one request: where its first token is predicted to come
+soonest, counting the delay its service causes the requests that queue behind it, from
+the coordinator's scores and the work queued at each instance (docs/DESIGN.md, "Routing").
 
 `choose_instance` is the router's one call into the policy (blend_router/app.py): the rest
 of the router neither ranks nor balances. `make bench-routing` runs this same function in
-its queueing simulation (benchmarks/routing_sim.py), with other `LoadCost`s for the
-baselines.
+its queueing simulation (benchmarks/routing_sim.py), whose GPUs serve at the same
+`ServiceRates` the router predicts with by default.
 
-The estimate, in prompt tokens (a token to prefill is the unit of work):
+The estimate, in seconds, for instance i:
 
-    cost(i) = (request_tokens - score(i))                   this request's own prefill at i
-            + queued_weight * (prefill_tokens(i)            the prefill queued before it
-                               + per_request_tokens * prefilling(i))   and those requests' decode
+    cost(i) = queued_s(i) + decode_s * waiting(i)       the wait: service and decode ahead
+            + (1 + delay_weight * behind(i)) * service_s(i)   this request's own service
 
-where `prefilling(i)` counts the requests this router sent to i that have not had their
-first piece back (queued or in prefill) and `prefill_tokens(i)` their tokens to prefill
-(`Fleet`). The instance with the lowest cost wins, among those with at most `max_imbalance`
-more requests prefilling than the least; ties go to fewer requests in flight, then
-round-robin. With no score every instance's own prefill is the whole request, so the choice
-is by load alone. `queued_weight` < 1 leans to reuse: a token this request recomputes is
-work the whole fleet does, a token queued ahead of it only delays it.
+`waiting(i)` counts the requests this router sent to i that have not had their first
+piece back (queued or in prefill), `queued_s(i)` their predicted service (`Fleet`), and
+`decode_s` the GPU time each one's decode then takes from the next prefill. `service_s(i)`
+is the request's prefill of the tokens it recomputes at i plus the loading of those it
+reuses from where they are: its prefix and own-L1 chunks at the L1 rate, shared-tier and
+peer chunks at theirs, CacheBlend recomputing a share of every reused non-prefix token (the
+score's split: `prefix_tokens`, `l1_tokens`, `shared_tokens`, `peer_tokens`). With
+`delay_weight` 0 the cost is the request's predicted time to first token. Each second of
+its service also delays the requests that will queue behind it at i; `behind(i)`, the
+requests waiting at i plus those waiting per instance across the fleet, stands for how
+many: idle, the choice is the request's own fastest first token; busy, reuse weighs more
+(work the fleet does not do), and most at the busiest instances, which keeps long
+recomputations off the queues of cheap, well-reused requests. The instance with the
+lowest cost wins, among those with at most `max_imbalance` more requests waiting than the
+least (no bound by default); ties go to fewer requests in flight, then round-robin. With no
+score every instance's service is the whole prefill, so the choice is by load alone.
+`CACHE_GREEDY` (`--cache-greedy`) is the router before load-aware routing: the best score
+wins, load only breaks ties.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from blend_router.fleet import Fleet
-from blend_wire import BlendScoreReply
+from blend_wire import BlendScoreReply, InstanceScore
 
 
 @dataclass(frozen=True)
-class LoadCost:
-    """How much queued work weighs against reuse. The defaults are the router's (and
-    `--inflight-cost`, `--max-imbalance`), tuned in `make bench-routing`'s simulation."""
+class ServiceRates:
+    """One instance's speeds, for predicting a request's service there. Defaults: Llama-3-8B
+    on one A100-SXM 80 GB (`--prefill-rate`, ... ; where each figure comes from:
+    benchmarks/routing_sim.py's docstring, the simulation's GPUs)."""
 
-    #: Tokens one request waiting for its first piece costs its instance beyond its prefill:
-    #: its decode, which shares the GPU with the next prefill.
-    per_request_tokens: float = 512.0
-    #: Weight of a token queued for prefill at an instance against one of this request's own.
-    queued_weight: float = 0.25
-    #: An instance with more than this many requests prefilling above the least-loaded one
-    #: is not chosen, whatever its score (None: no bound).
-    max_imbalance: int | None = 8
+    #: Prompt tokens prefilled per second.
+    prefill_tokens_s: float = 10_000.0
+    #: Tokens of KV loaded per second from the instance's own CPU L1 (PCIe).
+    l1_load_tokens_s: float = 190_000.0
+    #: ... from a shared tier, and from a peer's L1 (both over a 100 Gb/s network).
+    shared_load_tokens_s: float = 95_000.0
+    peer_load_tokens_s: float = 95_000.0
+    #: Share of reused non-prefix tokens CacheBlend recomputes.
+    blend_recompute: float = 0.15
+    #: GPU seconds one request's decode takes from the next prefill: 64 output tokens at
+    #: 40 tokens/s in a batch of 32.
+    decode_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if not 0 <= self.per_request_tokens < float("inf") or \
-                not 0 <= self.queued_weight < float("inf"):
-            raise ValueError("per_request_tokens and queued_weight must be finite and >= 0")
+        for name in ("prefill_tokens_s", "l1_load_tokens_s", "shared_load_tokens_s",
+                     "peer_load_tokens_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number of tokens/s > 0, got "
+                                 f"{getattr(self, name)}")
+        if not 0 <= self.blend_recompute <= 1:
+            raise ValueError(f"blend_recompute must be in [0, 1], got {self.blend_recompute}")
+        if not 0 <= self.decode_s < math.inf:
+            raise ValueError(f"decode_s must be finite seconds >= 0, got {self.decode_s}")
+
+    def service_s(self, tokens: int, reuse: InstanceScore | None) -> float:
+        """Seconds from a request's service start to its first token at an instance that
+        reuses `reuse` of its `tokens` (None: nothing)."""
+        if reuse is None:
+            return tokens / self.prefill_tokens_s
+        blended = reuse.l1_tokens + reuse.shared_tokens + reuse.peer_tokens
+        recomputed = max(tokens - reuse.prefix_tokens - blended, 0)
+        return ((recomputed + self.blend_recompute * blended) / self.prefill_tokens_s
+                + (reuse.prefix_tokens + reuse.l1_tokens) / self.l1_load_tokens_s
+                + reuse.shared_tokens / self.shared_load_tokens_s
+                + reuse.peer_tokens / self.peer_load_tokens_s)
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """How the choice weighs queued work against reuse. The defaults are the router's
+    (`--prefill-rate` ..., `--delay-weight`, `--max-imbalance`, `--cache-greedy`), chosen
+    in `make bench-routing`'s simulation."""
+
+    rates: ServiceRates = field(default_factory=ServiceRates)
+    #: Each second of this request's service at i also delays the requests that will
+    #: queue behind it there: its service counts `1 + delay_weight * w` times, w the
+    #: requests waiting at i now plus those waiting per instance across the fleet (0: this
+    #: request's own time to first token only).
+    delay_weight: float = 4.0
+    #: An instance with more than this many requests prefilling above the least-loaded one
+    #: is not chosen, whatever its prediction (None: no bound).
+    max_imbalance: int | None = None
+    #: False: cache-greedy, the router before load-aware routing: the best score wins, load
+    #: only breaks ties (the other fields are not used).
+    load_aware: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.delay_weight < math.inf:
+            raise ValueError(f"delay_weight must be finite and >= 0, got {self.delay_weight}")
         if self.max_imbalance is not None and self.max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {self.max_imbalance}")
 
 
-#: Today's policy before load-aware routing: the best score wins, load only breaks ties.
-CACHE_GREEDY = LoadCost(per_request_tokens=0.0, queued_weight=0.0, max_imbalance=None)
+#: The router before load-aware routing: the best score wins, load only breaks ties.
+CACHE_GREEDY = RoutingPolicy(load_aware=False)
 
 _turns: Iterator[int] = itertools.count()
 
 
 def choose_instance(fleet: Fleet, scores: BlendScoreReply | None, *, unscored_reason: str,
-                    request_tokens: int, cost: LoadCost = LoadCost()
-                    ) -> tuple[str | None, str, int]:
-    """`(instance, reason, prefill_tokens)`: the instance to send to (None: no instance
-    known), the `X-Route-Reason` naming why, and the tokens it is expected to prefill (the
-    request's tokens less its score there: what `Fleet.begin` counts as queued). `scores`
-    is None when the request was not scored, for `unscored_reason` (`unscored`,
-    `coordinator-unavailable`); `request_tokens` is the prompt's length (0 when unknown)."""
+                    request_tokens: int, policy: RoutingPolicy = RoutingPolicy()
+                    ) -> tuple[str | None, str, float]:
+    """`(instance, reason, service_s)`: the instance to send to (None: no instance known),
+    the `X-Route-Reason` naming why, and the request's predicted service there in seconds
+    (what `Fleet.begin` counts as queued). `scores` is None when the request was not
+    scored, for `unscored_reason` (`unscored`, `coordinator-unavailable`);
+    `request_tokens` is the prompt's length (0 when unknown)."""
     ids = list(fleet.urls)
     if not ids:
-        return None, unscored_reason, 0
-    score = {} if scores is None else {s.instance_id: s.score for s in scores.instances}
-    requests, waiting, queued = fleet.in_flight, fleet.prefilling, fleet.prefill_tokens
-    if cost.max_imbalance is not None:
-        bound = min(waiting.get(i, 0) for i in ids) + cost.max_imbalance
+        return None, unscored_reason, 0.0
+    reuse = {} if scores is None else {s.instance_id: s for s in scores.instances}
+    requests, waiting, queued = fleet.in_flight, fleet.prefilling, fleet.queued_s
+    if policy.load_aware and policy.max_imbalance is not None:
+        bound = min(waiting.get(i, 0) for i in ids) + policy.max_imbalance
         ids = [i for i in ids if waiting.get(i, 0) <= bound]
     start = next(_turns) % len(ids)  # round-robin among equals: start the scan in turn
     ids = ids[start:] + ids[:start]
+    rates = policy.rates
+    per_instance = sum(waiting.get(i, 0) for i in fleet.urls) / len(fleet.urls)
 
-    def estimate(i: str) -> tuple[float, int]:
-        own = max(request_tokens - score.get(i, 0.0), 0.0)
-        ahead = queued.get(i, 0) + cost.per_request_tokens * waiting.get(i, 0)
-        return own + cost.queued_weight * ahead, requests.get(i, 0)
+    def service(i: str) -> float:
+        return rates.service_s(request_tokens, reuse.get(i))
 
-    chosen = min(ids, key=estimate)
-    best = max((score.get(i, 0.0) for i in fleet.urls), default=0.0)
+    def predicted(i: str) -> tuple[float, int]:
+        if not policy.load_aware:
+            return -_score(reuse.get(i)), requests.get(i, 0)
+        ahead = queued.get(i, 0.0) + rates.decode_s * waiting.get(i, 0)
+        behind = per_instance + waiting.get(i, 0)
+        return ahead + (1 + policy.delay_weight * behind) * service(i), requests.get(i, 0)
+
+    chosen = min(ids, key=predicted)
+    best = max((_score(reuse.get(i)) for i in fleet.urls), default=0.0)
     if scores is None:
         reason = unscored_reason
     elif best <= 0:
         reason = "nothing-cached"
     else:  # "load": a better-scored instance was passed over for the work queued there
-        reason = "score" if score.get(chosen, 0.0) >= best else "load"
-    return chosen, reason, int(round(max(request_tokens - score.get(chosen, 0.0), 0.0)))
+        reason = "score" if _score(reuse.get(chosen)) >= best else "load"
+    return chosen, reason, service(chosen)
+
+
+def _score(reuse: InstanceScore | None) -> float:
+    return 0.0 if reuse is None else reuse.score

@@ -14,10 +14,10 @@ from benchmarks.routing_sim import (
     least_loaded,
     policies,
     round_robin,
-    scored,
+    router,
     summary,
 )
-from blend_router.policy import CACHE_GREEDY, LoadCost
+from blend_router.policy import CACHE_GREEDY, RoutingPolicy
 
 LANE = "unit"
 
@@ -57,8 +57,8 @@ def test_a_policy_that_ignores_load_piles_up_and_ours_does_not():
         sim = Simulation(4, l1_chunks=1000, chunk_size=C, rates=Rates())
         return summary(sim.run(requests, policy), warmup=1)
 
-    greedy = after_the_first(scored(CACHE_GREEDY))
-    ours = after_the_first(scored(LoadCost()))
+    greedy = after_the_first(router(CACHE_GREEDY))
+    ours = after_the_first(router(RoutingPolicy()))
     assert greedy["max_share"] == 1.0  # every request to the instance holding the document
     assert ours["max_share"] < 0.6
     assert ours["p99"] < greedy["p99"] / 5 and ours["mean"] < greedy["mean"] / 5
@@ -78,7 +78,7 @@ def test_reuse_is_counted_on_the_serving_instance():
     assert served[1].ttft < served[0].ttft
     again = Simulation(2, l1_chunks=1000, chunk_size=C, rates=Rates())
     local = sorted(again.run(arrivals([document, document], 0.01, C, seed=1),
-                             scored(CACHE_GREEDY)), key=lambda s: s.n)
+                             router(CACHE_GREEDY)), key=lambda s: s.n)
     assert [s.instance for s in local][1] == local[0].instance
     assert local[1].local == 8 * C and local[1].ttft < served[1].ttft
 
@@ -95,6 +95,23 @@ def test_an_l1_keeps_only_its_capacity():
 def test_the_quick_run_prints_every_policy(capsys):
     assert bench_routing.main(["--quick"]) == 0
     out = capsys.readouterr().out
-    for name in policies(LoadCost()):
+    for name in policies(RoutingPolicy()):
         assert f"| {name} |" in out
     assert "ours lowest mean and p99 TTFT in" in out
+
+
+def test_prefix_only_weighs_its_prefix_against_queued_prefill_and_kv_as_dynamo_does():
+    # Dynamo's cost: overlap_weight * (prefill queued + this one's uncached tokens) + the KV
+    # of the requests in flight: the holder of the prefix wins idle, loses once the work
+    # queued there outweighs the prefix.
+    document = tokens(8 * C)
+    sim = Simulation(2, l1_chunks=1000, chunk_size=C, rates=Rates())
+    sim.run(arrivals([document], 0.01, C, seed=1), round_robin)  # instance 0 holds it
+    request = arrivals([np.concatenate([document, tokens(C)])], 0.01, C, seed=1)[0]
+    choose = policies(RoutingPolicy())["prefix-only"]
+    index, _, prefill = choose(sim, request, 0)
+    assert (index, prefill) == (0, C)  # only the tokens past its cached prefix
+    sim.prefill_pending[0] = 4 * C  # queued prefill still below the 8 chunks it saves
+    assert choose(sim, request, 0)[0] == 0
+    sim.kv_tokens[0] = 5 * C  # with the KV in flight there, more than it saves
+    assert choose(sim, request, 0)[0] == 1

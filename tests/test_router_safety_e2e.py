@@ -302,8 +302,7 @@ async def test_black_holes_and_abandoned_requests_starve_neither_instances_nor_t
                 store(coordinator.url, f"hole-{n}", document, seq=1)
             # Load left out of the choice (cache-greedy), so the holes get every request
             # for their document and their connections pile up: what the pools must survive.
-            with router(coordinator.url, "--score-budget", "5", "--inflight-cost", "0",
-                        "--max-imbalance", "-1") as url:
+            with router(coordinator.url, "--score-budget", "5", "--cache-greedy") as url:
                 await knows(url, 4)
 
                 async def abandoned():
