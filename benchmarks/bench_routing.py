@@ -14,10 +14,12 @@ half the no-reuse capacity). So at 95% round-robin's instances are 95% busy, a p
 reuses more is less busy, and one that piles requests onto few instances queues there.
 
 Policies (routing_sim.policies): round-robin; least-loaded (fewest in flight, the router's
-fallback); prefix-only (each instance's own cached prefix, what llm-d and Dynamo score,
-weighed against load as ours); cache-greedy (the best blend score, load breaks ties: the
-router before issue 31); ours (the blend score minus the queued work, within the imbalance
-bound: `blend_router.policy.LoadCost`).
+fallback); prefix-only (Dynamo's KV router: its documented cost, prefill queued plus this
+request's uncached prefix at 1.0 plus the KV in flight, lowest wins; llm-d's prefix scorer
+weighs the same own-cache prefix against queue depth); cache-greedy (the best blend score,
+load breaks ties: the router before issue 31); ours (the router's default
+`blend_router.policy.RoutingPolicy`: the predicted wait plus the request's own predicted
+service, weighted by the requests queuing behind it).
 
 Per cell and policy: mean and p99 time to first token past the first 10% of requests
 (caches filling), the share of prompt tokens reused (not recomputed: own L1 and peers) and

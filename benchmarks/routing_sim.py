@@ -9,6 +9,8 @@ coordinator (`coordinator_stub.service.Coordinator`, the same directory, content
 called as the router calls them (`blend_router.policy.choose_instance` on the coordinator's
 `BlendScoreReply` and a `blend_router.fleet.Fleet` kept by the same begin / first piece /
 end hooks), so ours and cache-greedy are the router's own code, not a re-derivation.
+Prefix-only (Dynamo's KV router cost) keeps the load its own way: the tokens to prefill and
+the KV in flight per instance.
 
 The service model (one instance = one GPU, one FCFS server of GPU time):
 
@@ -21,12 +23,14 @@ The service model (one instance = one GPU, one FCFS server of GPU time):
   request's prefill starts; the router sees the stream end `output_tokens /
   decode_tokens_s` after the first token.
 
-Rates, Llama-3-8B on one A100-SXM 80 GB (`Rates`): prefill 10,000 tokens/s (2 x 8.0e9 FLOP
+Rates, Llama-3-8B on one A100-SXM 80 GB (`Rates`; the service figures are
+`blend_router.policy.ServiceRates`, the router's defaults, so ours predicts with the
+simulated GPUs' own rates): prefill 10,000 tokens/s (2 x 8.0e9 FLOP
 per token, the 2N rule of Kaplan et al. 2020, at ~50% of the A100's 312 TFLOPS dense BF16
 from NVIDIA's A100 datasheet); KV 128 KiB per token (Llama-3-8B's config.json: 32 layers x 8
 KV heads x 128 dims x K and V x 2 bytes), loaded from the instance's CPU L1 over PCIe 4.0 x16
 (~25 GB/s of its 32: ~190,000 tokens/s) and from a peer over 100 Gb/s (12.5 GB/s: ~95,000
-tokens/s); CacheBlend recomputes 15% of reused non-prefix tokens (its paper's operating
+tokens/s; a shared tier, which this fleet has not, over the same network); CacheBlend recomputes 15% of reused non-prefix tokens (its paper's operating
 point, Yao et al., EuroSys 2025); decode 40 tokens/s per request in a batch of 32 (25 ms per
 step, vLLM's range for an 8B model at that batch on an A100), 64 output tokens (MuSiQue's
 answers are a few words).
