@@ -47,7 +47,13 @@ from typing import Callable
 import numpy as np
 
 from blend_router.fleet import Fleet, InFlight
-from blend_router.policy import CACHE_GREEDY, RoutingPolicy, ServiceRates, choose_instance
+from blend_router.policy import (
+    CACHE_GREEDY,
+    RoutingPolicy,
+    ServiceRates,
+    chunk_hashes,
+    choose_instance,
+)
 from blend_wire import (
     BlendScoreReply,
     BlendScoreRequest,
@@ -108,6 +114,7 @@ class Request:
     tokens: np.ndarray
     tokens_b64: str
     hashes: list[bytes]
+    chunks: np.ndarray | None = None  # the router's chunk hashes, once it chose
 
 
 @dataclass
@@ -196,7 +203,7 @@ class Simulation:
 
     def _arrive(self, now: float, request: Request, n: int, policy: Policy) -> None:
         index, service_s, prefill = policy(self, request, n)
-        in_flight = self.fleet.begin(self.ids[index], service_s)
+        in_flight = self.fleet.begin(self.ids[index], service_s, request.chunks)
         self.prefill_pending[index] += prefill
         self.kv_tokens[index] += len(request.tokens)
         instance = self.instances[index]
@@ -288,9 +295,11 @@ def router(policy: RoutingPolicy) -> Policy:
     """The router's own `choose_instance` on the coordinator's scores, with `policy`."""
     def choose(sim: Simulation, request: Request, n: int) -> tuple[int, float, int]:
         reply = sim.scores(request)
+        chunks = chunk_hashes(request.tokens, sim.chunk_size)
         instance, _, service_s = choose_instance(
             sim.fleet, reply, unscored_reason="unscored", request_tokens=len(request.tokens),
-            policy=policy)
+            policy=policy, chunks=chunks)
+        request.chunks = chunks
         prefix = next(s.prefix_tokens for s in reply.instances if s.instance_id == instance)
         return sim.ids.index(instance), service_s, len(request.tokens) - prefix
     return choose

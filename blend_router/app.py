@@ -26,7 +26,7 @@ from blend_router.coordinator import CoordinatorClient
 from blend_router.fleet import Fleet
 from blend_router.forward import Unreachable, backend_session, forward
 from blend_router.intake import read_body
-from blend_router.policy import choose_instance
+from blend_router.policy import chunk_hashes, choose_instance
 from blend_router.prompts import (
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
@@ -74,18 +74,21 @@ class Router:
             return None
 
     async def choose(self, tokens: np.ndarray | None, model: str, cache_salt: str,
-                     deadline: float) -> tuple[str | None, str, float]:
+                     deadline: float) -> tuple[str | None, str, float, np.ndarray | None]:
+        """`choose_instance`'s answer and the request's chunk hashes (None: unscored)."""
         model_name = self.config.model_name or model
         size = 0 if tokens is None else int(tokens.size)
         policy = self.config.routing
         if not size or not model_name:
-            return choose_instance(self.fleet, None, unscored_reason="unscored",
-                                   request_tokens=size, policy=policy)
+            return *choose_instance(self.fleet, None, unscored_reason="unscored",
+                                    request_tokens=size, policy=policy), None
         scores = await self.coordinator.score(
             tokens, model_name, cache_salt,
             max(deadline - asyncio.get_running_loop().time(), 0.001))
-        return choose_instance(self.fleet, scores, unscored_reason="coordinator-unavailable",
-                               request_tokens=size, policy=policy)
+        chunks = None if scores is None else chunk_hashes(
+            tokens, scores.chunk_size, f"{model_name}\0{cache_salt}")
+        return *choose_instance(self.fleet, scores, unscored_reason="coordinator-unavailable",
+                                request_tokens=size, policy=policy, chunks=chunks), chunks
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -106,12 +109,12 @@ class Router:
                 deadline = loop.time() + self.config.score_budget_s
         except Refused as exc:
             return refusal(exc.status, exc.detail, "refused")
-        instance, reason, service_s = await self.choose(tokens, parsed.model, parsed.cache_salt,
-                                                      deadline)
+        instance, reason, service_s, chunks = await self.choose(
+            tokens, parsed.model, parsed.cache_salt, deadline)
         failed = None
         while instance is not None:
             try:
-                return await self.forward(request, raw, instance, reason, service_s)
+                return await self.forward(request, raw, instance, reason, service_s, chunks)
             except Unreachable as exc:
                 log.warning("instance %s unreachable (%s)", instance, exc)
                 if failed is not None:
@@ -126,8 +129,8 @@ class Router:
                             "coordinator (yet)", "no-instance")
 
     async def forward(self, request: web.Request, raw: bytes, instance: str, reason: str,
-                      service_s: float) -> web.StreamResponse:
-        in_flight = self.fleet.begin(instance, service_s)
+                      service_s: float, chunks: np.ndarray | None) -> web.StreamResponse:
+        in_flight = self.fleet.begin(instance, service_s, chunks)
         try:
             return await forward(self.session, request, raw,
                                  self.fleet.urls[instance] + request.path,

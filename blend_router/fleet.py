@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
+
+import numpy as np
 
 from blend_wire import ENGINE_URL_KEY, EngineAddress, InstancesReply, engine_address
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # each request is itself: `Fleet.waiting` removes it by identity
 class InFlight:
     """One request out to `instance`: `service_s` (its predicted service there) still
     queued until its first piece."""
 
     instance: str
     service_s: float
+    #: Its prompt's chunk hashes (`policy.chunk_hashes`; empty: not known).
+    chunks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     prefilled: bool = False
 
 
@@ -32,7 +36,8 @@ class Fleet:
 
     Per instance: the requests this router has in flight there (`in_flight`), of them those
     still waiting for their first piece (`prefilling`: queued or in prefill) and their
-    predicted service in seconds (`queued_s`: prefill and loads, `policy.ServiceRates`),
+    predicted service in seconds (`queued_s`: prefill and loads, `policy.ServiceRates`) and
+    the requests themselves (`waiting`: their chunk hashes, what the instance will hold),
     counted from `begin` until the answer's first piece (`first_piece`) or its end."""
 
     def __init__(self, backends: Mapping[str, EngineAddress] | None = None) -> None:
@@ -41,6 +46,8 @@ class Fleet:
         self.in_flight: dict[str, int] = {}
         self.prefilling: dict[str, int] = {}
         self.queued_s: dict[str, float] = {}
+        #: Per instance, the requests waiting there (their chunks: what it will hold).
+        self.waiting: dict[str, list[InFlight]] = {}
         self._backends = dict(backends or {})
         self._turn = itertools.count()
 
@@ -81,13 +88,17 @@ class Fleet:
         urls = list(self.urls.values())
         return urls[next(self._turn) % len(urls)] if urls else None
 
-    def begin(self, instance: str, service_s: float) -> InFlight:
+    def begin(self, instance: str, service_s: float,
+              chunks: np.ndarray | None = None) -> InFlight:
         """A request whose service is predicted to take `service_s` seconds (to its first
         token) goes out to `instance`."""
         self.in_flight[instance] = self.in_flight.get(instance, 0) + 1
         self.prefilling[instance] = self.prefilling.get(instance, 0) + 1
         self.queued_s[instance] = self.queued_s.get(instance, 0.0) + service_s
-        return InFlight(instance, service_s)
+        request = InFlight(instance, service_s) if chunks is None else \
+            InFlight(instance, service_s, chunks)
+        self.waiting.setdefault(instance, []).append(request)
+        return request
 
     def first_piece(self, request: InFlight) -> None:
         """The instance sent the first piece of its answer: the prefill is done."""
@@ -95,6 +106,7 @@ class Fleet:
             request.prefilled = True
             self.prefilling[request.instance] -= 1
             self.queued_s[request.instance] -= request.service_s
+            self.waiting[request.instance].remove(request)
             if not self.prefilling[request.instance]:  # no float residue once none waits
                 self.queued_s[request.instance] = 0.0
 

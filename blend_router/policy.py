@@ -18,7 +18,10 @@ piece back (queued or in prefill), `queued_s(i)` their predicted service (`Fleet
 is the request's prefill of the tokens it recomputes at i plus the loading of those it
 reuses from where they are: its prefix and own-L1 chunks at the L1 rate, shared-tier and
 peer chunks at theirs, CacheBlend recomputing a share of every reused non-prefix token (the
-score's split: `prefix_tokens`, `l1_tokens`, `shared_tokens`, `peer_tokens`). With
+score's split: `prefix_tokens`, `l1_tokens`, `shared_tokens`, `peer_tokens`), and the
+leading chunks it shares with a request still waiting at i (`chunk_hashes`, same model and
+salt) counted as i's prefix: that one's prefill will have stored them by the time this one
+is served, which the coordinator cannot know yet. With
 `delay_weight` 0 the cost is the request's predicted time to first token. Each second of
 its service also delays the requests that will queue behind it at i; `behind(i)`, the
 requests waiting at i plus those waiting per instance across the fleet, stands for how
@@ -34,10 +37,13 @@ wins, load only breaks ties.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterator
+
+import numpy as np
 
 from blend_router.fleet import Fleet
 from blend_wire import BlendScoreReply, InstanceScore
@@ -118,8 +124,53 @@ CACHE_GREEDY = RoutingPolicy(load_aware=False)
 _turns: Iterator[int] = itertools.count()
 
 
+def chunk_hashes(tokens: np.ndarray, chunk_size: int, namespace: str = "") -> np.ndarray:
+    """One 64-bit hash per whole chunk of `tokens` (a polynomial of its ids, wrapping, mixed
+    with the `namespace`: model and salt, so another tenant's prompt never matches), to
+    compare prompts' leading chunks in the router: not LMCache's keys."""
+    whole = tokens[:tokens.size // chunk_size * chunk_size].astype(np.uint64)
+    if not whole.size:
+        return whole
+    powers = np.cumprod(np.full(chunk_size, _MULTIPLIER, np.uint64), dtype=np.uint64)
+    salt = np.uint64(int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8)
+                                    .digest(), "little"))
+    return (whole.reshape(-1, chunk_size) @ powers) ^ salt
+
+
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _pending_prefix(fleet: Fleet, instance: str, chunks: np.ndarray) -> int:
+    """Leading chunks of `chunks` that a request waiting at `instance` starts with too:
+    what it will hold once that one's prefill is stored."""
+    best = 0
+    for other in fleet.waiting.get(instance, ()):
+        n = min(other.chunks.size, chunks.size)
+        if n > best:
+            differ = np.flatnonzero(other.chunks[:n] != chunks[:n])
+            best = max(best, n if differ.size == 0 else int(differ[0]))
+    return best
+
+
+def _with_pending(reuse: InstanceScore | None, pending_tokens: int, instance: str
+                  ) -> InstanceScore | None:
+    prefix = 0 if reuse is None else reuse.prefix_tokens
+    if pending_tokens <= prefix:
+        return reuse
+    more = pending_tokens - prefix
+    l1, shared, peer = (0, 0, 0) if reuse is None else \
+        (reuse.l1_tokens, reuse.shared_tokens, reuse.peer_tokens)
+    peer_less = min(peer, more)
+    shared_less = min(shared, more - peer_less)
+    l1_less = min(l1, more - peer_less - shared_less)
+    return InstanceScore(instance_id=instance, prefix_tokens=pending_tokens,
+                         l1_tokens=l1 - l1_less, shared_tokens=shared - shared_less,
+                         peer_tokens=peer - peer_less, score=0.0 if reuse is None else reuse.score)
+
+
 def choose_instance(fleet: Fleet, scores: BlendScoreReply | None, *, unscored_reason: str,
-                    request_tokens: int, policy: RoutingPolicy = RoutingPolicy()
+                    request_tokens: int, policy: RoutingPolicy = RoutingPolicy(),
+                    chunks: np.ndarray | None = None
                     ) -> tuple[str | None, str, float]:
     """`(instance, reason, service_s)`: the instance to send to (None: no instance known),
     the `X-Route-Reason` naming why, and the request's predicted service there in seconds
@@ -140,7 +191,10 @@ def choose_instance(fleet: Fleet, scores: BlendScoreReply | None, *, unscored_re
     per_instance = sum(waiting.get(i, 0) for i in fleet.urls) / len(fleet.urls)
 
     def service(i: str) -> float:
-        return rates.service_s(request_tokens, reuse.get(i))
+        held = reuse.get(i)
+        if chunks is not None and scores is not None:
+            held = _with_pending(held, _pending_prefix(fleet, i, chunks) * scores.chunk_size, i)
+        return rates.service_s(request_tokens, held)
 
     def predicted(i: str) -> tuple[float, int]:
         if not policy.load_aware:

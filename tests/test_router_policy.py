@@ -141,3 +141,26 @@ def test_the_flags_set_the_rates_and_refuse_nonsense():
         with pytest.raises(ValueError):
             routing_policy(build_parser().parse_args(
                 ["--coordinator-url", "http://x:1", flag, value]))
+
+
+def test_a_prompt_waiting_at_an_instance_counts_as_held_there_within_its_namespace():
+    # Nobody holds the document yet; one request for it waits at B. The next one for it
+    # goes to B, which will hold it once that prefill is stored: a wait of one prefill
+    # there beats a whole prefill anywhere else. Another tenant's copy of the same text
+    # does not count (its salt is part of the hash).
+    import numpy as np
+
+    from blend_router.policy import chunk_hashes
+    prompt = np.arange(TOKENS, dtype=np.uint32)
+    mine, theirs = (chunk_hashes(prompt, 256, f"model\0{salt}") for salt in ("a", "b"))
+    nothing = reply(A={}, B={}, C={})
+    fleet = fleet_of("A", "B", "C")
+    first = fleet.begin("B", TOKENS / 10_000, mine)
+    assert choose_instance(fleet, nothing, unscored_reason="unscored", request_tokens=TOKENS,
+                           chunks=mine)[0] == "B"
+    assert choose_instance(fleet, nothing, unscored_reason="unscored", request_tokens=TOKENS,
+                           chunks=theirs)[0] != "B"
+    assert choose_instance(fleet, nothing, unscored_reason="unscored",
+                           request_tokens=TOKENS)[0] != "B"
+    fleet.first_piece(first)  # stored now: the coordinator's score says so from here on
+    assert fleet.waiting["B"] == []
