@@ -19,7 +19,8 @@ request's uncached prefix at 1.0 plus the KV in flight, lowest wins; llm-d's pre
 weighs the same own-cache prefix against queue depth); cache-greedy (the best blend score,
 load breaks ties: the router before issue 31); ours (the router's default
 `blend_router.policy.RoutingPolicy`: the predicted wait plus the request's own predicted
-service, weighted by the requests queuing behind it).
+service, weighted by the requests queuing behind it, the prompts waiting at an instance
+counted as held there).
 
 Per cell and policy: mean and p99 time to first token past the first 10% of requests
 (caches filling), the share of prompt tokens reused (not recomputed: own L1 and peers) and

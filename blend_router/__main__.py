@@ -46,6 +46,7 @@ def _add_tokens_and_choice(parser: argparse.ArgumentParser) -> None:
                              ("--peer-load-rate", "peer_load_tokens_s",
                               "tokens of KV loaded from a peer")):
         choice.add_argument(flag, type=float, default=getattr(rates, name), dest=name,
+                            metavar="TOKENS_S",
                             help=f"{unit} per second (default: %(default)s)")
     choice.add_argument("--blend-recompute", type=float, default=rates.blend_recompute,
                         help="share of reused non-prefix tokens CacheBlend recomputes "

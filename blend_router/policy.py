@@ -21,8 +21,8 @@ peer chunks at theirs, CacheBlend recomputing a share of every reused non-prefix
 score's split: `prefix_tokens`, `l1_tokens`, `shared_tokens`, `peer_tokens`), and the
 leading chunks it shares with a request still waiting at i (`chunk_hashes`, same model and
 salt) counted as i's prefix: that one's prefill will have stored them by the time this one
-is served, which the coordinator cannot know yet. With
-`delay_weight` 0 the cost is the request's predicted time to first token. Each second of
+is served, which the coordinator cannot know yet. With `delay_weight` 0 the cost is the
+request's predicted time to first token. Each second of
 its service also delays the requests that will queue behind it at i; `behind(i)`, the
 requests waiting at i plus those waiting per instance across the fleet, stands for how
 many: idle, the choice is the request's own fastest first token; busy, reuse weighs more
@@ -122,6 +122,7 @@ class RoutingPolicy:
 CACHE_GREEDY = RoutingPolicy(load_aware=False)
 
 _turns: Iterator[int] = itertools.count()
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd, 64-bit: the chunk hash's polynomial base
 
 
 def chunk_hashes(tokens: np.ndarray, chunk_size: int, namespace: str = "") -> np.ndarray:
@@ -136,8 +137,6 @@ def chunk_hashes(tokens: np.ndarray, chunk_size: int, namespace: str = "") -> np
                                     .digest(), "little"))
     return (whole.reshape(-1, chunk_size) @ powers) ^ salt
 
-
-_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 
 
 def _pending_prefix(fleet: Fleet, instance: str, chunks: np.ndarray) -> int:
@@ -154,6 +153,9 @@ def _pending_prefix(fleet: Fleet, instance: str, chunks: np.ndarray) -> int:
 
 def _with_pending(reuse: InstanceScore | None, pending_tokens: int, instance: str
                   ) -> InstanceScore | None:
+    """`reuse` with its prefix grown to `pending_tokens`. Which of its blended chunks the
+    longer prefix covers the score does not say: the slowest to load (peers', then the
+    shared tier's) are taken first, the estimate's optimistic side."""
     prefix = 0 if reuse is None else reuse.prefix_tokens
     if pending_tokens <= prefix:
         return reuse
@@ -176,7 +178,8 @@ def choose_instance(fleet: Fleet, scores: BlendScoreReply | None, *, unscored_re
     the `X-Route-Reason` naming why, and the request's predicted service there in seconds
     (what `Fleet.begin` counts as queued). `scores` is None when the request was not
     scored, for `unscored_reason` (`unscored`, `coordinator-unavailable`);
-    `request_tokens` is the prompt's length (0 when unknown)."""
+    `request_tokens` is the prompt's length (0 when unknown); `chunks` its `chunk_hashes`
+    (None: the prompts waiting at each instance are not compared with it)."""
     ids = list(fleet.urls)
     if not ids:
         return None, unscored_reason, 0.0
