@@ -59,13 +59,18 @@ demo-lmcache: $(STAMP)
 demo-cluster: $(STAMP)
 	$(PY) examples/fleet_demo.py --cluster
 
+# Two workers (pytest-xdist), a test file each at a time (--dist loadfile: a file's module
+# fixtures, its servers, start once): most tests wait on child processes, so the suite
+# takes ~3/5 of its serial time on 2 cores. `pytest` run by hand stays serial.
+PYTEST_WORKERS := -n 2 --dist loadfile
+
 test: $(STAMP) $(LMCACHE_057_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_WORKERS)
 
 # The unit lane alone (in-process tests: no child process, no NATS, no LMCache); the lanes
 # are the markers in tests/conftest.py.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m unit
+	$(PY) -m pytest -q -m unit $(PYTEST_WORKERS)
 
 bench-local: $(STAMP)
 	$(PY) -m benchmarks.bench_local_matcher $(ARGS)
