@@ -3,7 +3,8 @@
 Before: blend lookups queued FIFO for the one match worker, so four clients sending
 2^20-token lookups pushed another client's p99 from 25 ms to 550 ms. Now readers (their
 bearer token; without access control, their address) take turns by start-time fair
-queuing on query bytes: a small lookup waits for at most the lookup already running.
+queuing, each charged the CPU its lookups took (issue 30; before, their bodies' bytes): a
+small lookup waits for at most the lookup already running.
 
 Deterministic: the matcher is held on a first lookup until every other lookup is queued;
 then the order in which the matcher serves them is what is checked. (A small lookup while
