@@ -310,6 +310,9 @@ def _places(reply: _Columns, instance_id: str) -> np.ndarray:
     places = np.where(reply.shared, int(SHARED), int(PEER)).astype(np.int64)
     me = [k for k, name in enumerate(reply.instances) if name == instance_id]  # per instance
     if instance_id and me:
+        mine = reply.holders == me[0]
+        for also in me[1:]:  # the same id twice: only from a coordinator not of ours
+            mine |= reply.holders == also
         holder_chunk = np.repeat(np.arange(reply.hashes.size), reply.holder_counts)
-        places[holder_chunk[np.isin(reply.holders, me)]] = int(THIS_SERVER)
+        places[holder_chunk[mine]] = int(THIS_SERVER)
     return places
