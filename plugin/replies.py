@@ -250,12 +250,19 @@ def _columns(reply: _Columns, chunk_size: int, instance_id: str, num_tokens: int
     bad_content[of_position[1:][descends]] = True
     chunk_start = np.zeros(contents + 1, dtype=np.int64)
     np.cumsum(reply.chunk_counts, out=chunk_start[1:])
+    every_hash = reply.hashes.tolist()
+    if not bad_content.any() and _all_usable(reply, every_hash):  # from ours: the usual
+        position_start = np.zeros(contents + 1, dtype=np.int64)
+        np.cumsum(reply.position_counts, out=position_start[1:])
+        return Found(FoundColumns(position_start, positions, chunk_start,
+                                  reply.old_st.astype(np.int64), every_hash,
+                                  _places(reply, instance_id)))
     of_chunk = np.repeat(np.arange(contents), reply.chunk_counts)
     read = ~bad_content[of_chunk] & (np.arange(chunks) - chunk_start[of_chunk]
                                       < MAX_CANDIDATE_CHUNKS)
     bad_offset = read & (reply.old_st > MAX_TOKEN_OFFSET)
     usable = np.flatnonzero(read & ~bad_offset)
-    hashes = reply.hashes[usable].tolist()
+    hashes = [every_hash[c] for c in usable.tolist()]  # a reply with something to drop
     twice = _named_before(hashes)
     twice_at = usable[twice]  # chunks named again, by their index in the reply
     if twice.size:
@@ -275,6 +282,14 @@ def _columns(reply: _Columns, chunk_size: int, instance_id: str, num_tokens: int
                               reply.old_st[usable].astype(np.int64), hashes,
                               _places(reply, instance_id)[usable]),
                  False, False, dropped, reason)
+
+
+def _all_usable(reply: _Columns, hashes: list[bytes]) -> bool:
+    """Whether every chunk of a reply whose contents are all valid is kept: none past a
+    content's first 64, no offset out of range, no hash twice (one set of `hashes`)."""
+    return not hashes or (int(reply.chunk_counts.max()) <= MAX_CANDIDATE_CHUNKS
+                          and int(reply.old_st.max()) <= MAX_TOKEN_OFFSET
+                          and len(set(hashes)) == len(hashes))
 
 
 def _named_before(hashes: list[bytes]) -> np.ndarray:
