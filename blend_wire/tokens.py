@@ -127,7 +127,7 @@ def encode_uints(values: np.ndarray) -> str:
     """Non-negative integers as a column: one digit, the narrowest width in bytes (1, 2,
     4 or 8) that holds the largest, then the values little-endian in base64 (WIRE.md)."""
     top = int(values.max()) if values.size else 0
-    if values.size and int(values.min()) < 0:
+    if values.size and values.dtype.kind != "u" and int(values.min()) < 0:
         raise WireError("an unsigned integer column cannot hold a negative value")
     width = "1" if top < 1 << 8 else "2" if top < 1 << 16 else "4" if top < 1 << 32 else "8"
     return width + encode_b64(np.ascontiguousarray(values, dtype=_UINT_WIDTHS[width]))

@@ -332,18 +332,18 @@ def _wire_columns(found: CandidateColumns, places: PlaceColumns) -> WireCandidat
     caller answers the objects form, which the client reads as well."""
     hashes = found.chunk_hashes
     width = len(hashes[0]) if len(hashes) else 32
-    if len(hashes) and (found.old_st.min() < 0 or np.any(
-            np.fromiter(map(len, hashes), dtype=np.int64, count=len(hashes)) != width)):
+    if len(hashes) and (found.old_st.min() < 0 or set(map(len, hashes)) != {width}):
         return None
+    counts = lambda starts: starts[1:] - starts[:-1]  # noqa: E731
     return WireCandidateColumns(
-        position_counts=encode_uints(np.diff(found.position_start)),
+        position_counts=encode_uints(counts(found.position_start)),
         positions=encode_uints(found.positions),
-        chunk_counts=encode_uints(np.diff(found.chunk_start)),
+        chunk_counts=encode_uints(counts(found.chunk_start)),
         hash_bytes=width, chunk_hashes=encode_b64(b"".join(hashes)),
         old_st=encode_uints(found.old_st),
-        holder_counts=encode_uints(np.diff(places.holder_start)),
+        holder_counts=encode_uints(counts(places.holder_start)),
         holders=encode_uints(places.holders), instances=places.instances,
-        shared=encode_b64(np.packbits(places.shared.astype(bool), bitorder="little")))
+        shared=encode_b64(np.packbits(places.shared, bitorder="little")))
 
 
 def _wire_objects(found: CandidateColumns, places: PlaceColumns) -> list[WireFoundContent]:
