@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from itertools import compress
 
 import httpx
 import numpy as np
@@ -262,13 +263,13 @@ def _columns(reply: _Columns, chunk_size: int, instance_id: str, num_tokens: int
                                       < MAX_CANDIDATE_CHUNKS)
     bad_offset = read & (reply.old_st > MAX_TOKEN_OFFSET)
     usable = np.flatnonzero(read & ~bad_offset)
-    hashes = [every_hash[c] for c in usable.tolist()]  # a reply with something to drop
+    hashes = list(map(every_hash.__getitem__, usable.tolist()))
     twice = _named_before(hashes)
     twice_at = usable[twice]  # chunks named again, by their index in the reply
     if twice.size:
         keep = np.ones(usable.size, dtype=bool)
         keep[twice] = False
-        usable, hashes = usable[keep], [h for h, k in zip(hashes, keep.tolist()) if k]
+        usable, hashes = usable[keep], list(compress(hashes, keep.tolist()))
     dropped = int(bad_content.sum() + bad_offset.sum() + twice.size)
     reason = (_first_reason(reply, positions, of_chunk, bad_content, bad_offset, twice_at,
                             num_tokens) if dropped else "")
