@@ -8,6 +8,8 @@ converted where they enter (the client's round-trip calls `read_capped` and `fou
   is dropped; a chunk whose hash is not the wire's hex (`blend_wire.chunk_hash_of_hex`),
   whose `old_st` is outside `[0, MAX_TOKEN_OFFSET]`, or that was already named is dropped;
   an `l1` naming this instance makes the chunk `Place.THIS_SERVER`, `shared` `SHARED`.
+  The columns form: the same rules as array operations (`_columns`), and a column that is
+  not its codec's text, or columns whose lengths disagree, fail the reply.
   The default form (LMCache's): one position and one chunk each, a `cur_st + C` beyond
   the query dropped. Dropped entries are counted by the caller.
 - Every failure is a `QueryFailed` saying why; `unhealthy` says whether it counts toward
