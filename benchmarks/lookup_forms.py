@@ -20,6 +20,7 @@ print it).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -49,6 +50,11 @@ class FormPrice:
     positions_found: int = 0    # query positions where a found content occurs
     coordinator_cpu_s: float = 0.0
     plugin_cpu_s: float = 0.0
+
+    def plus(self, other: "FormPrice") -> "FormPrice":
+        """Both passes' figures together."""
+        return FormPrice(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                                 dataclasses.astuple(other))))
 
     def per_lookup_ms(self, seconds: float) -> float:
         return seconds / max(self.lookups, 1) * 1e3
@@ -97,7 +103,11 @@ def price_forms(http: httpx.Client, coordinator_pid: int, queries: list[np.ndarr
     process = psutil.Process(coordinator_pid)
     prices = {form: FormPrice() for form in FORMS}
     for form, extra in FORMS.items():  # warm-up: connections, numba, first replies
-        http.post(BLEND_LOOKUP_PATH, json={**bodies[0], **extra}).raise_for_status()
+        warm = http.post(BLEND_LOOKUP_PATH, json={**bodies[0], **extra})
+        warm.raise_for_status()
+        found = found_in(warm.content, "bench", chunk_size=chunk, instance_id=instance_ids[0],
+                         num_tokens=len(queries[0]))
+        select(NOTHING_FOUND, found.contents, 0, chunk)
     for round_ in range(rounds):
         for form, extra in FORMS.items():
             price = prices[form]
