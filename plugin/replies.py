@@ -224,26 +224,55 @@ class _Columns:
             raise QueryFailed(f"reply from {url} has a bad column: {exc}",
                               unhealthy=False) from None
         chunks = raw.size // wire.hash_bytes
-        # A count larger than its column cannot sum to its length honestly; checked first,
-        # so that the sums below cannot wrap.
+        # Counts summed as floats: a sum of huge counts cannot wrap round to a small
+        # length (a sum of unsigned ints could), and below 2^53 it is exact.
         sizes = (positions.size, chunks, holders.size)
         if (raw.size % wire.hash_bytes or counts[0].size != counts[1].size
                 or counts[2].size != chunks or old_st.size != chunks
                 or shared.size != (chunks + 7) // 8
-                or any(c.size and int(c.max()) > n for c, n in zip(counts, sizes))
-                or any(int(c.sum(dtype=np.int64)) != n for c, n in zip(counts, sizes))
+                or any(c.sum(dtype=np.float64) != n for c, n in zip(counts, sizes))
                 or (holders.size and int(holders.max()) >= len(wire.instances))):
             raise QueryFailed(f"reply from {url} has columns of inconsistent lengths",
                               unhealthy=False)
         return cls(counts[0].astype(np.int64), positions, counts[1].astype(np.int64),
                    raw.view(f"V{wire.hash_bytes}"), old_st, counts[2].astype(np.int64),
                    holders, wire.instances,
-                   np.unpackbits(shared, count=chunks, bitorder="little").astype(bool))
+                   np.unpackbits(shared, count=chunks, bitorder="little").view(bool))
 
 
 def _columns(reply: _Columns, chunk_size: int, instance_id: str, num_tokens: int) -> Found:
     """The columns form's valid entries, dropped exactly as `_candidates` drops them, with
     array operations (no Python per content or chunk)."""
+    contents = reply.position_counts.size
+    position_start = np.zeros(contents + 1, dtype=np.int64)
+    np.cumsum(reply.position_counts, out=position_start[1:])
+    chunk_start = np.zeros(contents + 1, dtype=np.int64)
+    np.cumsum(reply.chunk_counts, out=chunk_start[1:])
+    every_hash = reply.hashes.tolist()
+    if (_all_valid(reply, position_start, num_tokens - chunk_size)
+            and _all_usable(reply, every_hash)):  # a reply of ours: the usual
+        return Found(FoundColumns(position_start, reply.positions.astype(np.int64),
+                                  chunk_start, reply.old_st.astype(np.int64), every_hash,
+                                  _places(reply, instance_id)))
+    return _dropping(reply, chunk_size, instance_id, num_tokens, chunk_start, every_hash)
+
+
+def _all_valid(reply: _Columns, position_start: np.ndarray, last: int) -> bool:
+    """Whether no content is dropped: each has positions, none beyond `last` (the values
+    are unsigned), rising within the content."""
+    counts, positions = reply.position_counts, reply.positions
+    if not positions.size or not counts.all():
+        return not counts.size
+    if int(positions.max()) > last:
+        return False
+    rising = positions[1:] > positions[:-1]
+    rising[position_start[1:-1] - 1] = True  # a content may start below the last one's end
+    return bool(rising.all())
+
+
+def _dropping(reply: _Columns, chunk_size: int, instance_id: str, num_tokens: int,
+              chunk_start: np.ndarray, every_hash: list[bytes]) -> Found:
+    """`_columns` of a reply with something to drop (from a coordinator not of ours)."""
     contents, chunks = reply.position_counts.size, reply.hashes.size
     of_position = np.repeat(np.arange(contents), reply.position_counts)
     positions = reply.positions.astype(np.int64)  # past 2^63 wraps negative: out of range
@@ -251,15 +280,6 @@ def _columns(reply: _Columns, chunk_size: int, instance_id: str, num_tokens: int
     bad_content[of_position[(positions < 0) | (positions > num_tokens - chunk_size)]] = True
     descends = (positions[1:] <= positions[:-1]) & (of_position[1:] == of_position[:-1])
     bad_content[of_position[1:][descends]] = True
-    chunk_start = np.zeros(contents + 1, dtype=np.int64)
-    np.cumsum(reply.chunk_counts, out=chunk_start[1:])
-    every_hash = reply.hashes.tolist()
-    if not bad_content.any() and _all_usable(reply, every_hash):  # from ours: the usual
-        position_start = np.zeros(contents + 1, dtype=np.int64)
-        np.cumsum(reply.position_counts, out=position_start[1:])
-        return Found(FoundColumns(position_start, positions, chunk_start,
-                                  reply.old_st.astype(np.int64), every_hash,
-                                  _places(reply, instance_id)))
     of_chunk = np.repeat(np.arange(contents), reply.chunk_counts)
     read = ~bad_content[of_chunk] & (np.arange(chunks) - chunk_start[of_chunk]
                                       < MAX_CANDIDATE_CHUNKS)
@@ -325,7 +345,7 @@ def _first_reason(reply: _Columns, positions: np.ndarray, of_chunk: np.ndarray,
 def _places(reply: _Columns, instance_id: str) -> np.ndarray:
     """Each chunk's `Place`: this server's L1 when its holders name `instance_id`, else a
     shared tier when `shared`, else a peer."""
-    places = np.where(reply.shared, int(SHARED), int(PEER)).astype(np.int64)
+    places = np.where(reply.shared, np.int64(SHARED), np.int64(PEER))
     me = [k for k, name in enumerate(reply.instances) if name == instance_id]  # per instance
     if instance_id and me:
         mine = reply.holders == me[0]
