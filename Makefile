@@ -20,7 +20,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-granularity bench-lookup-forms bench-hostile bench-memory soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-granularity bench-lookup-forms bench-bounded bench-hostile bench-memory soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
@@ -59,13 +59,18 @@ demo-lmcache: $(STAMP)
 demo-cluster: $(STAMP)
 	$(PY) examples/fleet_demo.py --cluster
 
+# Two workers (pytest-xdist), a test file each at a time (--dist loadfile: a file's module
+# fixtures, its servers, start once): most tests wait on child processes, so the suite
+# takes ~3/5 of its serial time on 2 cores. `pytest` run by hand stays serial.
+PYTEST_WORKERS := -n 2 --dist loadfile
+
 test: $(STAMP) $(LMCACHE_057_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_WORKERS)
 
 # The unit lane alone (in-process tests: no child process, no NATS, no LMCache); the lanes
 # are the markers in tests/conftest.py.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m unit
+	$(PY) -m pytest -q -m unit $(PYTEST_WORKERS)
 
 bench-local: $(STAMP)
 	$(PY) -m benchmarks.bench_local_matcher $(ARGS)
@@ -110,6 +115,11 @@ bench-granularity: $(BENCH_STAMP)
 # and 32 side by side, one coordinator per size, passes interleaved.
 bench-lookup-forms: $(STAMP)
 	$(PY) -m benchmarks.bench_lookup_forms $(ARGS)
+
+# One request's work bounded: the repeated-token score, reply and a small lookup's wait; one
+# score of 64 instances against one candidates lookup (docs/WIRE.md, "Limits").
+bench-bounded: $(BENCH_STAMP)
+	$(PY) -m benchmarks.bench_bounded_work $(ARGS)
 
 # ~19k hostile sockets from two processes: needs `ulimit -n` of about 10k or more.
 bench-hostile: $(STAMP)

@@ -46,6 +46,7 @@ from blend_wire.tokens import (NO_TOKEN_IDS, BadTokenList, TokenIds, as_tokens, 
                                token_lists_to_json, uints_in)
 from blend_wire.values import (CACHE_SALT_FORBIDDEN, CANDIDATE_SPARE_CHUNKS,
                                MAX_CACHE_SALT_CHARS, MAX_CANDIDATE_CHUNKS,
+                               MAX_CANDIDATE_POSITIONS, MAX_REPLY_ENTRIES,
                                MAX_CHUNK_HASH_HEX_CHARS, MAX_INT64, MAX_KV_RANK, MAX_NAME_CHARS,
                                MAX_OBJECT_GROUP_ID, MAX_TOKEN_ID, MAX_TOKEN_OFFSET,
                                MAX_WORLD_SIZE, UNKNOWN_TOKEN_OFFSET, BlendNamespace,

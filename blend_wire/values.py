@@ -41,6 +41,15 @@ MAX_TOKEN_ID = 2**32 - 1
 #: one per position is only ever a choice, never more reuse.
 CANDIDATE_SPARE_CHUNKS = 4
 MAX_CANDIDATE_CHUNKS = 64
+#: Bounded work per lookup (WIRE.md, "Limits"): the candidates form names at most this many
+#: positions per content, its leftmost (a content serves at most `MAX_CANDIDATE_CHUNKS`
+#: positions of a result anyway, and the selection is leftmost-greedy) ...
+MAX_CANDIDATE_POSITIONS = 1024
+#: ... and at most this many entries (positions plus chunks) in all: the occurrences at the
+#: query's left end up to a position, the reply's later ones cut. Either cut sets
+#: `truncated`. The JSON reply then stays near 3.5 MB or less (a chunk ~100 bytes with a
+#: 32-byte hash and one L1 name, a position ~7), under the plugin's 4 MiB reply limit.
+MAX_REPLY_ENTRIES = 32768
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
 TokenOffset = Annotated[int, msgspec.Meta(ge=UNKNOWN_TOKEN_OFFSET, le=MAX_TOKEN_OFFSET)]

@@ -28,7 +28,8 @@ def mask_bits(ns_ids: np.ndarray) -> np.ndarray:
 
 
 class ClaimLists:
-    """The slots, lists and namespace ids of a content index; see the module doc."""
+    """The slots, lists and namespace ids of a content index
+    (docs/CONTRACTS.md, `local_matcher.claims`)."""
 
     def __init__(self) -> None:
         self.chunks: dict[Hashable, object] = {}

@@ -19,7 +19,8 @@ from local_matcher import kernels
 from local_matcher.claims import NONE, ClaimLists, mask_bit, mask_bits
 from local_matcher.store import ContentStore
 from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, EMPTY_COLUMNS, MAX_CANDIDATE_CHUNKS,
-                                 BlendMatch, CandidateColumns, ContentCandidates)
+                                 MAX_CANDIDATE_POSITIONS, MAX_REPLY_ENTRIES, BlendMatch,
+                                 CandidateColumns, ContentCandidates)
 
 log = logging.getLogger(__name__)
 _blend_match = partial(tuple.__new__, BlendMatch)  # no Python-level __new__ per match
@@ -241,8 +242,9 @@ class ContentIndex:
                                       wait=wait).as_contents()
 
     def candidate_columns(self, query, namespace: Hashable, *,
-                          spare_chunks: int = CANDIDATE_SPARE_CHUNKS, wait: bool = True
-                          ) -> CandidateColumns:
+                          spare_chunks: int = CANDIDATE_SPARE_CHUNKS, wait: bool = True,
+                          max_positions: int = MAX_CANDIDATE_POSITIONS,
+                          max_entries: int = MAX_REPLY_ENTRIES) -> CandidateColumns:
         """Every position of `query` where content `namespace` claims occurs, by content.
 
         The candidates form (DESIGN.md, "Unified lookup"): unlike `match`, no chunk is
@@ -250,8 +252,13 @@ class ContentIndex:
         overlap) can give their chunks to later ones. Contents in order of their first
         position; every position verified token by token; per content at most
         `len(positions) + spare_chunks` chunks (and `MAX_CANDIDATE_CHUNKS`). Columns, no
-        Python object per content or chunk. Cost: O(query + positions + chunks named),
-        however many chunks hold a content. `wait` as `match`.
+        Python object per content or chunk. `wait` as `match`.
+
+        Bounded (WIRE.md, "Limits"): at most `max_positions` positions per content, its
+        leftmost, and at most `max_entries` positions plus chunks in all, the occurrences
+        left of some query position (`_within_entries`); `truncated` says a limit cut.
+        Cost: O(query + positions and chunks named), however many chunks hold a content
+        or times it repeats.
         """
         tokens = self._query_tokens(query)
         if tokens is None:
@@ -266,25 +273,24 @@ class ContentIndex:
                 tokens, self.probe_stride, mask_bit(ns_id))
             if not first_pos.size:
                 return EMPTY_COLUMNS
-            positions, sizes = store.occurrences(tokens, first_pos, first_cid, repeat_pos,
-                                                 repeat_cid)
+            positions, sizes, cut = store.occurrences(tokens, first_pos, first_cid,
+                                                      repeat_pos, repeat_cid, max_positions)
             heads = claims.heads_of(first_cid, ns_id)
             limits = np.minimum(sizes + spare_chunks, MAX_CANDIDATE_CHUNKS)
             slots, counts = kernels.walk_lists(heads, limits, claims.next_slot)
+            if not counts.all():  # 0: a stale mask bit let a content of other namespaces in
+                keep = counts > 0
+                positions = positions[np.repeat(keep, sizes)]
+                sizes, counts = sizes[keep], counts[keep]
+            if positions.size + slots.size > max_entries:
+                positions, sizes, counts = _within_entries(positions, sizes, counts,
+                                                           max_entries)
+                slots, cut = slots[:counts.sum()], True
             offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots]
             slot_chunk = claims.slot_chunk
             hashes = [slot_chunk[s] for s in slots.tolist()]
-        position_start = np.zeros(sizes.size + 1, dtype=np.int64)
-        np.cumsum(sizes, out=position_start[1:])
-        if not counts.all():  # 0: a stale mask bit let a content of other namespaces through
-            keep = counts > 0
-            positions = positions[np.repeat(keep, sizes)]
-            sizes, counts = sizes[keep], counts[keep]
-            position_start = np.zeros(sizes.size + 1, dtype=np.int64)
-            np.cumsum(sizes, out=position_start[1:])
-        chunk_start = np.zeros(counts.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=chunk_start[1:])
-        return CandidateColumns(position_start, positions, chunk_start, offsets, hashes)
+        return CandidateColumns(_starts(sizes), positions, _starts(counts), offsets, hashes,
+                                cut)
 
     def _query_tokens(self, query) -> np.ndarray | None:
         """A query's tokens as uint32, or None when shorter than one chunk (nothing found)."""
@@ -355,3 +361,33 @@ class ContentIndex:
             vacant_ids = np.array(vacant, dtype=np.int64)
             self._store.ns_mask[vacant_ids] = 0
             self._store.remove(vacant_ids)
+
+
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    """CSR starts of groups of `sizes`: 0, then the running sums."""
+    starts = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    return starts
+
+
+def _within_entries(positions: np.ndarray, sizes: np.ndarray, counts: np.ndarray,
+                    max_entries: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The candidates cut to at most `max_entries` positions plus chunks: every occurrence
+    left of one query position P is kept, none at or past it (a content keeps its chunks
+    while one of its positions is kept), P the furthest that fits. Contents are in order
+    of first position and each position holds one content, so what is kept is the first
+    contents, each with its leftmost positions: a selection over the kept part sees the
+    query's left end as the whole reply showed it. Returns (positions, sizes, counts)."""
+    content = np.repeat(np.arange(sizes.size), sizes)
+    starts = _starts(sizes)
+    cost = np.ones(positions.size, dtype=np.int64)  # a position; its content's chunks
+    cost[starts[:-1]] += counts                     # with the content's first position
+    order = np.argsort(positions, kind="stable")
+    kept = int(np.searchsorted(np.cumsum(cost[order]), max_entries, side="right"))
+    if kept == positions.size:
+        return positions, sizes, counts
+    cut_at = positions[order[kept]]
+    keep = positions < cut_at
+    contents = int(np.searchsorted(positions[starts[:-1]], cut_at))  # first positions rise
+    sizes = np.bincount(content[keep], minlength=sizes.size)[:contents]
+    return positions[keep], sizes, counts[:contents]

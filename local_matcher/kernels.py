@@ -311,33 +311,37 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
 
 
 @njit(cache=True, nogil=True)
-def verify_repeats(query, repeat_pos, repeat_cid, blocks):
-    """1 where a repeat candidate of `probe` really holds its content (token by token).
-
-    The candidates form names every position of a content, not only as many as it has
-    occupants, so every repeat is compared; a mismatch stops at its first differing token."""
-    ok = np.zeros(repeat_pos.shape[0], dtype=np.uint8)
-    for j in range(repeat_pos.shape[0]):
-        if _same_tokens(query, repeat_pos[j], _row(blocks, repeat_cid[j])):
-            ok[j] = 1
-    return ok
-
-
-@njit(cache=True, nogil=True)
-def group_occurrences(first_pos, first_cid, repeat_pos, repeat_cid, repeat_ok, scratch):
-    """Every verified occurrence, grouped by content: (positions, sizes).
+def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, blocks, scratch,
+                      max_positions):
+    """Every verified occurrence, grouped by content, at most `max_positions` per content
+    (its leftmost): (positions, sizes, cut), `cut` True when some content had more.
 
     Group i is the content first found at ``first_pos[i]``; its positions, ascending, are
     ``positions[sum(sizes[:i]):][:sizes[i]]`` (a content's first occurrence precedes its
-    repeats, which `probe` returns ascending). `scratch` is indexed by content id and
-    overwritten; `repeat_ok` marks the repeats that hold their content."""
+    repeats, which `probe` returns ascending). The candidates form names every position
+    of a content, not only as many as it has occupants, so each repeat is compared token
+    by token (a mismatch stops at its first differing token) until its content is full;
+    one more verified repeat of a full content says it was cut, and the rest of that
+    content's repeats are not compared: the work is bounded by the cap, not the query's
+    repetitions. `scratch` is indexed by content id and overwritten."""
     groups = first_cid.shape[0]
     for i in range(groups):
         scratch[first_cid[i]] = i
     sizes = np.ones(groups, dtype=np.int64)
+    was_cut = np.zeros(groups, dtype=np.uint8)  # 1: full, and one more verified
+    ok = np.zeros(repeat_pos.shape[0], dtype=np.uint8)
+    cut = False
     for j in range(repeat_pos.shape[0]):
-        if repeat_ok[j]:
-            sizes[scratch[repeat_cid[j]]] += 1
+        g = scratch[repeat_cid[j]]
+        if was_cut[g] or not _same_tokens(query, repeat_pos[j],
+                                         _row(blocks, repeat_cid[j])):
+            continue
+        if sizes[g] >= max_positions:
+            was_cut[g] = 1
+            cut = True
+            continue
+        ok[j] = 1
+        sizes[g] += 1
     fill = np.empty(groups, dtype=np.int64)
     total = 0
     for i in range(groups):
@@ -348,11 +352,11 @@ def group_occurrences(first_pos, first_cid, repeat_pos, repeat_cid, repeat_ok, s
         positions[fill[i]] = first_pos[i]
         fill[i] += 1
     for j in range(repeat_pos.shape[0]):
-        if repeat_ok[j]:
+        if ok[j]:
             g = scratch[repeat_cid[j]]
             positions[fill[g]] = repeat_pos[j]
             fill[g] += 1
-    return positions, sizes
+    return positions, sizes, cut
 
 
 @njit(cache=True, nogil=True)

@@ -61,7 +61,7 @@ class ContentStore:
         found = store.probe(query, 1, 1)
         heads = np.zeros(found[1].size, dtype=np.int64)
         store.take_occupants(query, heads, next_slot, slot_offset)
-        store.occurrences(query, *found)
+        store.occurrences(query, *found, 1)
         kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), next_slot)
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
@@ -275,10 +275,10 @@ class ContentStore:
         self._probed = (0, 0)
 
     def occurrences(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
-                    repeat_pos: np.ndarray, repeat_cid: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
+                    repeat_pos: np.ndarray, repeat_cid: np.ndarray, max_positions: int
+                    ) -> tuple[np.ndarray, np.ndarray, bool]:
         """Every verified occurrence `probe` found, grouped by content in order of first
-        occurrence: (positions, group sizes); repeats are compared token by token here."""
-        ok = kernels.verify_repeats(query, repeat_pos, repeat_cid, self._blocks)
-        return kernels.group_occurrences(first_pos, first_cid, repeat_pos, repeat_cid, ok,
-                                         self._cursor)
+        occurrence, the leftmost `max_positions` of each: (positions, group sizes, whether
+        some content had more); repeats are compared token by token here."""
+        return kernels.group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid,
+                                         self._blocks, self._cursor, max_positions)

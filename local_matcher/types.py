@@ -13,8 +13,9 @@ from typing import Hashable, NamedTuple, Sequence
 import numpy as np
 
 # The wire's values (UNKNOWN_TOKEN_OFFSET: an `old_st` never reported; the candidates
-# form's chunk limits), owned by blend_wire.
-from blend_wire.values import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS, UNKNOWN_TOKEN_OFFSET
+# form's limits), owned by blend_wire.
+from blend_wire.values import (CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS,
+                               MAX_CANDIDATE_POSITIONS, MAX_REPLY_ENTRIES, UNKNOWN_TOKEN_OFFSET)
 
 
 class BlendMatch(NamedTuple):
@@ -49,7 +50,7 @@ class ContentCandidates(NamedTuple):
     """One stored content found in a query, in the candidates form of a lookup.
 
     `positions`: every query position where the content occurs, verified token by token,
-    ascending. `chunks`: `(chunk_hash, old_st)` of chunks holding it that the requester's
+    ascending (at most `MAX_CANDIDATE_POSITIONS`, the leftmost: WIRE.md, "Limits"). `chunks`: `(chunk_hash, old_st)` of chunks holding it that the requester's
     namespace claims, first indexed first (LMCache's order), at most
     `min(len(positions) + CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS)`.
     """

@@ -153,7 +153,8 @@ class _Body(httpx.SyncByteStream):
 
 
 class DeadlineTransport(httpx.BaseTransport):
-    """An httpx transport whose request timeout bounds the whole round-trip; see module doc."""
+    """An httpx transport whose request timeout bounds the whole round-trip
+    (docs/CONTRACTS.md, `plugin.http`)."""
 
     def __init__(self, *, max_connections: int = 1,
                  ssl_context: ssl.SSLContext | None = None) -> None:

@@ -34,7 +34,8 @@ class RegistrarStats:
 
 
 class InstanceRegistrar:
-    """Registers one serving process and keeps it registered; see module doc."""
+    """Registers one serving process and keeps it registered (docs/CONTRACTS.md,
+    `plugin.registrar`)."""
 
     def __init__(self, urls: str | Sequence[str], *, instance_id: str, ip: str,
                  http_port: int, heartbeat_interval: float = 5.0, timeout: float = 2.0,

@@ -92,7 +92,8 @@ def encode_key(namespace: BlendNamespace, chunk_hash: bytes) -> EncodedObjectKey
 
 
 class CacheEventReporter:
-    """Queues cache events and delivers them in order in the background; see module doc."""
+    """Queues cache events and delivers them in order in the background
+    (docs/CONTRACTS.md, `plugin.reporter`)."""
 
     def __init__(self, base_url: str | Sequence[str], *, instance_id: str, incarnation: int | None = None,
                  flush_interval: float = 1.0, timeout: float = DEFAULT_EVENT_TIMEOUT_S,

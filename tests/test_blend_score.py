@@ -88,6 +88,28 @@ async def test_every_instance_is_scored_by_where_its_reuse_comes_from_best_first
     ]
 
 
+async def test_a_long_prefix_is_served_as_far_as_each_instance_holds_it(coord):
+    """The prefix chain is hashed in steps (64 chunks, then 4x): a prefix held past the
+    first steps counts whole, and stops at each instance's first chunk it cannot serve."""
+    await register(coord, "P", "Q", "R")
+    request = fresh(400 * C)
+    names = prefix_chunk_hashes(request, C)
+
+    def held(first: int, stop: int) -> list[dict]:
+        return [entry(names[i].hex(), request[i * C:(i + 1) * C], offset=i * C)
+                for i in range(first, stop)]
+
+    await coord.post_events(batch(*held(0, 300), instance="P"),
+                            batch(*held(200, 350), instance="Q"),
+                            batch(*held(0, 10), instance="R", tier="l2", backend="fs",
+                                  shared=True))
+    prefixes = {s["instance_id"]: s["prefix_tokens"]
+                for s in (await score(coord, request))["instances"]}
+    # P: its 300 chunks; Q: the 10 shared ones, then chunk 10 is nobody's but P's; R holds
+    # nothing in L1: the shared ones.
+    assert prefixes == {"P": 300 * C, "Q": 10 * C, "R": 10 * C}
+
+
 async def test_weights_are_the_coordinators_flags(start):
     coord = await start(score_shared_weight=1.0, score_peer_weight=0.0)
     reply = await score(coord, await fleet(coord))

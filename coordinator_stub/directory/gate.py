@@ -111,7 +111,8 @@ class IngestGate:
 
     def depart(self, instance_id: str) -> None:
         """The instance left (its L1 is fenced): drop its cursor and refuse its L1 batches
-        of this incarnation until `readmit` (module doc)."""
+        of this incarnation until `readmit` (docs/CONTRACTS.md,
+        `coordinator_stub.directory.gate`)."""
         cursor = self._cursors.pop(instance_id, None)
         self._idle.pop(instance_id, None)
         if cursor is None:

@@ -106,7 +106,8 @@ async def _refusals(request: web.Request,
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
     """The one place a refusal becomes a response: its status, its `{"detail"}` body and
-    the reason it is counted under (module doc). aiohttp's own HTTP errors pass."""
+    the reason it is counted under (docs/CONTRACTS.md, `coordinator_stub.http.app`).
+    aiohttp's own HTTP errors pass."""
     try:
         return await handler(request)
     except WireError as exc:

@@ -59,7 +59,7 @@ from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.directory.queries import PlaceColumns
 from coordinator_stub.service.instances import InstanceRegistry
 from coordinator_stub.service.quotas import InstanceQuota, capped
-from coordinator_stub.service.score import score_instances
+from coordinator_stub.service.score import prefix_places, score_instances
 from local_matcher.types import EMPTY_COLUMNS, CandidateColumns
 
 
@@ -159,7 +159,7 @@ class Coordinator:
         found = (directory.candidate_columns(tokens, namespace, wait=wait)
                  if directory.blend_enabled and tokens.size >= size else EMPTY_COLUMNS)
         places = directory.place_columns(found.chunk_hashes, namespace)
-        prefix = directory.place_columns(prefix_chunk_hashes(tokens, size), namespace)
+        prefix = prefix_places(directory, tokens, namespace, size)
         if not everyone:
             holders = set(places.instances).union(prefix.instances)
             instance_ids = [i for i in instance_ids if i in holders]
@@ -411,7 +411,12 @@ def _rehearse(config: CoordinatorConfig) -> None:
     query = decode(encode({"tokens_b64": encode_tokens(np.concatenate([second, first])),
                            "model_name": "m"}), BlendLookupRequest)
     scratch.match(decode_tokens(query.tokens_b64), query.namespace)
-    scratch.candidates(decode_tokens(query.tokens_b64), query.namespace)
+    tokens, namespace = decode_tokens(query.tokens_b64), query.namespace
+    found = scratch.candidate_columns(tokens, namespace)
+    # The score's kernels too: compiled (or loaded) at the first score otherwise, which
+    # then took seconds and held every lookup queued behind it.
+    score_instances(["rehearsal"], found, scratch.place_columns(found.chunk_hashes, namespace),
+                    prefix_places(scratch, tokens, namespace, chunk_size), chunk_size, 0.5, 0.25)
     scratch.placements_of([(bytes.fromhex("01"), ("m", "", pack_kv_rank(1), 0))])
     ingest(batch(5, "delete", [entry("01", None, salt="s")]),    # one claim goes
            batch(1, "store", [entry("03", second)], incarnation=1))  # fence the rest

@@ -1,5 +1,5 @@
-"""The match workers, shared fairly between readers: start-time fair queuing by query size
-(docs/DESIGN.md, "Coordinator").
+"""The match workers, shared fairly between readers: start-time fair queuing by the CPU each
+lookup took (docs/DESIGN.md, "Coordinator").
 
 The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.matchpool`.
 """
@@ -12,10 +12,11 @@ import concurrent.futures
 import heapq
 import itertools
 import threading
+import time
 from typing import Any, Callable, Hashable
 
-#: What every lookup costs besides its bytes, so no lookup is free.
-JOB_COST = 256
+#: The least a lookup is charged, in microseconds of CPU, so that no lookup is free.
+MIN_CHARGE_US = 50
 
 
 class PoolClosed(RuntimeError):
@@ -41,21 +42,23 @@ class FairPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, flow: Hashable, cost: int, fn: Callable[..., Any], *args
+    def submit(self, flow: Hashable, size: int, fn: Callable[..., Any], *args
                ) -> concurrent.futures.Future:
-        return self._queue(concurrent.futures.Future(), flow, cost, fn, args)
+        """Run `fn(*args)` in `flow`'s turn. `size` (the body's bytes) only orders flows
+        whose turns tie; the flow is charged by the CPU the job takes."""
+        return self._queue(concurrent.futures.Future(), flow, size, fn, args)
 
-    def submit_async(self, flow: Hashable, cost: int, fn: Callable[..., Any], *args,
+    def submit_async(self, flow: Hashable, size: int, fn: Callable[..., Any], *args,
                      wanted: Callable[[], bool] | None = None) -> asyncio.Future:
         """As `submit`, from a running event loop: await the future it returns there.
         `wanted`: asked by the worker that reaches the job; False (its client left) drops
         it unrun, the future failing with `ClientGone`."""
         if wanted is not None:
             fn, args = _run_if_wanted, (wanted, fn, *args)
-        return self._queue(asyncio.get_running_loop().create_future(), flow, cost, fn, args)
+        return self._queue(asyncio.get_running_loop().create_future(), flow, size, fn, args)
 
-    def _queue(self, future, flow: Hashable, cost: int, fn: Callable[..., Any], args: tuple):
-        cost = JOB_COST + max(0, int(cost))
+    def _queue(self, future, flow: Hashable, size: int, fn: Callable[..., Any], args: tuple):
+        size = max(0, int(size))
         with self._cond:
             if self._closed:
                 future.set_exception(PoolClosed("the coordinator is shutting down"))
@@ -63,7 +66,7 @@ class FairPool:
             queue = self._queues.get(flow)
             if queue is None:
                 queue = self._queues[flow] = collections.deque()
-            queue.append((cost, fn, args, future))
+            queue.append((size, fn, args, future))
             if len(queue) == 1 and flow not in self._running:  # newly active
                 self._wait_locked(flow, max(self._clock, self._finish.pop(flow, 0)))
         return future
@@ -82,15 +85,19 @@ class FairPool:
                     return
                 start, _, _, flow = heapq.heappop(self._waiting)
                 self._clock = max(self._clock, start)
-                cost, fn, args, future = self._queues[flow].popleft()
+                _, fn, args, future = self._queues[flow].popleft()
                 self._running.add(flow)
+            # Charged by the work done, known only now: the thread's CPU (numba's kernels
+            # run on it, without the GIL, and count), not the body, which says little of it.
+            used = time.thread_time_ns()
             _run_job(future, fn, args)
+            used = time.thread_time_ns() - used
             del fn, args, future  # nothing of a finished lookup stays with the thread
             with self._cond:
                 self._running.discard(flow)
                 if self._closed:  # shutdown() settled what was queued
                     return
-                finish = start + cost
+                finish = start + max(MIN_CHARGE_US, used // 1000)
                 if self._queues[flow]:
                     self._wait_locked(flow, finish)  # backlogged: next at its finish tag
                     continue
@@ -188,4 +195,4 @@ def _close(future, cancel: bool) -> None:
         future.set_exception(PoolClosed("the coordinator is shutting down"))
 
 
-__all__ = ["ClientGone", "FairPool", "JOB_COST", "PoolClosed"]
+__all__ = ["ClientGone", "FairPool", "MIN_CHARGE_US", "PoolClosed"]

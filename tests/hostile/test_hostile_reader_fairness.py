@@ -3,7 +3,8 @@
 Before: blend lookups queued FIFO for the one match worker, so four clients sending
 2^20-token lookups pushed another client's p99 from 25 ms to 550 ms. Now readers (their
 bearer token; without access control, their address) take turns by start-time fair
-queuing on query bytes: a small lookup waits for at most the lookup already running.
+queuing, each charged the CPU its lookups took (issue 30; before, their bodies' bytes): a
+small lookup waits for at most the lookup already running.
 
 Deterministic: the matcher is held on a first lookup until every other lookup is queued;
 then the order in which the matcher serves them is what is checked. (A small lookup while
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 
@@ -185,3 +187,34 @@ async def test_a_small_lookup_is_matched_on_the_loop_only_while_the_pool_is_idle
     release.set()
     assert await gate == 200 and await small == 200
     assert threads[2].startswith("match"), threads
+
+
+def test_a_reader_is_charged_by_the_cpu_its_lookups_took_not_by_their_bytes():
+    """Issue 30: 11 KB of gzip can ask for seconds of matching, so bytes said nothing of
+    the work. A reader whose lookups are small in bytes but heavy in CPU waits, after its
+    first, behind a reader whose lookups are large in bytes but take no CPU (by bytes the
+    heavy one would have gone first every time)."""
+    from coordinator_stub.service.matchpool import FairPool
+
+    def heavy(name: str) -> None:
+        until = time.thread_time() + 0.03  # 30 ms of this thread's CPU
+        while time.thread_time() < until:
+            pass
+        ran.append(name)
+
+    pool = FairPool(1, "test")
+    held, ran = threading.Event(), []
+    try:
+        gate = pool.submit("gate", 0, held.wait, 30)
+        jobs = [pool.submit("heavy", 10, heavy, f"h{i}") for i in range(3)]
+        jobs += [pool.submit("light", 10**6, ran.append, f"l{i}") for i in range(3)]
+        held.set()
+        assert gate.result(30) is True
+        for job in jobs:
+            job.result(30)
+    finally:
+        held.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+    # Both start at the clock (the heavy one first: the smaller body), then the heavy
+    # reader's next start is 30 ms of CPU later; the light one's three cost ~nothing.
+    assert ran == ["h0", "l0", "l1", "l2", "h1", "h2"], ran
