@@ -265,3 +265,36 @@ def test_the_request_field_is_decoded_and_defaults_off():
                      b'"columns": true}', BlendLookupRequest)
     assert request.columns and request.candidates
     assert b"columns" not in msgspec.json.encode(BlendLookupRequest(model_name="m"))
+
+
+# --- the coordinator's columns, in process ----------------------------------------------------
+
+
+def test_the_coordinator_answers_columns_that_say_what_its_objects_say_cut_or_not():
+    from blend_wire import (BlendCandidatesReply, EventsRequest, MAX_CANDIDATE_POSITIONS,
+                            decode, encode_tokens, pack_kv_rank)
+    from coordinator_stub.config import CoordinatorConfig
+    from coordinator_stub.service.coordinator import Coordinator
+
+    coordinator = Coordinator(CoordinatorConfig(enable_blend_lookup=True, chunk_size=C))
+    rng = np.random.default_rng(7)
+    texts = [rng.integers(1000, 60000, C, dtype=np.uint32) for _ in range(3)]
+    entries = [{"key": {"chunk_hash_hex": f"{n:064x}", "model_name": "m",
+                        "kv_rank": pack_kv_rank(1)},
+                "size_bytes": 1, "token_ids": text.tolist(), "token_offset": n * C}
+               for n, text in enumerate(texts, 1)]
+    batch = {"instance_id": ME, "incarnation": 0, "seq": 1, "event_type": "store",
+             "tier": "l1", "backend": "dram", "entries": entries}
+    coordinator.directory.ingest(decode(encode({"batches": [batch]}), EventsRequest).batches)
+    for query in (np.concatenate([texts[1], texts[0], texts[2][:5], texts[1]]),
+                  np.tile(texts[0], MAX_CANDIDATE_POSITIONS + 2)):  # cut: too many positions
+        body = {"tokens_b64": encode_tokens(query), "model_name": "m", "candidates": True}
+        read = [found_in(encode(coordinator.lookup(encode(request))), "in-process",
+                         chunk_size=C, instance_id=ME, num_tokens=len(query))
+                for request in (body, {**body, "columns": True})]
+        assert read[0].objects_form and not read[1].objects_form
+        assert read[1].contents == read[0].contents and read[1].dropped == 0
+        replies = [decode(encode(coordinator.lookup(encode(request))), BlendCandidatesReply)
+                   for request in (body, {**body, "columns": True})]
+        assert replies[1].columns is not None
+        assert replies[0].truncated == replies[1].truncated == (len(query) > 4 * C)
