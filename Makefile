@@ -20,7 +20,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-granularity bench-bounded bench-hostile bench-memory soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-granularity bench-lookup-forms bench-bounded bench-hostile bench-memory soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
@@ -110,6 +110,11 @@ bench-rag: $(STAMP)
 # server); writes docs/chunk-size.png. A few minutes; ARGS="--quick" for a smoke run.
 bench-granularity: $(BENCH_STAMP)
 	$(PY) -m benchmarks.bench_granularity $(ARGS)
+
+# The blend-lookup reply forms (default, candidates as objects, as columns) at chunk 256
+# and 32 side by side, one coordinator per size, passes interleaved.
+bench-lookup-forms: $(STAMP)
+	$(PY) -m benchmarks.bench_lookup_forms $(ARGS)
 
 # One request's work bounded: the repeated-token score, reply and a small lookup's wait; one
 # score of 64 instances against one candidates lookup (docs/WIRE.md, "Limits").

@@ -50,6 +50,7 @@ from benchmarks.bench_rag import (INSTANCES, Run, Workload, chunk_sizes, load_mu
                                   workload_a, workload_b)
 from benchmarks.bench_unified_lookup import MODEL
 from benchmarks.common import machine_description
+from benchmarks.lookup_forms import forms_table
 from benchmarks.musique_data import DATA_FILE, MUSIQUE_DATA_DIR
 from coordinator_stub.launch.process import start_coordinator
 from plugin import BlendPlugin, InMemoryHost, LookupKey, PluginConfig
@@ -411,6 +412,10 @@ def main(argv=None) -> int:
     rows = measure(args)
     print()
     print("\n".join(table(rows, args.workloads)))
+    print("\nblend-lookup reply forms, per lookup (benchmarks.lookup_forms; "
+          f"{args.cpu_rounds} passes each, interleaved):\n")
+    print("\n".join(forms_table([(w, r.chunk, r.runs[w].forms) for r in rows
+                                 for w in args.workloads if w in r.runs])))
     print("\nreuse: % of prompt tokens (prefix coverage + segments); lookup CPU: per unified "
           "lookup, this process + the coordinator process; store price on B's stores; LMCache "
           "server: its CPU net of idle, our plugin loaded")

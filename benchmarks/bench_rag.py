@@ -67,6 +67,7 @@ import psutil
 from benchmarks.bench_unified_lookup import MODEL, save, timed_lookup
 from benchmarks.common import machine_description, percentile_ms
 from benchmarks.lmcache_reference import lmcache_version
+from benchmarks.lookup_forms import FormPrice, forms_table, price_forms
 from benchmarks.musique_data import DATA_FILE, MUSIQUE_DATA_DIR, read_tokens
 from blend_wire import (BLEND_LOOKUP_PATH, CacheEventBatch, CacheEventEntry, EventsRequest,
                         encode, encode_tokens)
@@ -276,6 +277,8 @@ class Run:
     stored_chunks: int = 0
     cpu_plugin_ms: float = 0.0       # per unified lookup: this process (plugin + workers)
     cpu_coordinator_ms: float = 0.0  # per unified lookup: the coordinator process
+    # Per reply form (`benchmarks.lookup_forms`): bytes, coordinator and plugin CPU.
+    forms: dict[str, FormPrice] = field(default_factory=dict)
 
     def percent(self, system: str) -> float:
         return 100.0 * sum(self.reused[system]) / self.prompt_tokens
@@ -401,6 +404,11 @@ def run_one(work: Workload, chunk: int, lmcache: bool, warmup: int, *,
         run.cpu_plugin_ms = (time.process_time() - own) / len(cpu_pass) * 1e3
         run.cpu_coordinator_ms = ((sum(coordinator_cpu.cpu_times()[:2]) - theirs)
                                   / len(cpu_pass) * 1e3)
+        run.forms = price_forms(
+            http, coordinator.process.pid, [tokens for _, tokens in work.queries],
+            [{"tokens_b64": encode_tokens(tokens), "model_name": MODEL, "world_size": 1,
+              "cache_salt": ""} for _, tokens in work.queries], chunk,
+            [f"rag-{server}" for server, _ in work.queries], cpu_rounds)
     finally:
         http.close()
         for plugin in unified + local + fleet_only:
@@ -508,6 +516,8 @@ def main(argv=None) -> int:
     print("\n".join(reuse_table(runs, systems)))
     print()
     print("\n".join(detail_table(runs)))
+    print("\nblend-lookup reply forms (benchmarks.lookup_forms: one pass each; CPU per lookup):\n")
+    print("\n".join(forms_table([(r.workload, r.chunk, r.forms) for r in runs])))
     if not all(r.candidates_form for r in runs):
         print("\nthe coordinator has no candidates form yet: it answers "
               '"candidates": true in its default form')

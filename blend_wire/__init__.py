@@ -35,14 +35,15 @@ from blend_wire.fleet import (ENGINE_URL_KEY, MAX_CHUNK_SIZE, MAX_METADATA_CHARS
                               RegisterReply, RegisterRequest, WirePlacement)
 from blend_wire.lookup import (MAX_SCORE_INSTANCES, BlendCandidatesReply, BlendLookupReply,
                                BlendLookupRequest, BlendQuery, BlendScoreReply,
-                               BlendScoreRequest, InstanceScore, WireBlendMatch, WireChunkOffer,
-                               WireFoundContent)
+                               BlendScoreRequest, InstanceScore, WireBlendMatch,
+                               WireCandidateColumns, WireChunkOffer, WireFoundContent)
 from blend_wire.paths import (BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, CHUNK_SIZE_PATH,
                               DIRECTORY_KEYS_PATH, DIRECTORY_LOOKUP_PATH, EVENTS_PATH,
                               HEALTH_PATH, INSTANCES_PATH, METRICS_PATH, STATS_PATH)
-from blend_wire.tokens import (NO_TOKEN_IDS, BadTokenList, TokenIds, as_tokens, decode_tokens,
-                               encode_tokens, token_ids_of, token_lists_from_json,
-                               token_lists_to_json)
+from blend_wire.tokens import (NO_TOKEN_IDS, BadTokenList, TokenIds, as_tokens, decode_b64,
+                               decode_tokens, decode_uints, encode_b64, encode_tokens,
+                               encode_uints, token_ids_of, token_lists_from_json,
+                               token_lists_to_json, uints_in)
 from blend_wire.values import (CACHE_SALT_FORBIDDEN, CANDIDATE_SPARE_CHUNKS,
                                MAX_CACHE_SALT_CHARS, MAX_CANDIDATE_CHUNKS,
                                MAX_CANDIDATE_POSITIONS, MAX_REPLY_ENTRIES,

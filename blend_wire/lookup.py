@@ -8,8 +8,8 @@ from typing import Annotated
 
 import msgspec
 
-from blend_wire.values import (MAX_WORLD_SIZE, BlendNamespace, Name, check_cache_salt,
-                               check_lookup_namespace)
+from blend_wire.values import (MAX_CHUNK_HASH_HEX_CHARS, MAX_WORLD_SIZE, BlendNamespace, Name,
+                               check_cache_salt, check_lookup_namespace)
 
 
 class BlendQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -38,6 +38,9 @@ class BlendLookupRequest(BlendQuery, kw_only=True, omit_defaults=True):
     # Ours, opt-in: answer `BlendCandidatesReply` instead. LMCache's coordinator ignores an
     # unknown field and answers its default form, which is how a client tells them apart.
     candidates: bool = False
+    # Ours, opt-in beside `candidates`: the candidates as columns (`WireCandidateColumns`).
+    # A coordinator of ours without that form ignores it and answers the objects form.
+    columns: bool = False
 
 
 # Replies a serving process decodes on every lookup are not tracked by Python's cyclic GC
@@ -75,14 +78,36 @@ class WireFoundContent(msgspec.Struct, kw_only=True, gc=False):
     chunks: list[WireChunkOffer]
 
 
+class WireCandidateColumns(msgspec.Struct, kw_only=True, gc=False):
+    """The candidates as columns (docs/WIRE.md, "The columns form"): what
+    `WireFoundContent`s say, without a JSON object per content or chunk. Integer columns
+    are `blend_wire.tokens.encode_uints` text (a width digit, then little-endian base64);
+    contents in order, each content's positions and chunks consecutive."""
+
+    position_counts: str  # per content: how many positions
+    positions: str        # every content's positions, ascending within a content
+    chunk_counts: str     # per content: how many chunks
+    hash_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_HASH_HEX_CHARS // 2)]
+    chunk_hashes: str     # base64 of every chunk's hash, `hash_bytes` each, concatenated
+    old_st: str           # per chunk
+    holder_counts: str    # per chunk: how many instances' L1 hold it
+    holders: str          # those instances, as indices into `instances`, sorted by name
+    instances: list[str] = msgspec.field(default_factory=list)
+    shared: str = ""      # base64 bitmap: bit c % 8 (least significant first) of byte c // 8
+
+
 class BlendCandidatesReply(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """The reply to a blend lookup that asked for `candidates` (docs/WIRE.md).
 
-    A client decodes every blend-lookup reply with this shape: `candidates` is None when
-    the coordinator answered the default form (`matches`), as LMCache's does."""
+    A client decodes every blend-lookup reply with this shape: `candidates` and `columns`
+    are None when the coordinator answered the default form (`matches`), as LMCache's
+    does; `columns` is None when it answered the objects form (a coordinator of ours
+    without the columns form, or a reply whose hashes differ in length)."""
 
     chunk_size: int | None = None
     candidates: list[WireFoundContent] | None = None
+    # The columns form: set instead of `candidates` when the request asked for `columns`.
+    columns: WireCandidateColumns | None = None
     matches: list[WireBlendMatch] = msgspec.field(default_factory=list)
     # False (written only then) from a coordinator whose blend lookup is off: it can find
     # nothing, and says so, so that the client can tell its operator why reuse is zero.

@@ -81,28 +81,80 @@ _B64_PAIRS = np.where((_B64_VALUES[:, None] == 255) | (_B64_VALUES[None, :] == 2
                       | _B64_VALUES[:, None].astype(np.uint16)).astype(np.uint16).ravel()
 
 
-def _bad_tokens(message: str, text: str) -> WireError:
-    return WireError(message, loc=("body", "tokens_b64"), input=text[:64])
+def _bad_b64(message: str, text: str, field: str) -> WireError:
+    return WireError(message, loc=("body", field), input=text[:64])
+
+
+def decode_b64(text: str, field: str = "tokens_b64") -> np.ndarray:
+    """Standard base64 with padding to a uint8 array (one numba pass, no GIL), or
+    `WireError` naming `field` and saying why the text is not that."""
+    try:
+        raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    except UnicodeEncodeError:
+        raise _bad_b64(f"{field} is not valid base64: it has non-ASCII characters",
+                       text, field) from None
+    if raw.size % 4:
+        raise _bad_b64(f"{field} is not valid base64: its length {raw.size} is not a "
+                       "multiple of 4 (padding missing?)", text, field)
+    decoded, bad_at = kernels().b64_decode(raw, _B64_VALUES, _B64_PAIRS)
+    if bad_at >= 0:
+        raise _bad_b64(f"{field} is not valid base64: character {chr(raw[bad_at])!r} "
+                       f"at position {bad_at}", text, field)
+    return decoded
 
 
 def decode_tokens(text: str) -> np.ndarray:
     """Inverse of `encode_tokens`: a native uint32 array, or `WireError` saying why not."""
-    try:
-        raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-    except UnicodeEncodeError:
-        raise _bad_tokens("tokens_b64 is not valid base64: it has non-ASCII characters",
-                          text) from None
-    if raw.size % 4:
-        raise _bad_tokens(f"tokens_b64 is not valid base64: its length {raw.size} is not a "
-                          "multiple of 4 (padding missing?)", text)
-    decoded, bad_at = kernels().b64_decode(raw, _B64_VALUES, _B64_PAIRS)
-    if bad_at >= 0:
-        raise _bad_tokens(f"tokens_b64 is not valid base64: character {chr(raw[bad_at])!r} "
-                          f"at position {bad_at}", text)
+    decoded = decode_b64(text, "tokens_b64")
     if decoded.size % 4:
-        raise _bad_tokens(f"tokens_b64 decodes to {decoded.size} bytes, not a multiple of 4",
-                          text)
+        raise _bad_b64(f"tokens_b64 decodes to {decoded.size} bytes, not a multiple of 4",
+                       text, "tokens_b64")
     return decoded.view("<u4").astype(np.uint32, copy=False)
+
+
+# --- unsigned integer columns (the candidates' columns form) ---------------------------------
+
+#: The widths an integer column may have, by its leading digit (bytes per value).
+_UINT_WIDTHS = {"1": "<u1", "2": "<u2", "4": "<u4", "8": "<u8"}
+
+
+def encode_b64(data) -> str:
+    """Bytes (or an array's bytes) as standard base64 with padding."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def encode_uints(values: np.ndarray) -> str:
+    """Non-negative integers as a column: one digit, the narrowest width in bytes (1, 2,
+    4 or 8) that holds the largest, then the values little-endian in base64 (WIRE.md)."""
+    top = int(values.max()) if values.size else 0
+    if values.size and values.dtype.kind != "u" and int(values.min()) < 0:
+        raise WireError("an unsigned integer column cannot hold a negative value")
+    width = "1" if top < 1 << 8 else "2" if top < 1 << 16 else "4" if top < 1 << 32 else "8"
+    return width + encode_b64(np.ascontiguousarray(values, dtype=_UINT_WIDTHS[width]))
+
+
+def decode_uints(text: str, field: str) -> np.ndarray:
+    """Inverse of `encode_uints`: the values as an unsigned array of the column's width
+    (native byte order; any value the width holds), or `WireError` saying why not."""
+    dtype = _UINT_WIDTHS.get(text[:1])
+    if dtype is None:
+        raise _bad_b64(f"{field} is not an integer column: it must start with its width "
+                       "in bytes, 1, 2, 4 or 8", text, field)
+    decoded = decode_b64(text[1:], field)
+    width = int(text[0])
+    if decoded.size % width:
+        raise _bad_b64(f"{field} decodes to {decoded.size} bytes, not a multiple of its "
+                       f"width {width}", text, field)
+    return decoded.view(dtype).astype(dtype[1:], copy=False)
+
+
+def uints_in(text: str) -> int:
+    """How many values an `encode_uints` column holds, from its length alone (no decoding:
+    for counting what a reply holds)."""
+    if text[:1] not in _UINT_WIDTHS or len(text) < 5:
+        return 0
+    size = (len(text) - 1) // 4 * 3 - text.endswith("=") - text.endswith("==")
+    return size // int(text[0])
 
 
 # --- token_ids (event entries): JSON lists of integers ---------------------------------------

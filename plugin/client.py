@@ -77,6 +77,7 @@ class _Endpoint:
     probe_out: bool = False
     failures: int = 0  # consecutive unhealthy failures
     candidates: bool = True  # False once it answered the default form to a candidates query
+    said_objects: bool = False  # its "no columns form" was logged (once per URL)
     said_blend_off: bool = False  # its "blend lookup off" was logged (once per URL)
 
 
@@ -412,14 +413,24 @@ class BlendCoordinatorClient:
                         "finds nothing, so this server reuses nothing through the fleet. "
                         "Restart it with --enable-blend-lookup", endpoint.url)
 
+    def _first_objects_reply(self, endpoint: _Endpoint) -> bool:
+        """Whether this is the first objects-form reply from `endpoint` (logged once)."""
+        with self._lock:
+            first, endpoint.said_objects = not endpoint.said_objects, True
+        return first
+
     def _round_trip(self, query: _Query, budget: float) -> FoundColumns:
         namespace, endpoint = query.namespace, query.endpoint
+        # Columns are asked for with every candidates query: a coordinator of ours without
+        # that form ignores the field, and one with it may answer a reply in objects
+        # (hashes of different lengths), so an objects reply is no reason to stop asking.
         asked_candidates = endpoint.candidates
         body = encode(BlendLookupRequest(tokens_b64=encode_tokens(query.tokens),
                                          model_name=namespace.model_name,
                                          world_size=namespace.world_size,
                                          cache_salt=namespace.cache_salt,
-                                         candidates=asked_candidates))
+                                         candidates=asked_candidates,
+                                         columns=asked_candidates))
         try:
             with endpoint.http.stream("POST", BLEND_LOOKUP_PATH, content=body, timeout=budget,
                                       headers=_JSON) as response:
@@ -442,6 +453,9 @@ class BlendCoordinatorClient:
                 endpoint.candidates = False
             log.info("%s answers blend lookups in LMCache's default form (no candidates): "
                      "using it", endpoint.url)
+        if found.objects_form and self._first_objects_reply(endpoint):
+            log.info("%s answers blend lookups with candidates as objects (no columns form, "
+                     "or hashes of different lengths): using them", endpoint.url)
         if found.blend_lookup_off:
             self._say_blend_off(endpoint)
         if found.dropped:

@@ -25,6 +25,12 @@ def test_quick_run_keeps_the_reuse_order_and_prices_every_size(capsys):
             assert reused["ceiling"] >= reused["once"] >= reused["unified"] >= reused["fleet"] > 0
             assert run.percent("ceiling") <= 100.0
             assert run.cpu_plugin_ms > 0
+            # Both candidates forms name the same chunks and positions; the columns fewer bytes.
+            objects, columns = run.forms["objects"], run.forms["columns"]
+            assert (columns.chunks_named, columns.positions_found) == (
+                objects.chunks_named, objects.positions_found) and columns.chunks_named > 0
+            assert columns.reply_bytes < objects.reply_bytes / 2
+            assert all(form.lookups > 0 and form.plugin_cpu_s > 0 for form in run.forms.values())
         # Every stored token crossed the wire once as a JSON token id (>= 2 bytes each).
         assert row.store.event_bytes >= 2
         assert row.store.stored_tokens % row.chunk == 0 and row.store.stored_tokens > 0

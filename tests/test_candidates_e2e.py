@@ -21,6 +21,8 @@ from blend_wire import BLEND_LOOKUP_PATH, encode_tokens
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import poll_lookup, store
 from plugin import BlendPlugin, CBMatchResult, InMemoryHost, LookupKey, PluginConfig
+from plugin.replies import found_in
+from plugin.types import Place
 
 LANE = "coordinator"
 
@@ -129,6 +131,33 @@ def test_candidates_reply_names_every_position_and_where_chunks_are_held(servers
             {"positions": [10, 10 + C + 5], "chunks": [
                 {"chunk_hash": hx[0].hex(), "old_st": 0, "l1": ["A"]}]}]}
         assert other_tenant.json() == {"chunk_size": C, "candidates": []}
+
+
+def test_the_columns_reply_says_what_the_objects_reply_says(servers):
+    with launch_coordinator("--enable-blend-lookup") as coordinator:
+        l2: dict = {}
+        a = servers("A", coordinator.url, l2)
+        b = servers("B", coordinator.url, l2)
+        x, y = fresh(2 * C), fresh(C)
+        hx, hy = a.save(x, "m"), b.save(y, "m")
+        query = np.concatenate([fresh(10), x, fresh(5), y, x[:C], fresh(20)])
+        body = {"tokens_b64": encode_tokens(query), "model_name": "m", "candidates": True}
+        with httpx.Client(base_url=coordinator.url, timeout=10) as http:
+            objects = http.post(BLEND_LOOKUP_PATH, json=body)
+            columns = http.post(BLEND_LOOKUP_PATH, json={**body, "columns": True})
+        assert set(columns.json()) == {"chunk_size", "columns"}
+        assert len(columns.content) < len(objects.content)
+        read = [found_in(reply.content, coordinator.url, chunk_size=C, instance_id="A",
+                         num_tokens=len(query)) for reply in (objects, columns)]
+        assert read[1].contents == read[0].contents and read[1].dropped == 0
+        assert read[1].contents.chunk_hashes == [hx[0], hx[1], hy[0]]
+        assert read[1].contents.chunk_place.tolist() == [Place.THIS_SERVER, Place.THIS_SERVER,
+                                                         Place.PEER]
+        # The plugin asks for columns: B reuses x's chunks (twice its first) and its own y.
+        result, trace = b.lookup(query, "m")
+        assert [(s.cur_st, s.hash) for s in result.non_prefix_segments] == [
+            (10, hx[0]), (10 + C, hx[1]), (10 + 2 * C + 5, hy[0])]
+        assert trace.fleet_status == "ok"
 
 
 @pytest.mark.lmcache

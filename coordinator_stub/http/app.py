@@ -35,6 +35,7 @@ from blend_wire import (
     HeartbeatReply,
     WireError,
     encode,
+    uints_in,
 )
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import (BadRequest, ChunkSizeConflict, Forbidden,
@@ -270,6 +271,7 @@ async def _blend_lookup(request: web.Request) -> web.Response:
     metrics = request.app.get(METRICS)
     if metrics is not None:
         found = (len(reply.matches) if type(reply) is BlendLookupReply
+                 else uints_in(reply.columns.positions) if reply.columns is not None
                  else sum(len(content.positions) for content in reply.candidates))
         metrics.observe_lookup("blend-lookup", time.perf_counter() - started, found)
     return _json(encode(reply))

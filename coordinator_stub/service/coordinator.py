@@ -31,6 +31,7 @@ from blend_wire import (
     EncodedObjectKey,
     EventsRequest,
     KeyPlacements,
+    WireCandidateColumns,
     WireChunkOffer,
     WireFoundContent,
     RegisterReply,
@@ -44,7 +45,9 @@ from blend_wire import (
     decode,
     decode_tokens,
     encode,
+    encode_b64,
     encode_tokens,
+    encode_uints,
     lookup_kv_ranks,
     pack_kv_rank,
     prefix_chunk_hashes,
@@ -53,10 +56,11 @@ from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, TooLarge
 from coordinator_stub.scopes import ANY, Scope
 from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory.queries import PlaceColumns
 from coordinator_stub.service.instances import InstanceRegistry
 from coordinator_stub.service.quotas import InstanceQuota, capped
 from coordinator_stub.service.score import prefix_places, score_instances
-from local_matcher.types import EMPTY_COLUMNS
+from local_matcher.types import EMPTY_COLUMNS, CandidateColumns
 
 
 log = logging.getLogger(__name__)
@@ -111,33 +115,27 @@ class Coordinator:
         `wait=False`: `IndexBusy` rather than wait while ingest writes the index."""
         tokens = self._tokens(request)
         if request.candidates:
-            return self._candidates(tokens, request.namespace, wait)
+            return self._candidates(tokens, request.namespace, wait, request.columns)
         if not self.directory.blend_enabled or tokens.size < self.directory.chunk_size:
             return BlendLookupReply(matches=[])
         return BlendLookupReply(matches=[
             WireBlendMatch(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
             for m in self.directory.match(tokens, request.namespace, wait=wait)])
 
-    def _candidates(self, tokens, namespace, wait: bool) -> BlendCandidatesReply:
+    def _candidates(self, tokens, namespace, wait: bool, columns: bool = False
+                    ) -> BlendCandidatesReply:
         directory = self.directory
         found = directory.candidate_columns(tokens, namespace, wait=wait)
         places = directory.place_columns(found.chunk_hashes, namespace)
-        # The JSON form names each chunk as an object: per-chunk work the wire asks for.
-        names, shared = places.instances, places.shared.tolist()
-        holder_start, holders = places.holder_start.tolist(), places.holders.tolist()
-        offers = [WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=tuple(
-                      names[k] for k in holders[holder_start[i]:holder_start[i + 1]]),
-                      shared=bool(shared[i]))
-                  for i, (chunk_hash, old_st) in enumerate(zip(found.chunk_hashes,
-                                                               found.old_st.tolist()))]
-        positions = found.positions.tolist()
-        pos, chunks = found.position_start.tolist(), found.chunk_start.tolist()
-        return BlendCandidatesReply(chunk_size=self.directory.chunk_size,
-                                    blend_lookup=self.directory.blend_enabled,
-                                    truncated=found.truncated, candidates=[
-            WireFoundContent(positions=positions[pos[i]:pos[i + 1]],
-                             chunks=offers[chunks[i]:chunks[i + 1]])
-            for i in range(found.num_contents)])
+        reply = BlendCandidatesReply(chunk_size=directory.chunk_size,
+                                     blend_lookup=directory.blend_enabled,
+                                     truncated=found.truncated)
+        wire = _wire_columns(found, places) if columns else None
+        if wire is not None:
+            reply.columns = wire
+        else:
+            reply.candidates = _wire_objects(found, places)
+        return reply
 
     def score(self, body: bytes, scope: Scope = ANY, *, everyone: bool = True
               ) -> BlendScoreReply:
@@ -325,6 +323,44 @@ class Coordinator:
 
     def instances_listing(self) -> bytes:
         return encode(self.instances.listing())
+
+
+def _wire_columns(found: CandidateColumns, places: PlaceColumns) -> WireCandidateColumns | None:
+    """The candidates as columns (WIRE.md, "The columns form"), built from the columns the
+    index and the placements give: no Python object per content or chunk. None when the
+    form cannot say them (hashes of different lengths, an offset never reported): the
+    caller answers the objects form, which the client reads as well."""
+    hashes = found.chunk_hashes
+    width = len(hashes[0]) if len(hashes) else 32
+    if len(hashes) and (found.old_st.min() < 0 or set(map(len, hashes)) != {width}):
+        return None
+    counts = lambda starts: starts[1:] - starts[:-1]  # noqa: E731
+    return WireCandidateColumns(
+        position_counts=encode_uints(counts(found.position_start)),
+        positions=encode_uints(found.positions),
+        chunk_counts=encode_uints(counts(found.chunk_start)),
+        hash_bytes=width, chunk_hashes=encode_b64(b"".join(hashes)),
+        old_st=encode_uints(found.old_st),
+        holder_counts=encode_uints(counts(places.holder_start)),
+        holders=encode_uints(places.holders), instances=places.instances,
+        shared=encode_b64(np.packbits(places.shared, bitorder="little")))
+
+
+def _wire_objects(found: CandidateColumns, places: PlaceColumns) -> list[WireFoundContent]:
+    """The candidates as one JSON object per content and chunk (the objects form: per-chunk
+    work the form asks for)."""
+    names, shared = places.instances, places.shared.tolist()
+    holder_start, holders = places.holder_start.tolist(), places.holders.tolist()
+    offers = [WireChunkOffer(chunk_hash=chunk_hash.hex(), old_st=old_st, l1=tuple(
+                  names[k] for k in holders[holder_start[i]:holder_start[i + 1]]),
+                  shared=bool(shared[i]))
+              for i, (chunk_hash, old_st) in enumerate(zip(found.chunk_hashes,
+                                                           found.old_st.tolist()))]
+    positions = found.positions.tolist()
+    pos, chunks = found.position_start.tolist(), found.chunk_start.tolist()
+    return [WireFoundContent(positions=positions[pos[i]:pos[i + 1]],
+                             chunks=offers[chunks[i]:chunks[i + 1]])
+            for i in range(found.num_contents)]
 
 
 def _raw_key(key: EncodedObjectKey) -> tuple[str, str, int, int]:
