@@ -133,7 +133,7 @@ class BlendScoreRequest(BlendQuery, kw_only=True, omit_defaults=True):
 
 class InstanceScore(msgspec.Struct, kw_only=True):
     """What one instance would reuse of the request, by where the KV is held (tokens), and
-    the score a router ranks by (docs/WIRE.md, "Blend score")."""
+    the score a router ranks by (docs/WIRE.md, "POST /directory/blend-score")."""
 
     instance_id: str
     prefix_tokens: int

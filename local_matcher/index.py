@@ -201,7 +201,8 @@ class ContentIndex:
     # --- matching -------------------------------------------------------------------------
 
     def match(self, query, namespace: Hashable, *, wait: bool = True) -> list[BlendMatch]:
-        """The chunks of `namespace` found in `query`, by the match rule (module doc).
+        """The chunks of `namespace` found in `query`, by the match rule (docs/CONTRACTS.md,
+        `local_matcher.index`).
 
         Ascending by `cur_st`; at most one match per position and per chunk; every
         match compared token by token. `wait=False`: `IndexBusy` rather than wait for a
@@ -247,7 +248,7 @@ class ContentIndex:
                           max_entries: int = MAX_REPLY_ENTRIES) -> CandidateColumns:
         """Every position of `query` where content `namespace` claims occurs, by content.
 
-        The candidates form (DESIGN.md, "Unified lookup"): unlike `match`, no chunk is
+        The candidates form (DESIGN.md, "The content index"): unlike `match`, no chunk is
         assigned to a position here, so a caller that drops some positions (the prefix, an
         overlap) can give their chunks to later ones. Contents in order of their first
         position; every position verified token by token; per content at most

@@ -30,9 +30,9 @@ Leg = FoundColumns | Sequence[FoundContent]
 def select(local: Leg, fleet: Leg, prefix_coverage_tokens: int,
            chunk_size: int, *, available: frozenset[bytes] | set[bytes] | None = None
            ) -> list[Candidate]:
-    """The segments to reuse: steps 1-3 of the module doc, the best of union and legs
-    (`local_matcher.selection.select`, the local leg first). Python objects are made
-    only for the segments kept.
+    """The segments to reuse: steps 1-3 of docs/CONTRACTS.md, `plugin.lookup`, the best
+    of union and legs (`local_matcher.selection.select`, the local leg first). Python
+    objects are made only for the segments kept.
 
     `available`, when given, limits the chunks to those hashes (the ones a prefetch of
     every offered chunk found). A leg given as `FoundContent`s (plain data) is

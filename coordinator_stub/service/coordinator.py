@@ -221,12 +221,14 @@ class Coordinator:
     # --- the instance registry (event loop) ------------------------------------------------
 
     def bind_chunk_size(self, body: bytes) -> bytes:
-        """`PUT /config/chunk-size` (module doc)."""
+        """`PUT /config/chunk-size` (docs/CONTRACTS.md,
+        `coordinator_stub.service.coordinator`)."""
         chunk_size = self.bind(decode(body, ChunkSizeBindRequest).chunk_size)
         return encode(ChunkSizeBindReply(chunk_size=chunk_size))
 
     def bind(self, chunk_size: int) -> int:
-        """Bind the fleet's chunk size (module doc); the bound size, or ChunkSizeConflict."""
+        """Bind the fleet's chunk size (docs/CONTRACTS.md,
+        `coordinator_stub.service.coordinator`); the bound size, or ChunkSizeConflict."""
         with self._bind_lock:
             current = self.directory.chunk_size
             if self._chunk_size_bound:

@@ -1,5 +1,5 @@
 """Per-instance CacheBlend score: how much of a request each instance would reuse, and where
-from (docs/WIRE.md, "Blend score"). Columns in, `InstanceScore`s out.
+from (docs/WIRE.md, "POST /directory/blend-score"). Columns in, `InstanceScore`s out.
 
 For one instance, what its unified lookup would reuse is:
 
