@@ -448,7 +448,10 @@ async def test_large_prompts_are_parsed_off_the_event_loop(coordinator):
             done.set()
             await watcher
             assert [status for status, _, _ in results] == [200] * 3
-            assert max(stalls) < 0.3, sorted(stalls)[-5:]  # on the loop: 0.8 s and more
+            # Parsed on the loop, each prompt held /healthz for its whole parse (0.8 s and
+            # more); off it, a check waits only for a core, which two busy test workers on
+            # two cores made 0.35 s once.
+            assert max(stalls) < 0.6, sorted(stalls)[-5:]
             # The parsing process killed (out of memory, say): the next body is parsed all
             # the same, and another process takes over.
             for _ in range(2):
