@@ -25,6 +25,11 @@ the lmcache lane; a test that starts more than its lane allows fails, naming the
 needs (the command line of every child process is checked, and whether LMCache's modules
 were first imported during the test).
 
+`alone` (not a lane): a test that bounds a latency (how long `/healthz` waits, say). `make
+test` runs the suite on two workers, whose load on the second core upsets such a bound, so
+it runs these afterwards, by themselves (`-m alone`). Mark one only where the bound is what
+the test is for.
+
 Hypothesis runs without its per-example deadline: property tests assert results, not
 speed, and a first example that compiles or loads kernels on a loaded 2-core machine took
 over a second (seen: `test_wire.py`).
