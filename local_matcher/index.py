@@ -288,8 +288,7 @@ class ContentIndex:
                                                            max_entries)
                 slots, cut = slots[:counts.sum()], True
             offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots]
-            slot_chunk = claims.slot_chunk
-            hashes = [slot_chunk[s] for s in slots.tolist()]
+            hashes = list(map(claims.slot_chunk.__getitem__, slots.tolist()))
         return CandidateColumns(_starts(sizes), positions, _starts(counts), offsets, hashes,
                                 cut)
 

@@ -7,6 +7,8 @@ listing's copied rows and tables.
 
 from __future__ import annotations
 
+from itertools import count, repeat
+from operator import itemgetter
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -46,46 +48,70 @@ def place_columns(table: dict, placements: Placements, chunk_hashes: Sequence[by
     A hint for the requester's choice among chunks of one content, read without the
     directory lock so that lookups never wait for ingest: it is the state as of some
     moment while batches apply (tuples are replaced whole; a many-keys record changed
-    under the read answers "nowhere known", which only makes a chunk look remote). One
-    dictionary read per chunk, the directory's (its bindings are per chunk)."""
-    key_ns, places = placements.key_ns, placements.places
+    under the read answers "nowhere known", which only makes a chunk look remote).
+
+    One dictionary read per chunk, the directory's (its bindings are per chunk), done by
+    C maps; the placement records are read once per distinct record (`_where`): a lookup
+    names hundreds of chunks but a handful of distinct records (a record is its
+    `(key_no, place_no)` pairs, and keys and places are few), so no Python runs per
+    chunk. Instances are numbered in order of first mention, as a pass over the chunks
+    would."""
+    holds = list(map(_HOLDS, map(table.get, chunk_hashes, repeat(_NOWHERE))))
+    # Each chunk's record by the first chunk naming it (one hash per chunk: tuples by
+    # value, a many-keys record by identity), then numbered densely in that order.
+    first_of: dict = {}
+    first = np.fromiter(map(first_of.setdefault, holds, count()), dtype=np.int64,
+                        count=len(holds))
+    dense = np.zeros(len(holds), dtype=np.int64)
+    dense[list(first_of.values())] = np.arange(len(first_of))
+    of_chunk = dense[first]
     number: dict[str, int] = {}
-    counts = np.zeros(len(chunk_hashes), dtype=np.int64)
-    shared = np.zeros(len(chunk_hashes), dtype=np.uint8)
-    holders: list[int] = []
-    for i, binding in enumerate(map(table.get, chunk_hashes)):
-        holds = None if binding is None else binding[2]
-        try:
-            if type(holds) is tuple and len(holds) == 2:  # one placement: nearly all
-                if key_ns[holds[0]] == namespace:
-                    place = places[holds[1]]
-                    if place[SHARED]:
-                        shared[i] = 1
-                    elif place[TIER] == "l1":
-                        holders.append(number.setdefault(place[INSTANCE], len(number)))
-                        counts[i] = 1
-                continue
-            if holds is None:
-                continue
-            pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple else
-                     [(k, p) for k, ps in list(holds.places.items()) for p in ps])
-            l1, is_shared = set(), False
-            for key_no, place_no in pairs:
-                if key_ns[key_no] == namespace:
-                    place = places[place_no]
-                    if place[SHARED]:
-                        is_shared = True
-                    elif place[TIER] == "l1":
-                        l1.add(place[INSTANCE])
-        except (RuntimeError, IndexError, TypeError):
-            continue
-        shared[i] = is_shared
-        counts[i] = len(l1)
-        holders.extend(number.setdefault(name, len(number)) for name in sorted(l1))
-    holder_start = np.zeros(len(chunk_hashes) + 1, dtype=np.int64)
+    shared_of, count_of, held_by = [], [], []
+    for record in first_of:
+        l1, is_shared = _where(record, placements, namespace)
+        shared_of.append(is_shared)
+        count_of.append(len(l1))
+        held_by.extend(number.setdefault(name, len(number)) for name in l1)
+    counts = np.array(count_of, dtype=np.int64)[of_chunk]
+    holder_start = np.zeros(len(holds) + 1, dtype=np.int64)
     np.cumsum(counts, out=holder_start[1:])
-    return PlaceColumns(list(number), holder_start, np.array(holders, dtype=np.int64),
-                        shared)
+    # Each chunk's holders: its record's run of `held_by`, gathered as one array.
+    record_start = np.zeros(len(count_of) + 1, dtype=np.int64)
+    np.cumsum(count_of, out=record_start[1:])
+    source = (np.repeat(record_start[:-1][of_chunk] - holder_start[:-1], counts)
+              + np.arange(holder_start[-1]))
+    return PlaceColumns(list(number), holder_start,
+                        np.array(held_by, dtype=np.int64)[source],
+                        np.array(shared_of, dtype=np.uint8)[of_chunk])
+
+
+#: A chunk the directory does not hold reads as a binding holding nothing.
+_NOWHERE = (None, None, None, None, None)
+_HOLDS = itemgetter(2)
+
+
+def _where(holds, placements: Placements, namespace: BlendNamespace
+           ) -> tuple[list[str], bool]:
+    """(L1 holders, sorted; shared?) of `namespace`'s keys in one placement record, read
+    without the lock (`place_columns`): a record changed under the read, or naming a
+    number not yet visible, is held nowhere known."""
+    if holds is None:
+        return [], False
+    key_ns, places = placements.key_ns, placements.places
+    try:
+        pairs = (zip(holds[0::2], holds[1::2]) if type(holds) is tuple else
+                 [(k, p) for k, ps in list(holds.places.items()) for p in ps])
+        l1, is_shared = set(), False
+        for key_no, place_no in pairs:
+            if key_ns[key_no] == namespace:
+                place = places[place_no]
+                if place[SHARED]:
+                    is_shared = True
+                elif place[TIER] == "l1":
+                    l1.add(place[INSTANCE])
+    except (RuntimeError, IndexError, TypeError):
+        return [], False
+    return sorted(l1), is_shared
 
 
 def places_of(table: dict, placements: Placements, chunk_hashes: Sequence[bytes],
