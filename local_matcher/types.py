@@ -35,16 +35,6 @@ class CBMatchResult(NamedTuple):
     cur_ed: int
     hash: Hashable
 
-    @classmethod
-    def from_match(cls, match: BlendMatch, chunk_size: int) -> "CBMatchResult":
-        return cls(
-            match.old_st,
-            match.old_st + chunk_size,
-            match.cur_st,
-            match.cur_st + chunk_size,
-            match.chunk_hash,
-        )
-
 
 class ContentCandidates(NamedTuple):
     """One stored content found in a query, in the candidates form of a lookup.

@@ -180,10 +180,9 @@ def _reader_of(request: web.Request) -> tuple[str, object]:
     return "peer", request.remote
 
 
-def _run(request: web.Request, pool: web.AppKey | None, work: Callable[..., T],
-         *args) -> Awaitable[T]:
-    executor = request.app[pool] if pool is not None else None  # None: asyncio's default
-    return asyncio.get_running_loop().run_in_executor(executor, work, *args)
+def _run(work: Callable[..., T], *args) -> Awaitable[T]:
+    """`work(*args)` on asyncio's default executor: a cold request kept off the loop."""
+    return asyncio.get_running_loop().run_in_executor(None, work, *args)
 
 
 # --- events and lookups ------------------------------------------------------------------
@@ -295,7 +294,7 @@ async def _blend_score(request: web.Request) -> web.Response:
 async def _directory_lookup(request: web.Request) -> web.Response:
     started = time.perf_counter()
     body = await _read_body(request)
-    reply = await _run(request, None, request.app[COORDINATOR].directory_lookup, body)
+    reply = await _run(request.app[COORDINATOR].directory_lookup, body)
     metrics = request.app.get(METRICS)
     if metrics is not None:
         metrics.observe_lookup("directory-lookup", time.perf_counter() - started)
@@ -303,12 +302,11 @@ async def _directory_lookup(request: web.Request) -> web.Response:
 
 
 async def _directory_keys(request: web.Request) -> web.Response:
-    return _json(await _run(request, None, request.app[COORDINATOR].directory_keys,
-                            dict(request.query)))
+    return _json(await _run(request.app[COORDINATOR].directory_keys, dict(request.query)))
 
 
 async def _stats(request: web.Request) -> web.Response:
-    reply = await _run(request, None, request.app[COORDINATOR].stats)
+    reply = await _run(request.app[COORDINATOR].stats)
     extra = request.app[WRITES].stats()
     if extra is not None:  # where this replica is in the log (an extra key of ours)
         reply = encode({**msgspec.json.decode(reply), "replica": extra})
@@ -334,7 +332,7 @@ async def _register(request: web.Request) -> web.Response:
     body = await _read_body(request, MAX_REGISTRATION_BODY_BYTES,
                             "the registration body limit, WIRE.md")
     # Decoded (and checked against the token's scope) off the loop.
-    registration = await _run(request, None, request.app[COORDINATOR].parse_register, body,
+    registration = await _run(request.app[COORDINATOR].parse_register, body,
                               scope_of(request))
     return _json(await request.app[WRITES].register(registration))
 
@@ -347,7 +345,7 @@ async def _bind_chunk_size(request: web.Request) -> web.Response:
         raise Forbidden("binding the fleet's chunk size needs an emitter token with no "
                         "instances= or salts= scope: it applies to every tenant")
     body = await _read_body(request)
-    return _json(await _run(request, None, request.app[COORDINATOR].bind_chunk_size, body))
+    return _json(await _run(request.app[COORDINATOR].bind_chunk_size, body))
 
 
 def _path_instance(request: web.Request) -> str:
@@ -373,7 +371,7 @@ async def _deregister(request: web.Request) -> web.Response:
 async def _instances(request: web.Request) -> web.Response:
     # Encoded off the loop: the listing grows with the fleet (up to 16 KiB of metadata
     # per instance).
-    return _json(await _run(request, None, request.app[COORDINATOR].instances_listing))
+    return _json(await _run(request.app[COORDINATOR].instances_listing))
 
 
 # --- lifecycle -------------------------------------------------------------------------------

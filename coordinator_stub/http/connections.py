@@ -103,10 +103,6 @@ class ConnectionGuard:
         self.refused = 0
         self.evicted = 0
 
-    @property
-    def open_connections(self) -> int:
-        return len(self._open)
-
     def protocol_factory(self, server: Callable[[], asyncio.Protocol]
                          ) -> Callable[[], asyncio.Protocol]:
         def make() -> asyncio.Protocol:
