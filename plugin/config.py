@@ -9,9 +9,9 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, get_args
 
-from blend_wire import ENGINE_URL_KEY, engine_address
+from blend_wire import ENGINE_URL_KEY, Tier, engine_address
 
 ENV_COORDINATOR_URL = "LMCACHE_COORDINATOR_URL"
 ENV_EVENT_REPORTING = "LMCACHE_COORDINATOR_EVENT_REPORTING"
@@ -131,8 +131,8 @@ class PluginConfig:
             raise ConfigError("instance_id must be a non-empty string")
         if self.incarnation is not None:
             _check_int_at_least("incarnation", self.incarnation, 0)
-        if self.event_tier not in ("l1", "l2"):
-            raise ConfigError(f"event_tier={self.event_tier!r} must be 'l1' or 'l2'")
+        if self.event_tier not in get_args(Tier):
+            raise ConfigError(f"event_tier={self.event_tier!r} must be one of {get_args(Tier)}")
         if not self.event_backend:
             raise ConfigError("event_backend must be non-empty (e.g. 'dram')")
         _check_int_at_least("event_queue_limit", self.event_queue_limit, 1)

@@ -13,14 +13,14 @@ import threading
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple, Sequence, get_args
 
 import httpx
 import numpy as np
 
 from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                         CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
-                        EventsRequest, TokenIds, WireError, check_token_offset, decode, encode,
+                        EventsRequest, Tier, TokenIds, WireError, check_token_offset, decode, encode,
                         pack_kv_rank, token_ids_of, token_lists_to_json)
 from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig, coordinator_url_list
 from plugin.http import coordinator_http
@@ -70,7 +70,7 @@ class _Event(NamedTuple):
     tokens: TokenIds | None  # a private copy, never the caller's buffer
     offset: int
     size_bytes: int
-    tier: str
+    tier: Tier
     backend: str
 
 
@@ -196,8 +196,8 @@ class CacheEventReporter:
         # Checked here, where the caller can be told; batch building must not fail.
         tier = self.tier if tier is None else tier
         backend = self.backend if backend is None else backend
-        if tier not in ("l1", "l2"):
-            raise ValueError(f"tier={tier!r} must be 'l1' or 'l2'")
+        if tier not in get_args(Tier):
+            raise ValueError(f"tier={tier!r} must be one of {get_args(Tier)}")
         if not backend:
             raise ValueError("backend must be non-empty (e.g. 'dram')")
         return tier, backend
