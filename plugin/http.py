@@ -348,7 +348,8 @@ class Replicas:
         """One request, synchronous, to the current replica or, while the ones asked are
         unavailable, to the next ones in turn (each at most once); the replica that answers
         stays current. Each round-trip ends within its client's timeout."""
-        sent, failure, tried = Sent(None, None), "every replica is benched", []
+        sent, tried = Sent(None, None), []
+        failure = "every replica is benched (unavailable, or asked for a pause: Retry-After)"
         while (picked := self.pick(self.current, self.clock(), tried)) is not None:
             index, replica, is_probe = picked
             sent.moved += bool(tried)
