@@ -97,8 +97,9 @@ class PluginConfig:
     event_backend: str = "dram"
     # Events held while the coordinator is unreachable; beyond this the oldest are dropped.
     event_queue_limit: int = 100_000
-    # Consecutive failed round-trips that open the circuit breaker, and how long it stays open
-    # before one probe query may close it again.
+    # Consecutive failed round-trips that open a replica's circuit breaker, and how long it
+    # stays open before one probe may close it again: the one fail-over policy (plugin.http)
+    # of the client, the reporter and the registrar alike.
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 5.0
     # A finished coordinator result nobody takes is dropped after this long.
