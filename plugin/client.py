@@ -257,9 +257,10 @@ class BlendCoordinatorClient:
 
     def _record_locked(self, query: _Query, failure: QueryFailed | None, now: float) -> None:
         replica = query.replica
-        verdict = Verdict.OK if failure is None else failure.verdict
+        verdict, wait = (Verdict.OK, None) if failure is None else (failure.verdict,
+                                                                     failure.retry_after)
         before, after = self._replicas.record(replica, verdict, now, is_probe=query.is_probe,
-                                              retry_after=failure and failure.retry_after)
+                                              retry_after=wait)
         if failure is None:
             if before is not BreakerState.CLOSED:
                 log.info("coordinator at %s answers again; fleet lookups resume", replica.url)

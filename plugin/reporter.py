@@ -20,8 +20,8 @@ import numpy as np
 
 from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                         CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
-                        EventsRequest, Tier, TokenIds, WireError, check_token_offset, decode, encode,
-                        pack_kv_rank, token_ids_of, token_lists_to_json)
+                        EventsRequest, Tier, TokenIds, WireError, check_token_offset, decode,
+                        encode, pack_kv_rank, token_ids_of, token_lists_to_json)
 from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig, coordinator_url_list
 from plugin.http import Replicas, Verdict, coordinator_http
 from plugin.workers import DaemonPool
