@@ -87,11 +87,13 @@ class Bindings:
         self.emitter = ""  # the instance whose batch is being applied
         self.size_warned: set[str] = set()  # emitters warned of a chunk-size mismatch
 
-    # --- one batch (the directory has admitted it and journals it) -------------------
+    # --- the ingest pipeline's consumer (pipeline.py): admitted, journaled --------------
 
-    def apply(self, batch: CacheEventBatch) -> None:
-        """A STORE, DELETE or ACCESS batch."""
+    def consume(self, batch: CacheEventBatch) -> None:
+        """A STORE, DELETE or ACCESS batch (a `config` batch changes no binding)."""
         kind = batch.event_type
+        if kind == "config":
+            return
         placements = self._placements
         self.emitter = batch.instance_id  # named by a chunk-size mismatch warning
         if kind == "store":
@@ -406,10 +408,13 @@ class Bindings:
                       [placements.key_ns[key_no]] if claim_gone else [],
                       [key_no] if key_gone else [])
 
-    def fence(self, instance_id: str, l1_only: bool = False) -> None:
-        """Instance restarted: drop every placement it reported (and what they held); or,
-        `l1_only`, only its L1 placements."""
-        if not l1_only:
+    def fence(self, instance_id: str, departed: bool) -> None:
+        """The instance restarted: drop every placement it reported (and what they held);
+        or it `departed`: only its L1 placements, and its chunk-size warning is forgotten."""
+        l1_only = departed
+        if departed:
+            self.size_warned.discard(instance_id)
+        else:
             self._counters["instances_fenced"] += 1
         placements = self._placements
         places = placements.places

@@ -21,6 +21,7 @@ from blend_wire import (
     BlendQuery,
     BlendScoreReply,
     BlendScoreRequest,
+    CacheEventBatch,
     ChunkSizeBindReply,
     ChunkSizeBindRequest,
     DirectoryKeyInfo,
@@ -55,7 +56,7 @@ from blend_wire import (
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, TooLarge
 from coordinator_stub.scopes import ANY, Scope
-from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory import KeyDirectory, Tally
 from coordinator_stub.directory.queries import PlaceColumns
 from coordinator_stub.service.instances import InstanceRegistry
 from coordinator_stub.service.quotas import InstanceQuota, capped
@@ -72,11 +73,9 @@ _EMPTY_DIRECTORY_LOOKUP = encode(DirectoryLookupReply(chunks=0, results=[]))
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.directory = KeyDirectory(chunk_size=config.chunk_size,
-                                      probe_stride=config.blend_probe_stride,
-                                      enable_blend_lookup=config.enable_blend_lookup,
-                                      trust_shared_hashes=config.trust_shared_hashes)
-        self.instances = InstanceRegistry()
+        fresh = self.fresh_state()
+        self.directory: KeyDirectory = fresh["directory"]
+        self.instances: InstanceRegistry = fresh["instances"]
         self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps)
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
@@ -84,7 +83,16 @@ class Coordinator:
         if config.enable_blend_lookup:
             _rehearse(config)
 
-    # --- events and blend lookups ---------------------------------------------------------
+    # --- ingest: both write paths end here (directory/pipeline.py) -------------------------
+
+    def ingest(self, batches: list[CacheEventBatch], scope: Scope | None = None) -> Tally:
+        """Validated batches, in order, through the gate to the directory's consumers.
+        `scope`: the poster's token's (None: any); a shared pool's placement another
+        reporter holds changes only if the scope names that reporter."""
+        speaks_for = None if scope is None or scope.instances is None else scope.allows_instance
+        return self.directory.ingest(batches, speaks_for)
+
+    # --- blend lookups -------------------------------------------------------------------------
 
     def lookup(self, body: bytes, scope: Scope = ANY) -> BlendLookupReply:
         return self.matches(self.parse_lookup(body, scope=scope))
@@ -300,20 +308,41 @@ class Coordinator:
     def register(self, request: RegisterRequest) -> bytes:
         """`POST /instances`: bind the size it carries, register, take its L1 again."""
         self.check_registration(request)
-        instance_id, re_registered = self.instances.register(request)
+        return self.admit(request)
+
+    def admit(self, request: RegisterRequest, at: float | None = None) -> bytes:
+        """Register an instance whose chunk size was checked (a replica's log record:
+        `at` is log time) and take its L1 batches again (gate.py): the reply body."""
+        instance_id, re_registered = self.instances.register(request, at=at)
         self.directory.readmit(instance_id)
         return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
 
-    def heartbeat(self, instance_id: str) -> bool:
+    def heartbeat(self, instance_id: str, at: float | None = None) -> bool:
         """Whether the instance is registered (False: it must re-register)."""
-        return self.instances.heartbeat(instance_id)
+        return self.instances.heartbeat(instance_id, at=at)
+
+    def registered(self, instance_id: str) -> bool:
+        return instance_id in self.instances
+
+    def registered_ids(self) -> list[str]:
+        return self.instances.ids()
+
+    def silent(self, timeout: float, now: float | None = None) -> list[str]:
+        """Registered ids not heard of for over `timeout` s (by `now`, default now)."""
+        return self.instances.silent(timeout, now=now)
 
     def deregister(self, instance_id: str) -> None:
         """Forget the registration; the caller then runs `drop_instance`."""
         self.instances.deregister(instance_id)
 
     def drop_instance(self, instance_id: str) -> None:
+        """The instance's L1 fenced and its cursor forgotten (`KeyDirectory.drop_instance`)."""
         self.directory.drop_instance(instance_id)
+
+    def depart(self, instance_id: str) -> None:
+        """The instance leaves: deregistered, then dropped."""
+        self.deregister(instance_id)
+        self.drop_instance(instance_id)
 
     def release_ghosts(self, timeout: float, now: float | None = None) -> list[str]:
         """The reaper's sweep of ids that are not registered and hold nothing: those that
@@ -322,6 +351,31 @@ class Coordinator:
         return self.directory.release_ghosts(self.instances.__contains__,
                                              time.monotonic() if now is None else now,
                                              timeout)
+
+    def has_ghosts(self) -> bool:
+        """Whether some id with an ingest cursor is not registered and holds nothing."""
+        return self.directory.has_ghosts(self.instances.__contains__)
+
+    # --- state (a replica's snapshot) -------------------------------------------------------
+
+    def state(self) -> dict:
+        """What a snapshot holds of this coordinator (take it between two batches)."""
+        return {"directory": self.directory, "instances": self.instances}
+
+    def take_state(self, state: dict) -> None:
+        """Take a loaded snapshot's state in place (whoever holds the directory and the
+        registry sees it)."""
+        self.directory.restore_from(state["directory"])
+        self.instances.restore_from(state["instances"])
+
+    def fresh_state(self) -> dict:
+        """The state of a coordinator that has applied nothing."""
+        config = self.config
+        return {"directory": KeyDirectory(chunk_size=config.chunk_size,
+                                          probe_stride=config.blend_probe_stride,
+                                          enable_blend_lookup=config.enable_blend_lookup,
+                                          trust_shared_hashes=config.trust_shared_hashes),
+                "instances": InstanceRegistry()}
 
     def instances_listing(self) -> bytes:
         return encode(self.instances.listing())

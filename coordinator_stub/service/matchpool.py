@@ -7,13 +7,12 @@ The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.matchpool
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import heapq
-import itertools
 import threading
 import time
 from typing import Any, Callable, Hashable
+
+from coordinator_stub.fairness import FairQueues
 
 #: The least a lookup is charged, in microseconds of CPU, so that no lookup is free.
 MIN_CHARGE_US = 50
@@ -30,11 +29,7 @@ class ClientGone(RuntimeError):
 class FairPool:
     def __init__(self, workers: int, name: str = "match") -> None:
         self._cond = threading.Condition()
-        self._queues: dict[Hashable, collections.deque] = {}
-        self._waiting: list[tuple[int, int, int, Hashable]] = []
-        self._arrivals = itertools.count()
-        self._clock = 0
-        self._finish: dict[Hashable, int] = {}
+        self._flows = FairQueues()  # jobs: (size, fn, args, future); tags in CPU us
         self._running: set[Hashable] = set()
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
@@ -63,29 +58,21 @@ class FairPool:
             if self._closed:
                 future.set_exception(PoolClosed("the coordinator is shutting down"))
                 return future
-            queue = self._queues.get(flow)
-            if queue is None:
-                queue = self._queues[flow] = collections.deque()
-            queue.append((size, fn, args, future))
-            if len(queue) == 1 and flow not in self._running:  # newly active
-                self._wait_locked(flow, max(self._clock, self._finish.pop(flow, 0)))
+            self._flows.append(flow, (size, fn, args, future), size,
+                               active=flow in self._running)
+            self._cond.notify()
         return future
 
-    def _wait_locked(self, flow: Hashable, start: int) -> None:
-        heapq.heappush(self._waiting, (start, self._queues[flow][0][0], next(self._arrivals),
-                                       flow))
-        self._cond.notify()
-
     def _run(self) -> None:
+        flows = self._flows
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not flows.waiting and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                start, _, _, flow = heapq.heappop(self._waiting)
-                self._clock = max(self._clock, start)
-                _, fn, args, future = self._queues[flow].popleft()
+                start, flow = flows.next_turn()
+                _, fn, args, future = flows.queues[flow].popleft()
                 self._running.add(flow)
             # Charged by the work done, known only now: the thread's CPU (numba's kernels
             # run on it, without the GIL, and count), not the body, which says little of it.
@@ -98,24 +85,18 @@ class FairPool:
                 if self._closed:  # shutdown() settled what was queued
                     return
                 finish = start + max(MIN_CHARGE_US, used // 1000)
-                if self._queues[flow]:
-                    self._wait_locked(flow, finish)  # backlogged: next at its finish tag
-                    continue
-                del self._queues[flow]
-                if not self._queues:  # nothing queued anywhere: no one to be fair to
-                    self._finish.clear()
-                    continue
-                self._finish[flow] = finish
-                if len(self._finish) > 2 * len(self._queues) + 64:  # forget passed tags
-                    self._finish = {f: t for f, t in self._finish.items() if t > self._clock}
+                queue = flows.queues[flow]
+                if queue:  # backlogged: next at its finish tag
+                    flows.wait(flow, finish, queue[0][0])
+                    self._cond.notify()
+                else:
+                    flows.went_idle(flow, finish)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            pending = [job for queue in self._queues.values() for job in queue]
-            self._queues.clear()
-            self._waiting.clear()
+            pending = self._flows.clear()
         for _, _, _, future in pending:
             if type(future) is concurrent.futures.Future:
                 _close(future, cancel_futures)
@@ -129,13 +110,13 @@ class FairPool:
     def idle(self) -> bool:
         """Nothing running or queued. Read without the lock: an answer a moment stale only
         decides where one small lookup runs (the HTTP layer's inline matching)."""
-        return not self._running and not self._waiting
+        return not self._running and not self._flows.waiting
 
     @property
     def pending(self) -> int:
         """Lookups queued, not yet started."""
         with self._cond:
-            return sum(len(queue) for queue in self._queues.values())
+            return self._flows.queued()
 
 
 def _run_job(future, fn: Callable[..., Any], args: tuple) -> None:
