@@ -11,7 +11,8 @@ that became active (its queue was empty) starts at the clock, or at its previous
 less `credit` if that is later, so a flow that ran ahead of the others keeps its place
 and one that did not (a light emitter, however often it posts) goes first. State is per
 flow with work queued, plus the finish tags of idle flows still ahead of the clock
-(forgotten once it passes them, and all of them whenever nothing is queued).
+(forgotten once it passes them, and all of them whenever nothing is queued; at most about
+as many as flows queued, the furthest ahead kept, however many flows come and go).
 
 Not thread-safe: the owner calls it under its own lock, and decides which flows are in a
 turn now (`active`), which never wait in the heap meanwhile.
@@ -73,6 +74,13 @@ class FairQueues:
         if len(self._finish) > 2 * len(self.queues) + 64:  # forget tags the clock passed
             self._finish = {f: t for f, t in self._finish.items()
                             if t - self._credit > self.clock}
+            keep = len(self.queues) + 32
+            if len(self._finish) > keep:
+                # Many flows served once while the clock stood still (each new flow starts
+                # at it): keep the tags furthest ahead. Forgetting the others lets those
+                # flows start at the clock again, the least head start there is to give.
+                self._finish = dict(heapq.nlargest(keep, self._finish.items(),
+                                                   key=lambda item: item[1]))
 
     def clear(self) -> list:
         """Forget every flow; what was queued, to be failed by the owner."""

@@ -159,7 +159,7 @@ class KeyDirectory:
             if bindings.writer is not None:
                 bindings.writer.flush()
         except BaseException:
-            touched = bindings.touched_chunks()
+            touched = self._journal.keys_changed(bindings.table)  # chunks the batch changed
             self._journal.rollback()
             self._counters.update(counters)
             self._placements.restore(totals)

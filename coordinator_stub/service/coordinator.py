@@ -61,7 +61,7 @@ from coordinator_stub.directory.queries import PlaceColumns
 from coordinator_stub.service.instances import InstanceRegistry
 from coordinator_stub.service.quotas import InstanceQuota, capped
 from coordinator_stub.service.score import prefix_places, score_instances
-from local_matcher.types import EMPTY_COLUMNS, CandidateColumns
+from local_matcher.types import CandidateColumns
 
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ class Coordinator:
     def _candidates(self, tokens, namespace, wait: bool, columns: bool = False
                     ) -> BlendCandidatesReply:
         directory = self.directory
-        found = directory.candidate_columns(tokens, namespace, wait=wait)
-        places = directory.place_columns(found.chunk_hashes, namespace)
+        found, places = self._found_and_placed(tokens, namespace, wait)
         reply = BlendCandidatesReply(chunk_size=directory.chunk_size,
                                      blend_lookup=directory.blend_enabled,
                                      truncated=found.truncated)
@@ -144,6 +143,13 @@ class Coordinator:
         else:
             reply.candidates = _wire_objects(found, places)
         return reply
+
+    def _found_and_placed(self, tokens: np.ndarray, namespace, wait: bool
+                          ) -> tuple[CandidateColumns, PlaceColumns]:
+        """The contents found in `tokens` (columns) and where each of their chunks is held
+        in `namespace`: what the candidates form and the score are both built from."""
+        found = self.directory.candidate_columns(tokens, namespace, wait=wait)
+        return found, self.directory.place_columns(found.chunk_hashes, namespace)
 
     def score(self, body: bytes, scope: Scope = ANY, *, everyone: bool = True
               ) -> BlendScoreReply:
@@ -164,9 +170,7 @@ class Coordinator:
         if request.instance_ids is not None:
             asked = set(request.instance_ids)
             instance_ids = [i for i in instance_ids if i in asked]
-        found = (directory.candidate_columns(tokens, namespace, wait=wait)
-                 if directory.blend_enabled and tokens.size >= size else EMPTY_COLUMNS)
-        places = directory.place_columns(found.chunk_hashes, namespace)
+        found, places = self._found_and_placed(tokens, namespace, wait)
         prefix = prefix_places(directory, tokens, namespace, size)
         if not everyone:
             holders = set(places.instances).union(prefix.instances)

@@ -1,7 +1,34 @@
-"""The match workers, shared fairly between readers: start-time fair queuing by the CPU each
-lookup took (docs/DESIGN.md, "Coordinator").
+"""The match workers, shared fairly between readers: start-time fair queuing
+(`coordinator_stub.fairness`) by the CPU each lookup took (docs/DESIGN.md, "Coordinator").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.matchpool`.
+One reader's huge queries must not hold the matcher from everyone else. Every reader
+(`flow`: the bearer token with access control on, else the client's address) has its own
+FIFO of lookups; a worker takes the flow with the lowest start tag (ties: the smaller body
+first, then arrival), and once the lookup ran the flow is charged what it took: its finish
+is start + the worker thread's CPU microseconds for the job (`time.thread_time`, numba's
+kernels included; at least `MIN_CHARGE_US`), and its next lookup is tagged that finish.
+The body's size says little of the work (11 KB of gzip can ask for a million tokens of one
+repeated token): the charge comes after the work, so a flow's own next lookup pays for its
+last one.
+
+Guarantees: a reader who was not ahead of the others (its last finish at most the clock)
+is served as soon as a worker finishes the lookup it is running, before any lookup of a
+reader whose last lookups took more CPU, however many lookups other readers have queued;
+readers that flood share the workers equally by CPU. A lookup is not stopped once it runs:
+the wait behind one is bounded by the bounded work of a lookup (WIRE.md, "Limits"). A flow
+has at most one lookup running at a time, so one reader cannot occupy every worker either,
+and its lookups run in the order they came.
+
+Contract: `FairPool(workers, name)`; `submit(flow, size, fn, *args)` returns a
+`concurrent.futures.Future` at once, `submit_async` (on an event loop) an `asyncio.Future`
+that the worker settles on that loop directly (one `call_soon_threadsafe`, the HTTP
+layer's hand-off per lookup); either cancelled before it runs is skipped.
+`submit_async(..., wanted=f)`: the worker that reaches the job asks `f()` first; False
+(its client's connection is gone) drops it unrun, the future failing with `ClientGone`.
+`shutdown(cancel_futures=True)` stops the threads (what has not started is cancelled, or
+fails with `PoolClosed`). `idle`: nothing running or queued (read without the lock; the
+HTTP layer matches a small lookup on the loop only then, so a lookup arriving while others
+wait still takes its turn here).
 """
 
 from __future__ import annotations
