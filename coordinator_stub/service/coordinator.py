@@ -1,7 +1,31 @@
 """The coordinator's request logic, free of HTTP: request bodies in, reply values or bodies
 out (endpoints: docs/WIRE.md; structure: docs/DESIGN.md, "Coordinator layout").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.coordinator`.
+Contract:
+- Reads: `parse_lookup(body, shape, scope)` validates a blend-lookup (or blend-score) body
+  once (shape, salt against the reader's `Scope`, size from the text: `TooLarge`) and
+  `matches` / `scores` take the parsed request (`lookup` / `score` do both, for large
+  bodies parsed off the loop). `directory_lookup(body)`, `directory_keys(query)`,
+  `stats()`: the operators' queries, reply bodies.
+- Registry: `parse_register(body, scope)` (a scoped emitter's `chunk_size` must be the
+  coordinator's, `ChunkSizeConflict` otherwise, and is dropped: it binds nothing),
+  `check_registration` (binds the chunk size a registration carries), `register`, `heartbeat`, `deregister`, `drop_instance` (fences an
+  instance's L1 under the directory lock), `release_ghosts(timeout)`, `instances_listing`.
+  The write paths (`coordinator_stub.writes`) call these.
+- `bind_chunk_size(body)` / `bind(size)`: LMCache 0.5.7's rules against `--chunk-size`
+  (`ChunkSizeConflict` otherwise; replicas keep their `--chunk-size`); all or nothing (a
+  bind that raises leaves the size, the index and the binding as they were).
+- Refusals are `coordinator_stub.errors`' and `blend_wire.WireError`; none changes state.
+  Everything here may block (locks, CPU): the HTTP layer runs it off the event loop,
+  except `matches` / `scores` of a small body with `wait=False`, which never wait for a
+  lock (`IndexBusy` instead) and so may run on the loop.
+
+Ready means compiled: `Coordinator(config)` compiles the wire's decoding kernels
+(`blend_wire.compile_decoding`: `/events` bodies and blend queries) and, with blend lookup
+on, rehearses every directory and index operation on a scratch directory, so each numba
+kernel the coordinator uses is compiled (or loaded from numba's cache) before the first
+request. On a cold cache that takes seconds (about 20 s of CPU for the wire's kernels on
+the 2-core AMD EPYC VM of docs/BENCHMARKS.md, load not recorded, 2026-12-02); numba caches them beside the sources, so it is once per checkout.
 """
 
 from __future__ import annotations
@@ -233,14 +257,13 @@ class Coordinator:
     # --- the instance registry (event loop) ------------------------------------------------
 
     def bind_chunk_size(self, body: bytes) -> bytes:
-        """`PUT /config/chunk-size` (docs/CONTRACTS.md,
-        `coordinator_stub.service.coordinator`)."""
+        """`PUT /config/chunk-size` (the module doc says the rules)."""
         chunk_size = self.bind(decode(body, ChunkSizeBindRequest).chunk_size)
         return encode(ChunkSizeBindReply(chunk_size=chunk_size))
 
     def bind(self, chunk_size: int) -> int:
-        """Bind the fleet's chunk size (docs/CONTRACTS.md,
-        `coordinator_stub.service.coordinator`); the bound size, or ChunkSizeConflict."""
+        """Bind the fleet's chunk size (the module doc's rules); the bound size, or
+        ChunkSizeConflict."""
         with self._bind_lock:
             current = self.directory.chunk_size
             if self._chunk_size_bound:
