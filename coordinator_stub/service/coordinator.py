@@ -77,7 +77,8 @@ class Coordinator:
                                       enable_blend_lookup=config.enable_blend_lookup,
                                       trust_shared_hashes=config.trust_shared_hashes)
         self.instances = InstanceRegistry()
-        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps)
+        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps,
+                                   retry_after_s=round(config.instance_timeout))
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
         compile_decoding()  # before any request, which would otherwise wait for it

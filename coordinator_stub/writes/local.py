@@ -21,13 +21,13 @@ import msgspec
 
 from blend_wire import (CacheEventBatch, EventsReply, WireError, batches_of, decode,
                         decode_batch, encode)
-from coordinator_stub.errors import Forbidden
+from coordinator_stub.errors import Forbidden, ShuttingDown
 from coordinator_stub.scopes import Scope
 
 log = logging.getLogger(__name__)
 
 
-class IngestClosed(RuntimeError):
+class IngestClosed(ShuttingDown):
     """The coordinator is shutting down; the body was not (fully) applied."""
 
 
