@@ -31,7 +31,8 @@ class Refusal(Exception):
     #: The label the coordinator counts it under (`rejected_requests{reason}`).
     counted_as: ClassVar[str] = "refused"
     #: The body was not read to its end, so the rest of it cannot be framed: the answer says
-    #: `Connection: close` and the connection is closed after it.
+    #: `Connection: close` and the connection is closed after it (the client opens a new
+    #: one), rather than reset under the client's next request.
     closes_connection: ClassVar[bool] = False
     headers: Mapping[str, str] = MappingProxyType({})
 
