@@ -110,7 +110,7 @@ class TooManyRequests(Refusal):
     status = 429
     counted_as = "too_many_requests"
 
-    def __init__(self, reason: str, *, retry_after_s: int) -> None:
+    def __init__(self, reason: str, *, retry_after_s: int = RETRY_AFTER_S) -> None:
         super().__init__(reason, headers={"Retry-After": str(retry_after_s)})
 
 

@@ -6,6 +6,8 @@ its role, a route without one stopping the start-up.
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from aiohttp import web
@@ -95,3 +97,18 @@ async def test_a_request_no_route_serves_needs_the_admin_role(start):
         assert response.status == status, await response.text()
     response = await coord.client.get(EVENTS_PATH, headers={"Authorization": f"Bearer {admin}"})
     assert response.status == 405  # served, but not with this method
+
+
+def test_a_refusal_keeps_its_status_reason_and_headers_across_processes():
+    """The router decodes large bodies in a worker process: its refusal comes back pickled,
+    and must still answer as raised."""
+    from blend_router.prompts import MalformedRequest
+    from blend_wire import WireError
+    from coordinator_stub.service.quotas import OverQuota
+
+    for refusal in (MalformedRequest("not JSON"), WireError("seq < 0", loc=("body", "seq")),
+                    TooManyRequests("later", retry_after_s=3), OverQuota("cap", retry_after_s=9),
+                    ServiceUnavailable("no quorum")):
+        back = pickle.loads(pickle.dumps(refusal))
+        assert (type(back), back.status, back.reason, dict(back.headers), back.detail) == (
+            type(refusal), refusal.status, refusal.reason, dict(refusal.headers), refusal.detail)

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from blend_wire import RETRY_AFTER_S
 from coordinator_stub.errors import Forbidden
 from coordinator_stub.scopes import Scope
 
@@ -28,12 +29,13 @@ class OverQuota(Forbidden):
     status = 429
     counted_as = "instance_cap"
 
-    def __init__(self, reason: str, *, retry_after_s: int) -> None:
+    def __init__(self, reason: str, *, retry_after_s: int = RETRY_AFTER_S) -> None:
         super().__init__(reason, headers={"Retry-After": str(retry_after_s)})
 
 
 class InstanceQuota:
-    def __init__(self, cap: int, live: Callable[[str], bool], retry_after_s: int = 1) -> None:
+    def __init__(self, cap: int, live: Callable[[str], bool],
+                 retry_after_s: int = RETRY_AFTER_S) -> None:
         self.cap = cap  # 0: no cap
         self._live = live
         self.retry_after_s = retry_after_s  # what a refused scope is told to wait
