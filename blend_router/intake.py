@@ -10,8 +10,9 @@ from blend_wire import RequestTimeout, TooLarge
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole body, or a refusal: `TooLarge` (413) when it is (or says it will be) larger than
-    `max_bytes`, before reading it; `RequestTimeout` (408) when it has not all arrived within `timeout_s`."""
+    """The whole body, or a refusal: `TooLarge` (413) when it is (or says it will be)
+    larger than `max_bytes`, before reading it; `RequestTimeout` (408) when it has not all
+    arrived within `timeout_s`."""
     length = request.content_length
     if length is not None and length > max_bytes:
         raise TooLarge(f"the body is {length} bytes; this router takes at most {max_bytes}")

@@ -85,8 +85,8 @@ _DECODERS = {path: msgspec.json.Decoder(shape) for path, shape in _SHAPES.items(
 
 
 def parse_request(path: str, raw: bytes) -> ParsedRequest:
-    """The request at `path` (a completions path) read from `raw`; `MalformedRequest` if it is
-    not JSON, not an object, or a field the router reads has the wrong type."""
+    """The request at `path` (a completions path) read from `raw`; `MalformedRequest` if it
+    is not JSON, not an object, or a field the router reads has the wrong type."""
     try:
         body = _DECODERS[path].decode(raw)
     except msgspec.ValidationError as exc:
@@ -125,12 +125,12 @@ def _completion_prompt(prompt, parsed: ParsedRequest) -> None:
         parsed.texts = [prompt[0]]
     elif type(prompt[0]) is int:
         if not all(type(v) is int for v in prompt):
-            raise MalformedRequest("prompt must be token ids (integers in [0, 2^32)), text, or "
-                             "one list of either")
+            raise MalformedRequest("prompt must be token ids (integers in [0, 2^32)), "
+                                   "text, or one list of either")
         parsed.ids = np.asarray(prompt, dtype=np.uint32)
     elif isinstance(prompt[0], list):
-        raise MalformedRequest("prompt must be token ids (integers in [0, 2^32)), text, or one "
-                         "list of either")
+        raise MalformedRequest("prompt must be token ids (integers in [0, 2^32)), text, or "
+                               "one list of either")
     # several texts in one request: nothing one instance is best for
 
 

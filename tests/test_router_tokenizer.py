@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from blend_router import ModelTokenizer
-from blend_router.prompts import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, MalformedRequest, parse_request
+from blend_router.prompts import (CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, MalformedRequest,
+                                   parse_request)
 from blend_router.tokenizer import Chat, Text, to_tokenize
 from helpers import build_tokenizer
 
