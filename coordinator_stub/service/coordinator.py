@@ -100,7 +100,8 @@ class Coordinator:
         fresh = self.fresh_state()
         self.directory: KeyDirectory = fresh["directory"]
         self.instances: InstanceRegistry = fresh["instances"]
-        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps)
+        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps,
+                                   retry_after_s=round(config.instance_timeout))
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
         compile_decoding()  # before any request, which would otherwise wait for it

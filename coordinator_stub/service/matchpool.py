@@ -39,14 +39,15 @@ import threading
 import time
 from typing import Any, Callable, Hashable
 
+from coordinator_stub.errors import ShuttingDown
 from coordinator_stub.fairness import FairQueues
 
 #: The least a lookup is charged, in microseconds of CPU, so that no lookup is free.
 MIN_CHARGE_US = 50
 
 
-class PoolClosed(RuntimeError):
-    """The coordinator is shutting down; the lookup did not run."""
+class PoolClosed(ShuttingDown):
+    """The coordinator is shutting down; the lookup did not run (503, `Retry-After`)."""
 
 
 class ClientGone(RuntimeError):

@@ -51,7 +51,7 @@ import msgspec
 
 from blend_wire import CacheEventBatch, WireError
 from coordinator_stub.directory import Tally
-from coordinator_stub.errors import Forbidden
+from coordinator_stub.errors import Forbidden, ShuttingDown
 from coordinator_stub.fairness import FairQueues
 from coordinator_stub.scopes import Scope
 from coordinator_stub.writes.validation import (decode_raw_batch, emitter_of, outline,
@@ -60,7 +60,7 @@ from coordinator_stub.writes.validation import (decode_raw_batch, emitter_of, ou
 log = logging.getLogger(__name__)
 
 
-class IngestClosed(RuntimeError):
+class IngestClosed(ShuttingDown):
     """The coordinator is shutting down; the body was not (fully) applied."""
 
 

@@ -1,6 +1,6 @@
 """The `WritePath` of one coordinator process holding everything in memory
 (`coordinator_stub.writes`): `/events` bodies through the fair ingest scheduler
-(`fair_ingest.py`) into `Coordinator.ingest_batch`, the registry changed in place.
+(`fair_ingest.py`) into `Coordinator.ingest`, the registry changed in place.
 """
 
 from __future__ import annotations
