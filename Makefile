@@ -20,7 +20,7 @@ LMCACHE_057_VERSION := 0.5.7rc2
 LMCACHE_057_DIR := .lmcache-0.5.7
 LMCACHE_057_STAMP := $(LMCACHE_057_DIR)/.installed
 
-.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-granularity bench-lookup-forms bench-bounded bench-hostile bench-memory soak clean
+.PHONY: demo demo-lmcache demo-cluster lmcache-057 test test-fast bench bench-local bench-store bench-coordinator bench-directory bench-directory-memory bench-cluster bench-unified bench-popular bench-lmcache bench-rag bench-routing bench-granularity bench-lookup-forms bench-bounded bench-hostile bench-memory soak clean
 
 # Each step says what it installs and, once done, how long it took (pip itself is quiet).
 STEP = t=$$(date +%s); echo "$(VENV)/: $(1)"; $(2) && echo "    done in $$(( $$(date +%s) - t )) s"
@@ -87,6 +87,10 @@ bench-coordinator: $(STAMP)
 # The key directory applying mixed STORE batches, in process; ARGS="--against main" for A/B.
 bench-directory: $(STAMP)
 	$(PY) -m benchmarks.bench_directory_batches $(ARGS)
+
+# What one stored chunk costs the directory's memory, by structure, at chunk 256 / 64 / 32.
+bench-directory-memory: $(STAMP)
+	$(PY) -m benchmarks.bench_directory_memory $(ARGS)
 
 bench-cluster: $(STAMP)
 	$(PY) -m benchmarks.bench_cluster $(ARGS)

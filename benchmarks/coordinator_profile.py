@@ -41,10 +41,12 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_parser import HttpRequestParser
 from aiohttp.web_protocol import RequestPayloadError
 
-from blend_wire import (BlendLookupReply, EventsReply, WireBlendMatch,
+from blend_wire import (BlendLookupReply, WireBlendMatch,
                         decode_tokens, encode)
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.writes.local import FairIngest, _decode_batch, _outline
+from coordinator_stub.directory import Tally
+from coordinator_stub.writes.fair_ingest import FairIngest
+from coordinator_stub.writes.validation import decode_raw_batch, outline
 from coordinator_stub.service.matchpool import FairPool
 from coordinator_stub.http.metrics import CoordinatorMetrics
 from coordinator_stub.launch.process import start_coordinator
@@ -115,21 +117,19 @@ def ingest_stages(coordinator: Coordinator, per_instance: list[list[bytes]]) -> 
         for requests in per_instance:
             if r >= len(requests):
                 continue
-            took, raws = _cpu(_outline, _split(requests[r]))
+            took, raws = _cpu(outline, _split(requests[r]))
             spent["outline"] += took
-            counts = [0, 0, 0]
+            tally = Tally()
             for i, raw in enumerate(raws):
-                took, batch = _cpu(_decode_batch, raw, i)
+                took, batch = _cpu(decode_raw_batch, raw, i)
                 spent["decode"] += took
                 # What the local write path does with a validated batch.
-                took, reply = _cpu(coordinator.directory.ingest, [batch])
+                took, reply = _cpu(coordinator.ingest, [batch])
                 spent["apply"] += took
-                counts = [c + n for c, n in zip(counts, (reply.applied, reply.duplicates,
-                                                          reply.stale))]
+                tally.add(reply)
                 chunks += len(batch.entries)
                 assert reply.applied == 1, reply
-            took, _ = _cpu(encode, EventsReply(applied=counts[0], duplicates=counts[1],
-                                               stale=counts[2]))
+            took, _ = _cpu(lambda: encode(tally.reply()))
             spent["reply"] += took
     return {"seconds": spent, "chunks": chunks}
 
@@ -187,7 +187,7 @@ def handoff_us(rounds: int = 3000) -> tuple[float, float]:
             pool.shutdown()
 
     async def through_ingest() -> float:
-        ingest = FairIngest(lambda batch: "applied")
+        ingest = FairIngest(lambda batches, scope=None: Tally())
         ingest.start()
         body = b'{"batches": []}'
         try:

@@ -13,20 +13,11 @@ from __future__ import annotations
 
 import hashlib
 
-from blend_wire import parse_salt_list
+from blend_wire import Forbidden, Unauthorized, parse_salt_list
 
 
 class AccessConfigError(ValueError):
     """A client token file that cannot be used; the message says where and why."""
-
-
-class Refused(Exception):
-    """A request the router will not serve: `status` and a `detail` for the client."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
 
 
 #: None: any salt (a token line without `salts=`).
@@ -80,7 +71,7 @@ class ClientAccess:
         return cls(grants)
 
     def salts_of(self, authorization: str) -> Salts:
-        """The salts a client with this `Authorization` header may name; `Refused` (401)
+        """The salts a client with this `Authorization` header may name; `Unauthorized`
         for a missing or unknown token. An open router: the empty salt only."""
         if self.open:
             return _EMPTY_SALT_ONLY
@@ -89,18 +80,18 @@ class ClientAccess:
             salts = self._salts.get(_digest(token.strip()), ...)
             if salts is not ...:
                 return salts
-        raise Refused(401, "a bearer token is required (Authorization: Bearer <token>) and "
+        raise Unauthorized("a bearer token is required (Authorization: Bearer <token>) and "
                            "this one is missing or unknown")
 
     def check_salt(self, salts: Salts, cache_salt: str) -> None:
-        """`Refused` (403) unless `cache_salt` is one of `salts` (None: any)."""
+        """`Forbidden` (403) unless `cache_salt` is one of `salts` (None: any)."""
         if salts is None or cache_salt in salts:
             return
         if self.open:
-            raise Refused(403, "this router takes no client tokens, so it scores only the "
-                               "empty cache_salt; ask its operator for a client token "
-                               "(--client-token-file) to name a salt")
-        raise Refused(403, f"this token may not name cache_salt {cache_salt[:40]!r}")
+            raise Forbidden("this router takes no client tokens, so it scores only the "
+                            "empty cache_salt; ask its operator for a client token "
+                            "(--client-token-file) to name a salt")
+        raise Forbidden(f"this token may not name cache_salt {cache_salt[:40]!r}")
 
 
 _EMPTY_SALT_ONLY: Salts = frozenset({""})

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
 
 import aiohttp
 import numpy as np
 from aiohttp import web
 
-from blend_router.access import ClientAccess, Refused
+from blend_router.access import ClientAccess
 from blend_router.config import RouterConfig
 from blend_router.coordinator import CoordinatorClient
 from blend_router.fleet import Fleet
@@ -30,19 +30,20 @@ from blend_router.policy import chunk_hashes, choose_instance
 from blend_router.prompts import (
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
-    BadRequest,
     ParsedRequest,
     Parser,
 )
 from blend_router.tokenizer import EngineTokenizer, ModelTokenizer, Tokenizers
+from blend_wire import Refusal
 
 log = logging.getLogger(__name__)
 
 
-def refusal(status: int, detail: str, reason: str) -> web.Response:
+def refusal(status: int, detail: str, reason: str,
+            headers: Mapping[str, str] | None = None) -> web.Response:
     """An answer the router gives itself: `{"detail": ...}` and its `X-Route-Reason`."""
     response = web.json_response({"detail": detail}, status=status,
-                                 headers={"X-Route-Reason": reason})
+                                 headers={**(headers or {}), "X-Route-Reason": reason})
     if status in (408, 413):  # the body was not read to its end: the connection is unusable
         response.force_close()
     return response
@@ -91,24 +92,19 @@ class Router:
                                 request_tokens=size, policy=policy, chunks=chunks), chunks
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        try:
-            salts = self.access.salts_of(request.headers.get("Authorization", ""))
-            raw = await read_body(request, self.config.max_body_bytes,
-                                  self.config.body_timeout_s)
-            try:
-                parsed = await self.parser.parse(request.path, raw)
-            except BadRequest as exc:
-                raise Refused(422, str(exc)) from None
-            self.access.check_salt(salts, parsed.cache_salt)
-            loop = asyncio.get_running_loop()
-            # The engine's /tokenize and the score share one budget; a local tokenizer's
-            # milliseconds of CPU do not count against the score's.
+        """Admit, read, score and forward one request; a refusal on the way (401, 403, 408,
+        413, 422) is raised, and answered by `_reason_on_every_answer`."""
+        salts = self.access.salts_of(request.headers.get("Authorization", ""))
+        raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        parsed = await self.parser.parse(request.path, raw)
+        self.access.check_salt(salts, parsed.cache_salt)
+        loop = asyncio.get_running_loop()
+        # The engine's /tokenize and the score share one budget; a local tokenizer's
+        # milliseconds of CPU do not count against the score's.
+        deadline = loop.time() + self.config.score_budget_s
+        tokens = await self.tokens_of(parsed, deadline)
+        if self.tokenizers.engine is None:
             deadline = loop.time() + self.config.score_budget_s
-            tokens = await self.tokens_of(parsed, deadline)
-            if self.tokenizers.engine is None:
-                deadline = loop.time() + self.config.score_budget_s
-        except Refused as exc:
-            return refusal(exc.status, exc.detail, "refused")
         instance, reason, service_s, chunks = await self.choose(
             tokens, parsed.model, parsed.cache_salt, deadline)
         failed = None
@@ -146,10 +142,13 @@ ROUTER = web.AppKey("router", Router)
 
 @web.middleware
 async def _reason_on_every_answer(request: web.Request, handler) -> web.StreamResponse:
-    """`X-Route-Reason` on every answer: a path or method the router does not serve is
-    `refused`, an error of its own `error` (logged), `/healthz` `local`."""
+    """`X-Route-Reason` on every answer: a refusal (`blend_wire.Refusal`, by its own status,
+    reason and headers: DESIGN.md "Refusals") and a path or method the router does not
+    serve are `refused`, an error of its own `error` (logged, 500), `/healthz` `local`."""
     try:
         response = await handler(request)
+    except Refusal as exc:
+        return refusal(exc.status, exc.reason, "refused", exc.headers)
     except web.HTTPException as exc:
         return refusal(exc.status, exc.reason, "refused")
     except (asyncio.CancelledError, ConnectionResetError):

@@ -1,7 +1,7 @@
 """What of an OpenAI-style request body the router reads, decoded and checked once.
 
 `parse_request(path, raw)` decodes a body into a `ParsedRequest` (model, cache salt, and
-what to score: token ids, texts, or chat messages) or raises `BadRequest` saying why.
+what to score: token ids, texts, or chat messages) or raises `MalformedRequest` saying why.
 Only the fields the router reads are decoded, each with its type; the body itself is
 forwarded as received. Large bodies are decoded in a worker process (`Parser`), so a
 16 MiB prompt never holds the router's event loop (a decoder holds the GIL).
@@ -21,6 +21,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
+from blend_wire import Unprocessable
 from blend_wire.values import TokenId
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 INLINE_PARSE_BYTES = 256 * 1024
 
 
-class BadRequest(ValueError):
-    """A request the router refuses (-> 422); the message says why."""
+class MalformedRequest(Unprocessable):
+    """A body the router cannot read as the request its path takes (422, as the coordinator
+    answers a body breaking the wire contract); the message says why."""
 
 
 class _Part(msgspec.Struct):
@@ -83,16 +85,16 @@ _DECODERS = {path: msgspec.json.Decoder(shape) for path, shape in _SHAPES.items(
 
 
 def parse_request(path: str, raw: bytes) -> ParsedRequest:
-    """The request at `path` (a completions path) read from `raw`; `BadRequest` if it is
-    not JSON, not an object, or a field the router reads has the wrong type."""
+    """The request at `path` (a completions path) read from `raw`; `MalformedRequest` if it
+    is not JSON, not an object, or a field the router reads has the wrong type."""
     try:
         body = _DECODERS[path].decode(raw)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"the body does not fit {path}: {exc}") from None
+        raise MalformedRequest(f"the body does not fit {path}: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"the body is not JSON: {exc}") from None
+        raise MalformedRequest(f"the body is not JSON: {exc}") from None
     except RecursionError:
-        raise BadRequest("the body is nested too deeply to be a request") from None
+        raise MalformedRequest("the body is nested too deeply to be a request") from None
     parsed = ParsedRequest(model=body.model or "", cache_salt=body.cache_salt or "")
     if isinstance(body, _Completion):
         parsed.add_special_tokens = body.add_special_tokens
@@ -123,12 +125,12 @@ def _completion_prompt(prompt, parsed: ParsedRequest) -> None:
         parsed.texts = [prompt[0]]
     elif type(prompt[0]) is int:
         if not all(type(v) is int for v in prompt):
-            raise BadRequest("prompt must be token ids (integers in [0, 2^32)), text, or "
-                             "one list of either")
+            raise MalformedRequest("prompt must be token ids (integers in [0, 2^32)), "
+                                   "text, or one list of either")
         parsed.ids = np.asarray(prompt, dtype=np.uint32)
     elif isinstance(prompt[0], list):
-        raise BadRequest("prompt must be token ids (integers in [0, 2^32)), text, or one "
-                         "list of either")
+        raise MalformedRequest("prompt must be token ids (integers in [0, 2^32)), text, or "
+                               "one list of either")
     # several texts in one request: nothing one instance is best for
 
 

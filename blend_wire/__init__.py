@@ -10,18 +10,22 @@ Decoding is validation: `decode(body, Shape)` returns a fully checked value or r
 `WireError` naming the offending field (and `WireError.detail`, FastAPI's 422 shape);
 nothing partial is returned, and no body, however hostile, raises anything else.
 
-Submodules, their public names gathered here: `values` (`WireError`, ranges, key-string
-rules, `BlendNamespace`, kv_rank), `paths`, `tokens` (the token codec, `as_tokens`),
-`lookup` (blend lookup and score), `events` (`POST /events`), `fleet` (instance registry
-and directory queries), `chunk_keys` (LMCache's chunk hashes) and `codec` (`encode`,
-`decode`, `convert_query`); `version` (the project's installed version, for `--version`) is
-imported from its module.
+Submodules, their public names gathered here: `errors` (`Refusal` and its subclasses, one
+per status: what either server answers a request it refuses), `values` (`WireError`,
+ranges, key-string rules, `BlendNamespace`, kv_rank), `paths`, `tokens` (the token codec,
+`as_tokens`), `lookup` (blend lookup and score), `events` (`POST /events`), `fleet`
+(instance registry and directory queries), `chunk_keys` (LMCache's chunk hashes) and `codec`
+(`encode`, `decode`, `convert_query`); `version` (the project's installed version, for
+`--version`) is imported from its module.
 """
 
 from __future__ import annotations
 
 from blend_wire.chunk_keys import MAX_TOKEN_IDS, lookup_kv_ranks, prefix_chunk_hashes
 from blend_wire.codec import convert_query, decode, encode
+from blend_wire.errors import (RETRY_AFTER_S, BadRequest, Conflict, Forbidden, Refusal,
+                               RequestTimeout, ServiceUnavailable, ShuttingDown, TooLarge,
+                               TooManyRequests, Unauthorized, Unprocessable)
 from blend_wire.events import (CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
                                EventsRequest, EventType, Tier, batches_of, compile_decoding,
                                decode_batch)

@@ -1,6 +1,40 @@
 """The token codec: token ids as they travel (WIRE.md), and back to uint32 arrays.
 
-The rest of its contract: docs/CONTRACTS.md, `blend_wire.tokens`.
+Two forms, one module:
+- blend lookups carry `tokens_b64`: little-endian uint32, standard base64 with padding
+  (`encode_tokens` / `decode_tokens`; `WireError` saying why a text is not that). The same
+  base64 (`encode_b64` / `decode_b64`, one numba pass without the GIL) carries the
+  candidates' columns form (WIRE.md): its integer columns (`encode_uints` /
+  `decode_uints`: a width digit, then little-endian values of that width; `uints_in`
+  counts them from the text's length), its hashes and its bitmap.
+- `/events` STORE entries carry `token_ids`, a JSON list of integers. Decoding one does
+  not build a Python int per token: the decoder keeps each list as raw JSON
+  (`msgspec.Raw`), and `token_lists_from_json` parses all the lists of a batch in one
+  kernel call that runs without the GIL, so a coordinator's event loop goes on serving
+  while a large batch is parsed. `decode_batch` (the coordinator's `/events` path) goes
+  further: one kernel call parses the entries' lists and cuts their members out of the
+  text, msgspec decodes the rest (it would otherwise walk every list's bytes to find its
+  end), and each entry is given its list; a batch with a list that is not plain uint32
+  ids, or that the cut text does not decode to, is decoded as sent (same result, same
+  refusal). The result per list (`TokenIds`): a native uint32 array
+  when every id is in `[0, 2^32)`; a `list[int]` when some id is outside it (not a
+  validation error: LMCache answers 200 and treats the content as unknown, WIRE.md).
+  Anything else is refused exactly as msgspec refuses it for `list[int]` (same message,
+  e.g. ``Expected `int`, got `float` - at `$.token_ids[3]```): the kernel accepts only
+  what msgspec accepts with the same values (tests/test_token_lists.py checks it against
+  msgspec on generated valid and invalid lists), and hands anything else to msgspec.
+  `token_ids_of` does the same for ids given in code (a list, a tuple, an array).
+  `token_lists_to_json` is the way back: uint32 arrays to the JSON lists, one kernel call
+  per batch, the bytes msgspec would write.
+
+`as_tokens` is the one conversion of token ids given in code to a uint32 array (the local
+matcher's index takes its input through it too). A list whose first id is an `int` (what a
+serving process hands over) is converted by the standard library's `array`, about 5x
+faster than numpy (66 vs 330 µs per 4,096 ids, 2-core AMD EPYC VM of docs/BENCHMARKS.md, load ~2, 2026-12-02); whatever that refuses (an id outside uint32, a float, a string) goes
+through numpy as before, so results and errors are numpy's (tests/test_token_lists.py
+checks them against the numpy-only conversion). One difference: an object that is not a
+number but has `__index__` is taken as its index in such a list, where numpy refused it. The kernels (`blend_wire.token_kernels`,
+numba) are loaded on first use: `import blend_wire` loads no numba.
 """
 
 from __future__ import annotations

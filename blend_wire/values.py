@@ -11,6 +11,8 @@ from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
+from blend_wire.errors import Unprocessable
+
 # --- ranges: what the directory and the index can hold ----------------------------------
 #: Sequence numbers, incarnations, sizes and capacities: signed 64-bit, as every store of
 #: them (numpy, Prometheus, LMCache's own SQL persistence) can hold.
@@ -64,8 +66,8 @@ HexOfLength = Annotated[str, msgspec.Meta(min_length=2, max_length=MAX_CHUNK_HAS
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 
-class WireError(ValueError):
-    """A request that breaks the wire contract. The message says which field and why.
+class WireError(Unprocessable, ValueError):
+    """A request that breaks the wire contract (422). The message says which field and why.
 
     `detail` is the same error in FastAPI's 422 shape: `[{"type", "loc", "msg",
     "input"}]`, `loc` a path like `["body", "batches", 0, "seq"]`.

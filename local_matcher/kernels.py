@@ -1,6 +1,46 @@
 """Numba kernels of the content store: fingerprints, probing, insertion, removal.
 
-The rest of its contract: docs/CONTRACTS.md, `local_matcher.kernels`.
+Plain-array signatures only; `local_matcher.store.ContentStore` owns the arrays and
+is the only caller. Every kernel is compiled with ``cache=True``. `probe`, the long one,
+also releases the GIL (callers hold the store's lock); the short update kernels keep
+it, since releasing and re-taking the GIL around a few microseconds of work makes the
+threads that share it queue behind each other.
+
+Fingerprint of a window of C tokens (all arithmetic mod 2**64)::
+
+    mix(x, K) = y ^ (y >> 32), where y = x * K    # K1, K2: fixed odd constants
+    v_i = mix(token_i + salt, K1)                 # per-token scramble, keyed per process
+    h   = sum_j v_{p+j} * base**(C-1-j)           # polynomial, rolled one token at a time
+    fp  = mix(h ^ salt, K2)
+
+`mix` is one multiply with the high half folded into the low: a bijection at a third of the
+cost of a full mixer (splitmix64's finaliser, used before; pass 1 of a probe is most of its
+arithmetic). It is enough here: the scrambled terms already spread h over all 64 bits, and
+the multiply carries every bit of its input into the top bits, which pick the table slot and
+the filter word, while the fold brings them down to the low bits, which pick the filter's
+bits. `salt` and the odd `base`
+are drawn at random per process, so fingerprints never leave the process and collisions
+cannot be precomputed. Collisions still cost nothing but time: every candidate is compared
+token by token. A probe makes each window's fingerprint and prefetches its filter word in
+one pass (the filter loads overlap the rolling arithmetic), tests the filter in a second,
+and looks the windows that pass up in the table in a third, prefetching each candidate's
+stored row, which a fourth compares.
+
+Table layout (the invariants every kernel keeps):
+
+- ``table[2s]``/``table[2s+1]``: slot s's fingerprint and content id + 1 (0: empty), side
+  by side so that a probe reads one cache line. Open addressing with linear probing; an
+  entry's home slot is the top ``table_bits`` bits of its fingerprint. Several entries may
+  share a fingerprint (different contents): it is a multimap. Deletion shifts later
+  entries back, so there are no tombstones.
+- ``filter_words``: a blocked filter, one 64-bit word per run of ``2**(table_bits -
+  word_bits)`` home slots (the top ``word_bits`` bits of a fingerprint pick the word), in
+  which each entry sets three bits picked by its fingerprint's low bits; a probe passes
+  when its three bits are set (one memory access). A word holds exactly the bits of the
+  live entries whose home is in its run: those sit in the run or in the cluster running on
+  from its end, so removal recomputes the word from there.
+- ``blocks[cid >> BLOCK_BITS][cid & BLOCK_MASK]``: the content's tokens, in fixed-size
+  blocks so that growing never copies them; ``free_ids[:free_top[0]]`` the unused ids.
 """
 
 from __future__ import annotations

@@ -1,6 +1,28 @@
 """What belongs to the serving engine: the prefix lookup and the sparse prefetch.
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.host`.
+The plugin reaches the engine only through `ServingHost`, a small typed protocol of four
+non-blocking calls: `submit_*` starts an operation for a request id, `poll_*` returns None
+while it is pending and its result once (the result is handed out a single time, then
+forgotten). Neither may block the caller on I/O.
+
+A host may also offer `cancel(request_id)`: forget every operation of a request the engine
+aborted. The plugin calls it, when present, whenever it lets a lookup go unfinished. A host
+whose cancel cannot always release at once (a load still in flight) may offer `settle() ->
+int`: release what cancelled operations hold if it now can, and return how many still wait;
+the plugin's sweep task calls it, from a worker thread, until it answers 0.
+
+`InMemoryHost` is the reference implementation for tests, examples and benchmarks. It keeps
+stored chunks in a dict (chunk hash -> the chunk's tokens, standing in for its KV). Several
+hosts can share one dict as a shared L2, so a chunk one server stored can be fetched by
+another; by default each host has its own. An optional artificial delay makes the pending
+paths observable without threads: an operation completes on the first poll at or after
+`submit time + delay`, measured on the host's clock. Its memory is bounded whatever the
+plugin does: at most `max_pending_ops` operations per kind wait to be polled (the oldest
+is forgotten first), and the request history it records for tests keeps the last
+`history` requests.
+
+Chunk hashes are prefix-chained (`chunk_hashes`): chunk i's hash covers every token before
+it and the namespace, so the same text behind two prefixes, or in two tenants, is two chunks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,32 @@
 """Selecting what a unified lookup prefetches, from both legs' candidates (columns in,
 segments out; the rule itself is `local_matcher.selection`'s kernel).
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.lookup`.
+The rule itself lives in `local_matcher.selection` (a numba kernel over columns, shared
+with the coordinator's per-instance score); this module is the plugin's wrapper: its types
+in, `Candidate` segments (with the leg that offered each) out; Python objects are made only
+for the segments kept.
+
+Both legs hand over the candidates form as columns, `FoundColumns`: per content found,
+every query position where it occurs and the chunks that hold it, with where they are held
+(`Place`), in CSR arrays (a leg given as `FoundContent`s, plain data, is converted first).
+The rule is selection after merging, assignment after selection (docs/DESIGN.md, "Plugin"):
+
+1. merge: every position either leg found, with every chunk either leg offers there (a chunk
+   both legs name is one chunk, at the cheaper of its places);
+2. drop every position inside the prefix coverage (already reused, and it must not shadow a
+   usable position that overlaps it);
+3. one ascending pass over the positions: keep a position when it starts at or after the end
+   of the last kept one and some chunk offered there is still unused, and give it the
+   cheapest unused one (`Place` order; on a tie the local leg's, then the order the leg
+   named them). Each chunk hash serves at most one position of a result.
+
+No chunk is spent on a position the pass drops, so a content that occurs twice (overlapping
+retrieved passages) is reused at whichever occurrence the selection keeps. With equal-length
+chunks leftmost-greedy keeps the most positions when every position has a chunk to spare;
+when a content has fewer chunks than occurrences a greedy pass can keep fewer than the best
+choice, so when the union's pass went short of chunks it is compared with each leg's alone
+and the one covering most wins: the union is never worse than either leg. Results ascend
+by `cur_st` and never overlap.
 """
 
 from __future__ import annotations
@@ -30,7 +55,7 @@ Leg = FoundColumns | Sequence[FoundContent]
 def select(local: Leg, fleet: Leg, prefix_coverage_tokens: int,
            chunk_size: int, *, available: frozenset[bytes] | set[bytes] | None = None
            ) -> list[Candidate]:
-    """The segments to reuse: steps 1-3 of docs/CONTRACTS.md, `plugin.lookup`, the best
+    """The segments to reuse: steps 1-3 of the module doc, the best
     of union and legs (`local_matcher.selection.select`, the local leg first). Python
     objects are made only for the segments kept.
 

@@ -1,6 +1,27 @@
 """Value types of the plugin: its public API and the states its parts hand each other.
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.types`.
+- `LookupKey`: what the serving engine hands the plugin for one request (or one stored range):
+  the request id, the whole token sequence and the namespace fields. It is the plugin's
+  edge: `BlendPlugin` validates and converts it once (`tokens_of`), and every inner layer
+  (local matcher, coordinator client, reporter) takes the converted form: a contiguous
+  `uint32` token array and a `BlendNamespace`.
+- `CBUnifiedLookupResult`: what a unified lookup returns: how many leading tokens the prefix
+  cache covers, and the reusable non-prefix segments, ascending by `cur_st`, non-overlapping,
+  each starting at or after the prefix coverage.
+- `FoundColumns` (`local_matcher.selection.LegColumns`) is the one result shape of both
+  legs (the candidates form as columns): per content found, every position it occurs at
+  and the chunks (hash, stored offset) that could serve it, with where each is held
+  (`Place`), in CSR arrays built where the candidates enter (the local index, the
+  coordinator's reply); the selection turns them into `CBMatchResult` segments.
+  `FoundContent` is the same as plain data, one per content and place (tests, LMCache's
+  default reply): `plugin.lookup.columns_of` and `found_contents` convert.
+  `BlendMatch`, `CBMatchResult` come from `local_matcher.types` and `BlendNamespace` from
+  `blend_wire`; re-exported, never redefined.
+- Every state is an Enum defined here: `Place` (where a chunk is held, cheapest first),
+  `Source` (which leg found a segment), `FleetStatus` (what one lookup's coordinator leg
+  came to), `MatchState` and `FleetReply` (the client's
+  hand-over), `BreakerState`. The string-valued ones compare equal to their values
+  (`FleetStatus.OK == "ok"`), so traces read well in logs and tests.
 """
 
 from __future__ import annotations

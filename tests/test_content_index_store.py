@@ -26,7 +26,7 @@ def _mix(x: int, factor: int) -> int:
 
 
 def fingerprint(tokens, salt: int, base: int) -> int:
-    """docs/CONTRACTS.md, `local_matcher.kernels`: v_j = mix(t_j + salt, K1),
+    """`local_matcher.kernels` (its module doc): v_j = mix(t_j + salt, K1),
     fp = mix(sum_j v_j B**(C-1-j) ^ salt, K2)."""
     h = 0
     for token in tokens:

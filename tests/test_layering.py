@@ -149,3 +149,17 @@ def test_blend_wire_imports_nothing_mid_file():
         late += [f"{path.name}:{node.lineno}" for node in body[first_other:]
                  if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert late == []
+
+
+def test_the_write_paths_reach_state_only_through_the_coordinator():
+    # Ingest is fronted by `Coordinator` as lookups are (DESIGN.md, "Coordinator ingest"):
+    # a write path that reads `coordinator.directory` or `coordinator.instances` bypasses
+    # the pipeline's one entry.
+    wrong = []
+    for path in sorted((_COORDINATOR / "writes").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("directory", "instances")
+                    and isinstance(node.value, (ast.Name, ast.Attribute))
+                    and (getattr(node.value, "attr", None) or node.value.id) == "coordinator"):
+                wrong.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert wrong == []

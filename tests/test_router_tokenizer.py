@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from blend_router import ModelTokenizer
-from blend_router.prompts import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, BadRequest, parse_request
+from blend_router.prompts import (CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, MalformedRequest,
+                                   parse_request)
 from blend_router.tokenizer import Chat, Text, to_tokenize
 from helpers import build_tokenizer
 
@@ -116,6 +117,6 @@ def test_what_of_a_body_is_tokenized():
     (COMPLETIONS_PATH, {"prompt": "a", "add_special_tokens": 1}),
 ])
 def test_a_malformed_body_is_refused_with_a_reason(path, body):
-    with pytest.raises(BadRequest) as refused:
+    with pytest.raises(MalformedRequest) as refused:
         parse_request(path, json.dumps(body).encode())
     assert str(refused.value)

@@ -87,10 +87,10 @@ class Bindings:
         self.emitter = ""  # the instance whose batch is being applied
         self.size_warned: set[str] = set()  # emitters warned of a chunk-size mismatch
 
-    # --- one batch (the directory has admitted it and journals it) -------------------
+    # --- the ingest pipeline's consumer (pipeline.py): admitted, journaled --------------
 
-    def apply(self, batch: CacheEventBatch) -> None:
-        """A STORE, DELETE or ACCESS batch."""
+    def consume(self, batch: CacheEventBatch) -> None:
+        """A STORE, DELETE or ACCESS batch (a `config` batch changes no binding)."""
         kind = batch.event_type
         placements = self._placements
         self.emitter = batch.instance_id  # named by a chunk-size mismatch warning
@@ -106,14 +106,10 @@ class Bindings:
             for entry in batch.entries:
                 self._delete(entry.key, ident)
             self._counters["entries_deleted"] += len(batch.entries)
-        else:  # "access": counted per key (recency, which this directory does not rank by)
+        elif kind == "access":  # counted per key (recency, which it does not rank by)
             for entry in batch.entries:
                 self._access(entry.key)
             self._counters["entries_accessed"] += len(batch.entries)
-
-    def touched_chunks(self) -> set[bytes]:
-        """The chunk hashes whose bindings the current batch changed (from the journal)."""
-        return self._journal.keys_changed(self.table)
 
     def reindex(self, chunk_hashes: set[bytes]) -> None:
         """The index failed part-way through a batch: put back what the restored bindings
@@ -406,10 +402,12 @@ class Bindings:
                       [placements.key_ns[key_no]] if claim_gone else [],
                       [key_no] if key_gone else [])
 
-    def fence(self, instance_id: str, l1_only: bool = False) -> None:
-        """Instance restarted: drop every placement it reported (and what they held); or,
-        `l1_only`, only its L1 placements."""
-        if not l1_only:
+    def fence(self, instance_id: str, departed: bool) -> None:
+        """The instance restarted: drop its placements (and what they held); it `departed`:
+        its L1 ones, and its chunk-size warning is forgotten."""
+        if departed:
+            self.size_warned.discard(instance_id)
+        else:
             self._counters["instances_fenced"] += 1
         placements = self._placements
         places = placements.places
@@ -422,7 +420,7 @@ class Bindings:
                 place = places[place_no]
                 if place[INSTANCE] != instance_id:
                     continue
-                if l1_only and place[TIER] != "l1":
+                if departed and place[TIER] != "l1":
                     kept = True
                     continue
                 holds, key_gone, claim_gone, _ = placements.remove(holds, key_no, place_no)

@@ -1,7 +1,40 @@
 """The ingest gate: which event batches may be applied, per emitting instance, and what
 each emitter's stream has lost.
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.directory.gate`.
+Contract (DESIGN.md, "Coordinator"; WIRE.md, "POST /events"; LMCache 0.5.7's
+`EventGate`):
+- One cursor per `instance_id`: `(incarnation, last_seq)` of the last batch admitted.
+- A batch with a lower incarnation than the cursor is STALE; one with the same
+  incarnation and `seq <= last_seq` is a DUPLICATE. Both are dropped (the caller counts
+  them); the cursor does not move.
+- A batch with a higher incarnation is FENCE: the caller must first drop every placement
+  the instance reported before, then apply the batch. The cursor moves to it.
+- Otherwise (first batch of an instance, or a higher `seq`) it is APPLY and the cursor
+  moves. Gaps in `seq` are accepted: events are best-effort and a lost batch must not
+  block the ones after it.
+- Departed instances (LMCache 0.5.7): after `depart(id)` (deregistered or reaped: its L1
+  was fenced) the instance's L1 batches of the same or an older incarnation are STALE
+  until it registers again (`readmit`) or a higher incarnation arrives (a restart, which
+  fences as usual); its L2 batches are applied (shared storage does not go away with
+  it). So deltas from a server the coordinator gave up on are not laid on a fenced
+  slice. At most `MAX_DEPARTED` departures are remembered (the oldest is forgotten: its
+  next batch is then a first one, as in LMCache 0.5.6).
+- Loss accounting (LMCache 0.5.7), per cursor, for the emitter's current incarnation:
+  `missing_batches` (skipped `seq` values, counted only in a stream the gate was already
+  tracking), `events_dropped` (the rises of the batches' cumulative `dropped_events`; the
+  first report of a stream joined midway is only remembered), `gap_detected` (set by
+  either, cleared only by a new stream), the time of the last admitted batch and the
+  delivery delay of the last one carrying `ts` (its send time to admission, across the
+  two hosts' clocks). Totals (`batches_missing`, `events_dropped`) never reset.
+
+- Idleness, for releasing cursors nobody needs (`KeyDirectory.release_ghosts`): the
+  reaper's sweeps ask `idle_for(id, now)`; any batch of the id resets it; `forget` drops
+  a ghost's cursor (not a departure: it never registered, nothing is refused).
+
+Not thread-safe: the key directory consults it under its own lock, so admitting a batch
+and applying it are one atomic step. `snapshot()`/`restore()` put a cursor (and the
+totals, and a departure) back exactly when a batch is rolled back. Reads for stats and
+metrics (`streams`, `totals`) copy first, so they may run without that lock.
 """
 
 from __future__ import annotations
@@ -111,8 +144,7 @@ class IngestGate:
 
     def depart(self, instance_id: str) -> None:
         """The instance left (its L1 is fenced): drop its cursor and refuse its L1 batches
-        of this incarnation until `readmit` (docs/CONTRACTS.md,
-        `coordinator_stub.directory.gate`)."""
+        of this incarnation until `readmit` (module doc, "Departed instances")."""
         cursor = self._cursors.pop(instance_id, None)
         self._idle.pop(instance_id, None)
         if cursor is None:

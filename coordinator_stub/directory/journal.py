@@ -1,6 +1,26 @@
 """An undo journal, so the key directory can apply a batch all or nothing.
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.directory.journal`.
+Contract:
+- `JournaledDict(journal)` and `JournaledSet(journal)` are a `dict` and a `set` whose
+  mutations, while `journal.recording`, first record how to undo them. Reads are the
+  native ones (no overhead); a write costs one tuple appended to the journal.
+- `journal.begin()` starts recording; `journal.commit()` forgets the records;
+  `journal.rollback()` undoes every recorded mutation, newest first, so every journaled
+  structure is exactly as it was at `begin()`. `note(obj, attr)` records an attribute
+  of any object the same way (for the few counters kept on objects).
+- A plain `set` stored into a `JournaledDict` is stored as a `JournaledSet` with the same
+  elements, so sets created by code under the journal are journaled from then on.
+- Only the mutating methods the directory uses are journaled (`[]=`, `del`, `pop`,
+  `setdefault`, `insert_absent`; `add`, `add_all`, `discard`, `remove`); the others raise
+  rather than mutate silently. `insert_absent(keys, values)` and `add_all(elements)` are
+  one record however many they add (`insert_absent` refuses, changing nothing, if any key
+  is present); `journal.keys_changed(target)` names the keys of a dict changed since
+  `begin()`.
+
+Picklable (a replica's snapshot holds the directory): each structure travels with its
+journal and its plain contents.
+
+Not thread-safe: used under the directory lock, by one writer at a time.
 """
 
 from __future__ import annotations

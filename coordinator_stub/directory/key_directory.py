@@ -1,26 +1,29 @@
 """`KeyDirectory`: the coordinator's domain state, thread-safe (docs/DESIGN.md,
 "Coordinator" and "Key directory internals"; docs/WIRE.md for what each query answers).
 
-It owns the ingest gate, the placements (`placements.py`), the bindings and their index
-writer (`bindings.py`, `writer.py`) and answers queries (`queries.py`). Each admitted
-batch applies all or nothing under the undo journal (`journal.py`). Lock order: directory
+It holds the ingest gate and the pipeline's consumers (`pipeline.py`: the bindings with
+their placements and index writer, `bindings.py`, `placements.py`, `writer.py`; the
+capacity table) and answers queries (`queries.py`). Each admitted batch applies all or
+nothing under the undo journal (`journal.py`). Lock order: directory
 -> index, never the other way; lookups (`match`, `candidates`, `places_of`) and the
 running totals are read without the directory lock, so they never wait for ingest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from blend_wire import BlendNamespace, CacheEventBatch, EventsReply
+from blend_wire import BlendNamespace, CacheEventBatch
 from coordinator_stub.directory import queries
 from coordinator_stub.directory.bindings import Bindings
-from coordinator_stub.directory.gate import IngestGate, Verdict
-from coordinator_stub.directory.journal import Journal, JournaledDict
+from coordinator_stub.directory.gate import IngestGate
+from coordinator_stub.directory.journal import Journal
+from coordinator_stub.directory.pipeline import Capacity, IngestPipeline, Tally
 from coordinator_stub.directory.placements import Placements
 from coordinator_stub.directory.writer import IndexWriter
 
@@ -52,8 +55,7 @@ class KeyDirectory:
         self._placements = Placements(self._journal)
         self._bindings = Bindings(self._journal, self._placements, self._counters,
                                   trust_shared_hashes)
-        self._capacity: dict[tuple[str, str, str], tuple[int, int]] = JournaledDict(
-            self._journal)
+        self._capacity = Capacity(self._journal)
         if enable_blend_lookup:
             self.enable_blend_lookup()
 
@@ -122,66 +124,42 @@ class KeyDirectory:
         return queries.places_of(self._bindings.table, self._placements, chunk_hashes,
                                  namespace)
 
-    # --- ingest -----------------------------------------------------------------------
+    # --- ingest: the pipeline's gate and consumers (pipeline.py) ---------------------------
 
     def ingest(self, batches: list[CacheEventBatch],
-               speaks_for: Callable[[str], bool] | None = None) -> EventsReply:
-        """Gate and apply validated batches, in order. Counts are of batches.
-        `speaks_for`: the instances the posting token's scope names (None: any); a
-        shared pool's placement another reporter holds changes only if it names that
-        reporter (`guard.what_stands`)."""
+               speaks_for: Callable[[str], bool] | None = None) -> Tally:
+        """Gate and apply validated batches, in order (`IngestPipeline.ingest`); counts
+        are of batches. `speaks_for`: the instances the posting token's scope names (None:
+        any); a shared pool's placement another reporter holds changes only if it names
+        that reporter (`guard.what_stands`)."""
         with self._lock:
             if speaks_for is not None:
                 self._bindings.speaks_for = speaks_for
             try:
-                return self._ingest_locked(batches)
+                return self._pipeline().ingest(batches)
             finally:
                 vars(self._bindings).pop("speaks_for", None)
 
-    def _ingest_locked(self, batches: list[CacheEventBatch]) -> EventsReply:
-        applied = duplicates = stale = 0
-        counters = self._counters
-        for batch in batches:
-            position = self._gate.snapshot(batch.instance_id)
-            verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq,
-                                       tier=batch.tier,
-                                       dropped_events=batch.dropped_events, ts=batch.ts)
-            if verdict is Verdict.DUPLICATE:
-                duplicates += 1
-                counters["entries_duplicate"] += len(batch.entries)
-                continue
-            if verdict is Verdict.STALE:
-                stale += 1
-                counters["entries_stale"] += len(batch.entries)
-                continue
-            self._apply_atomically(batch, verdict, position)
-            applied += 1
-            counters["entries_applied"] += len(batch.entries)
-        counters["batches_applied"] += applied
-        counters["batches_duplicate"] += duplicates
-        counters["batches_stale"] += stale
-        return EventsReply(applied=applied, duplicates=duplicates, stale=stale)
+    def _pipeline(self) -> IngestPipeline:
+        # Made per call (cheap): it holds no state of its own, so a snapshot has none.
+        return IngestPipeline(self._gate, (self._bindings, self._capacity),
+                              self._all_or_nothing, self._settle, self._counters)
 
-    def _apply_atomically(self, batch: CacheEventBatch, verdict: Verdict,
-                          position: tuple) -> None:
-        """Fence (if asked) and apply one admitted batch, all or nothing (DESIGN.md).
+    @contextlib.contextmanager
+    def _all_or_nothing(self, batch: CacheEventBatch, position: tuple):
+        """One admitted batch, all or nothing (DESIGN.md): the consumers change under the
+        undo journal, and the index writer sends what they staged once they are done.
         `position` is the gate's snapshot from before the batch was admitted."""
         counters = dict(self._counters)
         totals = self._placements.checkpoint()
         bindings = self._bindings
         self._journal.begin()
         try:
-            if verdict is Verdict.FENCE:
-                bindings.fence(batch.instance_id)
-            if batch.event_type == "config":
-                place = (batch.instance_id, batch.tier, batch.backend)
-                self._capacity[place] = (batch.capacity_bytes, batch.capacity_revision)
-            else:
-                bindings.apply(batch)
+            yield
             if bindings.writer is not None:
                 bindings.writer.flush()
         except BaseException:
-            touched = bindings.touched_chunks()
+            touched = self._journal.keys_changed(bindings.table)  # chunks the batch changed
             self._journal.rollback()
             self._counters.update(counters)
             self._placements.restore(totals)
@@ -195,27 +173,23 @@ class KeyDirectory:
         self._journal.commit()
         self._placements.free_unused()
 
+    def _settle(self) -> None:
+        """After a departure (not journaled): the index writer sends what it staged."""
+        if self._bindings.writer is not None:
+            self._bindings.writer.flush()
+        self._placements.free_unused()
+
     # --- instances coming and going, the chunk size ---------------------------------------
 
     def drop_instance(self, instance_id: str) -> None:
         """An instance left (deregistered, or silent past the timeout): its L1 was that
         process's memory, so its L1 placements go; its L2 placements stay (fleet storage,
-        they leave by DELETE events). Its ingest cursor is forgotten, and its L1 batches
-        of this incarnation are refused until it registers again (`readmit`; LMCache
-        0.5.7's `drop_instance`, gate.py)."""
+        they leave by DELETE events); its capacity rows go (it declares them again on its
+        return). Its ingest cursor is forgotten, and its L1 batches of this incarnation are
+        refused until it registers again (`readmit`; LMCache 0.5.7's `drop_instance`,
+        gate.py)."""
         with self._lock:
-            self._counters["instances_dropped"] += 1
-            bindings = self._bindings
-            try:
-                bindings.fence(instance_id, l1_only=True)
-            finally:
-                self._gate.depart(instance_id)
-                bindings.size_warned.discard(instance_id)
-                for place in [p for p in self._capacity if p[0] == instance_id]:
-                    del self._capacity[place]  # it declares its capacity again on return
-                if bindings.writer is not None:
-                    bindings.writer.flush()
-                self._placements.free_unused()
+            self._pipeline().depart(instance_id)
 
     def readmit(self, instance_id: str) -> None:
         """The instance registered (again): its L1 batches are taken again."""
@@ -287,8 +261,7 @@ class KeyDirectory:
             for instance_id in released:
                 gate.forget(instance_id)
                 self._placements.l1_by_instance.pop(instance_id, None)
-            for place in [p for p in self._capacity if p[0] in gone]:
-                del self._capacity[place]
+            self._capacity.forget(lambda place: place[0] in gone)
             return released
 
     # --- snapshots (the replica pickles the directory) ----------------------------------

@@ -1,7 +1,37 @@
 """The event log: a NATS JetStream stream every coordinator replica appends to and applies
 (docs/DESIGN.md, "Coordinator replicas").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.durability.eventlog`.
+Contract:
+- `EventLog(settings)`; `await open()` connects to any of the NATS servers (it follows
+  the cluster on its own after that) and creates the stream if it does not exist (one
+  subject, `<stream>.records`, file storage, `settings.replicas` copies, retention
+  bounded by bytes, messages and age: the oldest records go first). An existing stream
+  is used as it is. The wait for NATS is bounded by `settings.connect_timeout_s`
+  (`--event-log-connect-timeout`, 30 s): logged when it starts and every 5 s after (not
+  per attempt), then `LogUnavailable` naming the servers; cancelling `open()` (a signal
+  during start-up) closes what it opened. `await close()` drains the connection.
+- `await append(kind, payload, record_id)` returns the stream sequence once JetStream
+  acknowledged the record (stored on a quorum of the stream's replicas). `record_id`
+  doubles as JetStream's `Nats-Msg-Id`: a retried append inside the duplicate window is
+  stored once. Raises `LogUnavailable` when the log cannot take it (no quorum, timeout).
+- `read_from(seq)`: an async iterator of lists of `LogRecord`, in stream order, starting
+  at stream sequence `seq`, for as long as the caller iterates. It survives losing a
+  NATS node or its connection (the consumer is re-created from the next sequence it
+  needs; a record lost in delivery is read again). A record the stream no longer holds
+  (removed by retention before it was read) raises `LogGap`: the reader cannot go on
+  without missing events, never silently.
+- `bounds()`: `(first_seq, last_seq)` of the stream now; `created`: when the stream was
+  created (a snapshot taken of another stream of the same name must not be resumed).
+- `max_record_bytes`: the largest payload a record may carry (the server's max_payload
+  less room for headers).
+- `jetstream(timeout)`: a JetStream context on the same connection (the snapshot bucket,
+  `coordinator_stub.durability.snapshot_stores`, uses it).
+
+A record is `kind` (header `Blend-Kind`), `record_id` (header `Nats-Msg-Id`), an
+opaque payload, and `time`: when the stream stored it (epoch seconds, stamped by the
+stream's leader and kept with the record, so every reader sees the same value). The log
+knows nothing of what records mean (`coordinator_stub.writes.replicated` does). Runs on the event
+loop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,43 @@
 """Versioned snapshots of a replica's state: the file format, and a directory of them
 (docs/DESIGN.md, "Coordinator replicas").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.durability.snapshot_format`.
+Contract:
+- `SnapshotDir(path, keep).save(state, meta)` writes one file atomically (a temporary
+  file, fsync, rename: a crash never leaves a half-written snapshot under a snapshot's
+  name) and keeps the newest `keep` files. `meta` must hold `seq` (the last log record
+  the state includes) and whatever a reader is asked to `expect`.
+- `load_newest(expect)` returns `(state, meta)` of the newest snapshot that is sound and
+  matches `expect` (a dict of meta fields, e.g. chunk size and stream), or None. Every
+  snapshot it passes over is logged with the reason: `SnapshotRefused` says which.
+  `read(path, expect)` reads one file or raises `SnapshotRefused`; `write(path, ...)`
+  writes one (`coordinator_stub.durability.snapshot_stores` moves such files to and from a NATS
+  object store, byte for byte).
+- Partial files (`.writing-*`, `.fetching-*`) are locked (flock) by their writer while
+  open; `SnapshotDir(...)` removes, at start, every one no live process holds (a writer
+  killed mid-write leaves one). A shared directory on a file system without flock
+  across hosts may lose a peer's write in progress: that snapshot fails, is logged, and
+  the next interval writes another.
+- Refused: a file that is not a snapshot, is truncated or fails its checksum (corrupt),
+  or whose header does not describe the payload it holds (part sizes that are not
+  non-negative integers adding up to the bytes after the header: corrupt, checked before
+  anything is allocated);
+  one written in another format than this code reads (a newer one, or an older one this
+  build no longer reads); one whose layout fingerprint differs (written by a build whose
+  state classes have other fields); one whose meta does not match `expect` (another
+  chunk size, another stream).
+
+File format (FORMAT 3): the line ``BLENDSNAP 3``, one line of JSON header (the meta, plus
+`pickle_bytes`, `buffers`: the length of each raw buffer, and `blake3` of everything that
+follows the header), then the state pickled (protocol 5) with its large arrays taken out
+of band, then those arrays' bytes, one after the other. Why: an array is written from its
+own memory and read into memory of its own (`readinto`), never copied through the pickle
+stream, so a snapshot of a million chunks (a GB of tokens) loads at disk speed; what
+stays in the pickle is the per-chunk Python records. The state objects own how they
+pickle (`__getstate__`/`__setstate__` where a lock or a numba object must not travel).
+
+Trust: a pickle can run code when loaded. The snapshot directory (and bucket) must be as
+trusted as the coordinator's own code: only replicas write to it. The checksum is
+verified before anything is unpickled.
 """
 
 from __future__ import annotations

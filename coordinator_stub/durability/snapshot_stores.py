@@ -1,7 +1,35 @@
 """Where a replica keeps its snapshots: a local directory, a JetStream object store, or both
 (docs/DESIGN.md, "Coordinator replicas").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.durability.snapshot_stores`.
+Contract:
+- `Snapshots(directory, bucket, keep)`: `directory` a `SnapshotDir` path (or "": none),
+  `bucket` a `SnapshotBucket` (or None). At least one of them.
+- `write(state, meta)` (blocking; the replica calls it on its apply thread, between
+  records) writes one snapshot file (`coordinator_stub.durability.snapshot_format`'s format): into the
+  directory, or without one into a private scratch directory. `await publish(path)` then
+  uploads it to the bucket (ingest goes on meanwhile; the file does not change), and
+  drops the scratch file. Both keep the newest `keep` snapshots.
+- `await load_newest(expect, run)` returns `(state, meta)` of the newest sound snapshot
+  matching `expect` found in either place, or None. Newest is the highest log position;
+  a snapshot in both places is read from the directory. One from the bucket is
+  downloaded first (into the directory, where it then stays like one written here; or
+  into the scratch directory), then read exactly as a file is: the same checksum,
+  format and `expect` rules, and every refusal is logged with its reason, naming the
+  object (`nats://BUCKET/NAME`). A snapshot removed meanwhile (a peer pruned it) is
+  skipped. NATS failing to list or deliver (a cluster busy replicating GBs) is retried
+  for up to a minute, then that snapshot (or the bucket) is passed over, logged.
+  `run(fn, *args)` runs blocking reads off the event loop.
+- Pruning purges a deleted object's tombstone too, so the bucket lists only what it
+  holds, however many snapshots were ever taken.
+- The bucket is shared by the replicas of one stream (`<stream>-snapshots`): a replica on
+  another machine, or a fresh one with an empty disk, starts from a peer's snapshot and
+  replays only the records after it; a replica that fell behind the stream's retention
+  uses a peer's snapshot that covers the gap.
+
+`SnapshotBucket` keeps them in a nats-py object store: objects are named like the files
+(`snapshot-<seq>-<replica>.blendsnap`), uploaded from the file with `put` (1 MiB chunks),
+downloaded straight to a file (`fetch`), checking NATS's own size and SHA-256 of the
+object as well (a mismatch is refused as corrupt) before the file's own checksum.
 """
 
 from __future__ import annotations

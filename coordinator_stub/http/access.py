@@ -1,13 +1,15 @@
 """Opt-in access control at the HTTP edge: each request's token is checked for the role its
-path needs before any handler runs (docs/WIRE.md, "Access control").
+route needs before any handler runs (docs/WIRE.md, "Access control").
 
 Contract:
-- `access_middleware(grants)` (grants from `coordinator_stub.scopes.tokens_from`): every
-  request but `GET /healthz` needs `Authorization: Bearer <token>`. `required_role(method,
-  path)`: `emitter` for `/events`, `/instances` (and under it) and `PUT /config/chunk-size`,
-  `reader` for the blend lookup and score, `admin` (which may do everything) for the rest.
-  No token, or an unknown one: 401 with `WWW-Authenticate: Bearer`; a token without the
-  role: 403; bodies `{"detail": "<why>"}`.
+- `add_routes(app, routes)`: each `Route` is declared once, with the role a token needs to
+  call it (`ANYONE`: no token); the app refuses to start while it serves a route declared
+  without a role (`RouteWithoutRole`), so a new route cannot fall to some default.
+- `access_middleware(grants)` (grants from `coordinator_stub.scopes.tokens_from`): a request
+  needs `Authorization: Bearer <token>` with its route's role (a request no route serves,
+  404 or 405: `admin`, so a caller without it learns nothing of what is served). `admin`
+  may do everything. No token, or an unknown one: 401 with `WWW-Authenticate: Bearer`; a
+  token without the role: 403; bodies `{"detail": "<why>"}`.
 - `scope_of(request)`: the token's `Scope` for that role (`ANY` with access control off),
   which the service checks the request against; `caller_of(request)`: the token's digest
   (the header's spelling aside), whose turn a lookup takes; `lists_instances(request)`:
@@ -20,25 +22,65 @@ does not depend on how much of a guess is right.
 from __future__ import annotations
 
 import hashlib
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, NamedTuple
 
 from aiohttp import web
 
-from blend_wire import (BLEND_LOOKUP_PATH, BLEND_SCORE_PATH, CHUNK_SIZE_PATH, EVENTS_PATH, HEALTH_PATH,
-                        INSTANCES_PATH, encode)
+from blend_wire import encode
 from coordinator_stub.scopes import ADMIN, ANY, EMITTER, READER, Scope
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: The role of a route anyone may call, without a token (`GET /healthz`).
+ANYONE = "anyone"
+_ROLES = (ANYONE, READER, EMITTER, ADMIN)
 
-def required_role(method: str, path: str) -> str | None:
-    """The role a request needs (None: open to anyone)."""
-    if path == HEALTH_PATH:
-        return None
-    if (path == EVENTS_PATH or path == INSTANCES_PATH or path.startswith(INSTANCES_PATH + "/")
-            or path == CHUNK_SIZE_PATH):
-        return EMITTER
-    if path == BLEND_LOOKUP_PATH or path == BLEND_SCORE_PATH:
-        return READER
-    return ADMIN  # directory queries, metrics, and whatever is added later
+
+class Route(NamedTuple):
+    """One route the coordinator serves and the role a token needs to call it."""
+
+    method: str
+    path: str
+    handler: Handler
+    role: str
+
+
+class RouteWithoutRole(RuntimeError):
+    """The app serves a route not declared with a role (a bug: the app does not start)."""
+
+
+#: Each declared handler's role (a `GET` route's implicit `HEAD` shares its handler).
+_ROLE_OF = web.AppKey("role_of", dict)
+
+
+def add_routes(app: web.Application, routes: Iterable[Route]) -> None:
+    """Serve `routes` on `app`, each with its role; on start-up, `RouteWithoutRole` for any
+    route the app serves that was not declared so (added to `app.router` directly)."""
+    role_of = app.setdefault(_ROLE_OF, {})
+    for route in routes:
+        if route.role not in _ROLES or role_of.get(route.handler, route.role) != route.role:
+            raise ValueError(f"{route.method} {route.path}: role {route.role!r} is not one of "
+                             f"{_ROLES}, or its handler is declared with another one")
+        role_of[route.handler] = route.role
+        if route.method == "GET":  # with its HEAD, as aiohttp serves a GET
+            app.router.add_get(route.path, route.handler)
+        else:
+            app.router.add_route(route.method, route.path, route.handler)
+    if _every_route_has_a_role not in app.on_startup:
+        app.on_startup.insert(0, _every_route_has_a_role)  # before the workers start
+
+
+async def _every_route_has_a_role(app: web.Application) -> None:
+    role_of = app.get(_ROLE_OF, {})
+    missing = sorted(f"{route.method} {route.resource.canonical}"
+                     for route in app.router.routes() if route.handler not in role_of)
+    if missing:
+        raise RouteWithoutRole(f"routes without a role: {', '.join(missing)}; declare each "
+                               "in the app's route list with the role it needs")
+
+
+def _role_of(request: web.Request) -> str:
+    """The role `request`'s route needs; `admin` for a request no route serves."""
+    return request.app[_ROLE_OF].get(request.match_info.handler, ADMIN)
 
 
 #: The scope the request's token has for the role its path needs (absent: access off).
@@ -98,11 +140,9 @@ def access_middleware(grants: Iterable[tuple]):
         held[role] = held[role].joined(scope) if role in held else scope
 
     @web.middleware
-    async def check(request: web.Request,
-                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                    ) -> web.StreamResponse:
-        needed = required_role(request.method, request.path)
-        if needed is None:
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        needed = _role_of(request)
+        if needed == ANYONE:
             return await handler(request)
         digest = _token_digest(request.headers.get("Authorization", ""))
         granted = scopes_of.get(digest) if digest is not None else None

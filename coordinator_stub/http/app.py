@@ -28,25 +28,26 @@ from blend_wire import (
     INSTANCES_PATH,
     MAX_REGISTRATION_BODY_BYTES,
     METRICS_PATH,
+    RETRY_AFTER_S,
     STATS_PATH,
     BlendLookupReply,
     BlendScoreRequest,
     HealthReply,
     HeartbeatReply,
-    WireError,
+    RequestTimeout,
     encode,
     uints_in,
 )
 from coordinator_stub.config import CoordinatorConfig
-from coordinator_stub.errors import (BadRequest, ChunkSizeConflict, Forbidden,
-                                     ServiceUnavailable, TooLarge)
-from coordinator_stub.http.access import access_middleware, caller_of, lists_instances, scope_of
+from coordinator_stub.errors import BadRequest, Forbidden, Refusal, ServiceUnavailable, TooLarge
+from coordinator_stub.http.access import (ANYONE, Route, access_middleware, add_routes,
+                                          caller_of, lists_instances, scope_of)
 from coordinator_stub.http.budget import ByteBudget, give_back_memory
 from coordinator_stub.http.connections import ConnectionGuard, connection_cap
 from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
+from coordinator_stub.scopes import ADMIN, EMITTER, READER
 from coordinator_stub.service.coordinator import Coordinator
 from coordinator_stub.service.matchpool import ClientGone, FairPool
-from coordinator_stub.service.quotas import OverQuota
 from coordinator_stub.writes import WritePath
 from coordinator_stub.writes.local import LocalWrites
 from local_matcher import IndexBusy
@@ -73,63 +74,31 @@ _INLINE_MATCH_BYTES = 96 * 1024
 _HEALTHY = encode(HealthReply())
 
 
-#: Seconds a client refused for load should wait before retrying.
-RETRY_AFTER_S = 1
+class _Unreadable(BadRequest):
+    """A body that cannot be read as sent: corrupt gzip, broken chunked framing (400)."""
 
-
-class _Unreadable(Exception):
-    """A body that cannot be read as sent (-> 400, or 408 for `timed_out`)."""
-
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.status = 408 if timed_out else 400
-
-
-def _detail(status: int, detail, reason: str, request: web.Request) -> web.Response:
-    metrics = request.app.get(METRICS)
-    if metrics is not None:
-        metrics.rejected(reason)
-    return web.Response(status=status, body=encode({"detail": detail}), content_type=_JSON)
-
-
-def _closing(response: web.Response) -> web.Response:
-    """A refusal of a body not read to its end (too large, undecodable, too slow): what
-    is left of it on the connection cannot be framed, so the reply says `Connection:
-    close` and the connection is closed after it (the client opens a new one) rather
-    than reset under the client's next request."""
-    response.force_close()
-    return response
+    counted_as = "unreadable"
+    closes_connection = True
 
 
 @web.middleware
 async def _refusals(request: web.Request,
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-    """The one place a refusal becomes a response: its status, its `{"detail"}` body and
-    the reason it is counted under (docs/CONTRACTS.md, `coordinator_stub.http.app`).
-    aiohttp's own HTTP errors pass."""
+    """The one place a refusal becomes an answer, by its own status, `{"detail"}` and
+    headers, counted under its `counted_as` (docs/DESIGN.md, "Refusals"); `Connection:
+    close` after a body not read to its end. aiohttp's own HTTP errors pass; any other
+    exception is a bug, and aiohttp answers it 500."""
     try:
         return await handler(request)
-    except WireError as exc:
-        return _detail(422, exc.detail, "validation", request)
-    except BadRequest as exc:
-        return _detail(400, str(exc), "bad_request", request)
-    except OverQuota as exc:
-        response = _detail(429, str(exc), "instance_cap", request)
-        response.headers["Retry-After"] = str(
-            round(request.app[COORDINATOR].config.instance_timeout))
-        return response
-    except Forbidden as exc:
-        return _detail(403, str(exc), "forbidden", request)
-    except TooLarge as exc:
-        return _closing(_detail(413, str(exc), "too_large", request))
-    except ChunkSizeConflict as exc:
-        return _detail(409, str(exc), "chunk_size_conflict", request)
-    except _Unreadable as exc:
-        return _closing(_detail(exc.status, str(exc), "unreadable", request))
-    except ServiceUnavailable as exc:
-        response = _detail(503, str(exc), "busy", request)
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    except Refusal as refusal:
+        metrics = request.app.get(METRICS)
+        if metrics is not None:
+            metrics.rejected(refusal.counted_as)
+        response = web.Response(status=refusal.status, body=encode({"detail": refusal.detail}),
+                                content_type=_JSON, headers=refusal.headers)
+        if refusal.closes_connection:
+            response.force_close()
         return response
 
 
@@ -158,8 +127,8 @@ async def _read_body(request: web.Request, limit: int | None = None,
     except web.HTTPRequestEntityTooLarge:
         raise TooLarge(f"body exceeds {limit} bytes ({limit_name})") from None
     except TimeoutError:
-        raise _Unreadable(f"body not received within {timeout:g} s (--body-timeout)",
-                          timed_out=True) from None
+        raise RequestTimeout(f"body not received within {timeout:g} s (--body-timeout)"
+                             ) from None
     except (HttpProcessingError, web.RequestPayloadError) as exc:
         # Corrupt gzip/deflate, an encoding we cannot decode, broken chunked framing.
         cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
@@ -426,6 +395,27 @@ def _writes_of(coordinator: Coordinator, metrics: CoordinatorMetrics | None) -> 
     return LogReplica(coordinator, config.cluster, config.port, on_reaped=on_reaped)
 
 
+#: Every route the coordinator serves, each with the role a token needs to call it (docs/
+#: WIRE.md, "Access control"; enforced with access control on). Servers' writes are an
+#: emitter's (`PUT /config/chunk-size` too: servers call it), lookups a reader's, the
+#: directory queries, stats and metrics an admin's.
+ROUTES = (
+    Route("POST", EVENTS_PATH, _events, EMITTER),
+    Route("POST", BLEND_LOOKUP_PATH, _blend_lookup, READER),
+    Route("POST", BLEND_SCORE_PATH, _blend_score, READER),
+    Route("POST", DIRECTORY_LOOKUP_PATH, _directory_lookup, ADMIN),
+    Route("GET", DIRECTORY_KEYS_PATH, _directory_keys, ADMIN),
+    Route("GET", STATS_PATH, _stats, ADMIN),
+    Route("GET", HEALTH_PATH, _health, ANYONE),
+    Route("GET", METRICS_PATH, _metrics, ADMIN),
+    Route("POST", INSTANCES_PATH, _register, EMITTER),
+    Route("GET", INSTANCES_PATH, _instances, EMITTER),
+    Route("PUT", INSTANCES_PATH + "/{instance_id}/heartbeat", _heartbeat, EMITTER),
+    Route("DELETE", INSTANCES_PATH + "/{instance_id}", _deregister, EMITTER),
+    Route("PUT", CHUNK_SIZE_PATH, _bind_chunk_size, EMITTER),
+)
+
+
 def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     """The coordinator as an aiohttp application (not yet started). With blend lookup on,
     this compiles every kernel first (see `Coordinator`), so a started app is ready."""
@@ -445,17 +435,5 @@ def create_app(config: CoordinatorConfig | None = None) -> web.Application:
     app.cleanup_ctx.append(_worker_pools)
     app.cleanup_ctx.append(_write_path)
     app.cleanup_ctx.append(_reaper)
-    app.router.add_post(EVENTS_PATH, _events)
-    app.router.add_post(BLEND_LOOKUP_PATH, _blend_lookup)
-    app.router.add_post(BLEND_SCORE_PATH, _blend_score)
-    app.router.add_post(DIRECTORY_LOOKUP_PATH, _directory_lookup)
-    app.router.add_get(DIRECTORY_KEYS_PATH, _directory_keys)
-    app.router.add_get(STATS_PATH, _stats)
-    app.router.add_get(HEALTH_PATH, _health)
-    app.router.add_get(METRICS_PATH, _metrics)
-    app.router.add_post(INSTANCES_PATH, _register)
-    app.router.add_get(INSTANCES_PATH, _instances)
-    app.router.add_put(INSTANCES_PATH + "/{instance_id}/heartbeat", _heartbeat)
-    app.router.add_delete(INSTANCES_PATH + "/{instance_id}", _deregister)
-    app.router.add_put(CHUNK_SIZE_PATH, _bind_chunk_size)
+    add_routes(app, ROUTES)
     return app

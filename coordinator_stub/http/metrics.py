@@ -1,6 +1,25 @@
 """Prometheus metrics of the coordinator (`GET /metrics`, docs/WIRE.md), on `prometheus_client`.
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.http.metrics`.
+Contract:
+- LMCache's key-directory gauges, by tier: `lmcache_coordinator_key_directory_placements`
+  and `lmcache_coordinator_key_directory_placement_bytes`; the standard process and
+  Python-platform series (not the GC ones: they hook every collection); and ours, prefixed `blend_coordinator_`: event batches and entries by
+  outcome (applied / duplicate / stale), entries applied by type, instances fenced,
+  dropped and reaped, registered instances, directory keys, blend-index contents / chunks
+  / claims / bytes, lookups with their latency histogram per endpoint, matches returned,
+  and rejected requests by reason; STORE entries not indexed because their token list
+  is not the coordinator's chunk size (`blend_coordinator_chunk_size_mismatch_entries`)
+  and the emitters that sent them. LMCache 0.5.7's gate figures, under its names
+  (`lmcache_coordinator_ingest_*`): batches missing and events dropped by servers
+  (totals), and per tracked emitter (`instance_id` label) its missing batches, dropped
+  events, whether its view is incomplete, seconds since its last batch and its last
+  batch's delivery delay.
+- A scrape reads running totals (`KeyDirectory.totals`, lock-free) and the index's
+  O(1) stats: it never walks the directory, never takes the directory lock. `render()`
+  can block for a moment on the index lock while a match runs, so the HTTP layer calls
+  it off the event loop.
+- Each coordinator has its own `CollectorRegistry`: several coordinators in one process
+  (tests) do not share series.
 """
 
 from __future__ import annotations

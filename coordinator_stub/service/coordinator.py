@@ -1,7 +1,31 @@
 """The coordinator's request logic, free of HTTP: request bodies in, reply values or bodies
 out (endpoints: docs/WIRE.md; structure: docs/DESIGN.md, "Coordinator layout").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.coordinator`.
+Contract:
+- Reads: `parse_lookup(body, shape, scope)` validates a blend-lookup (or blend-score) body
+  once (shape, salt against the reader's `Scope`, size from the text: `TooLarge`) and
+  `matches` / `scores` take the parsed request (`lookup` / `score` do both, for large
+  bodies parsed off the loop). `directory_lookup(body)`, `directory_keys(query)`,
+  `stats()`: the operators' queries, reply bodies.
+- Registry: `parse_register(body, scope)` (a scoped emitter's `chunk_size` must be the
+  coordinator's, `ChunkSizeConflict` otherwise, and is dropped: it binds nothing),
+  `check_registration` (binds the chunk size a registration carries), `register`, `heartbeat`, `deregister`, `drop_instance` (fences an
+  instance's L1 under the directory lock), `release_ghosts(timeout)`, `instances_listing`.
+  The write paths (`coordinator_stub.writes`) call these.
+- `bind_chunk_size(body)` / `bind(size)`: LMCache 0.5.7's rules against `--chunk-size`
+  (`ChunkSizeConflict` otherwise; replicas keep their `--chunk-size`); all or nothing (a
+  bind that raises leaves the size, the index and the binding as they were).
+- Refusals are `coordinator_stub.errors`' and `blend_wire.WireError`; none changes state.
+  Everything here may block (locks, CPU): the HTTP layer runs it off the event loop,
+  except `matches` / `scores` of a small body with `wait=False`, which never wait for a
+  lock (`IndexBusy` instead) and so may run on the loop.
+
+Ready means compiled: `Coordinator(config)` compiles the wire's decoding kernels
+(`blend_wire.compile_decoding`: `/events` bodies and blend queries) and, with blend lookup
+on, rehearses every directory and index operation on a scratch directory, so each numba
+kernel the coordinator uses is compiled (or loaded from numba's cache) before the first
+request. On a cold cache that takes seconds (about 20 s of CPU for the wire's kernels on
+the 2-core AMD EPYC VM of docs/BENCHMARKS.md, load not recorded, 2026-12-02); numba caches them beside the sources, so it is once per checkout.
 """
 
 from __future__ import annotations
@@ -21,6 +45,7 @@ from blend_wire import (
     BlendQuery,
     BlendScoreReply,
     BlendScoreRequest,
+    CacheEventBatch,
     ChunkSizeBindReply,
     ChunkSizeBindRequest,
     DirectoryKeyInfo,
@@ -55,12 +80,12 @@ from blend_wire import (
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import BadRequest, ChunkSizeConflict, Forbidden, TooLarge
 from coordinator_stub.scopes import ANY, Scope
-from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory import KeyDirectory, Tally
 from coordinator_stub.directory.queries import PlaceColumns
 from coordinator_stub.service.instances import InstanceRegistry
 from coordinator_stub.service.quotas import InstanceQuota, capped
 from coordinator_stub.service.score import prefix_places, score_instances
-from local_matcher.types import EMPTY_COLUMNS, CandidateColumns
+from local_matcher.types import CandidateColumns
 
 
 log = logging.getLogger(__name__)
@@ -72,19 +97,27 @@ _EMPTY_DIRECTORY_LOOKUP = encode(DirectoryLookupReply(chunks=0, results=[]))
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.directory = KeyDirectory(chunk_size=config.chunk_size,
-                                      probe_stride=config.blend_probe_stride,
-                                      enable_blend_lookup=config.enable_blend_lookup,
-                                      trust_shared_hashes=config.trust_shared_hashes)
-        self.instances = InstanceRegistry()
-        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps)
+        fresh = self.fresh_state()
+        self.directory: KeyDirectory = fresh["directory"]
+        self.instances: InstanceRegistry = fresh["instances"]
+        self.quota = InstanceQuota(config.max_instances_per_scope, self._keeps,
+                                   retry_after_s=round(config.instance_timeout))
         self._chunk_size_bound = False
         self._bind_lock = threading.Lock()
         compile_decoding()  # before any request, which would otherwise wait for it
         if config.enable_blend_lookup:
             _rehearse(config)
 
-    # --- events and blend lookups ---------------------------------------------------------
+    # --- ingest: both write paths end here (directory/pipeline.py) -------------------------
+
+    def ingest(self, batches: list[CacheEventBatch], scope: Scope | None = None) -> Tally:
+        """Validated batches, in order, through the gate to the directory's consumers.
+        `scope`: the poster's token's (None: any); a shared pool's placement another
+        reporter holds changes only if the scope names that reporter."""
+        speaks_for = None if scope is None or scope.instances is None else scope.allows_instance
+        return self.directory.ingest(batches, speaks_for)
+
+    # --- blend lookups -------------------------------------------------------------------------
 
     def lookup(self, body: bytes, scope: Scope = ANY) -> BlendLookupReply:
         return self.matches(self.parse_lookup(body, scope=scope))
@@ -125,8 +158,7 @@ class Coordinator:
     def _candidates(self, tokens, namespace, wait: bool, columns: bool = False
                     ) -> BlendCandidatesReply:
         directory = self.directory
-        found = directory.candidate_columns(tokens, namespace, wait=wait)
-        places = directory.place_columns(found.chunk_hashes, namespace)
+        found, places = self._found_and_placed(tokens, namespace, wait)
         reply = BlendCandidatesReply(chunk_size=directory.chunk_size,
                                      blend_lookup=directory.blend_enabled,
                                      truncated=found.truncated)
@@ -136,6 +168,13 @@ class Coordinator:
         else:
             reply.candidates = _wire_objects(found, places)
         return reply
+
+    def _found_and_placed(self, tokens: np.ndarray, namespace, wait: bool
+                          ) -> tuple[CandidateColumns, PlaceColumns]:
+        """The contents found in `tokens` (columns) and where each of their chunks is held
+        in `namespace`: what the candidates form and the score are both built from."""
+        found = self.directory.candidate_columns(tokens, namespace, wait=wait)
+        return found, self.directory.place_columns(found.chunk_hashes, namespace)
 
     def score(self, body: bytes, scope: Scope = ANY, *, everyone: bool = True
               ) -> BlendScoreReply:
@@ -156,9 +195,7 @@ class Coordinator:
         if request.instance_ids is not None:
             asked = set(request.instance_ids)
             instance_ids = [i for i in instance_ids if i in asked]
-        found = (directory.candidate_columns(tokens, namespace, wait=wait)
-                 if directory.blend_enabled and tokens.size >= size else EMPTY_COLUMNS)
-        places = directory.place_columns(found.chunk_hashes, namespace)
+        found, places = self._found_and_placed(tokens, namespace, wait)
         prefix = prefix_places(directory, tokens, namespace, size)
         if not everyone:
             holders = set(places.instances).union(prefix.instances)
@@ -221,14 +258,13 @@ class Coordinator:
     # --- the instance registry (event loop) ------------------------------------------------
 
     def bind_chunk_size(self, body: bytes) -> bytes:
-        """`PUT /config/chunk-size` (docs/CONTRACTS.md,
-        `coordinator_stub.service.coordinator`)."""
+        """`PUT /config/chunk-size` (the module doc says the rules)."""
         chunk_size = self.bind(decode(body, ChunkSizeBindRequest).chunk_size)
         return encode(ChunkSizeBindReply(chunk_size=chunk_size))
 
     def bind(self, chunk_size: int) -> int:
-        """Bind the fleet's chunk size (docs/CONTRACTS.md,
-        `coordinator_stub.service.coordinator`); the bound size, or ChunkSizeConflict."""
+        """Bind the fleet's chunk size (the module doc's rules); the bound size, or
+        ChunkSizeConflict."""
         with self._bind_lock:
             current = self.directory.chunk_size
             if self._chunk_size_bound:
@@ -300,20 +336,41 @@ class Coordinator:
     def register(self, request: RegisterRequest) -> bytes:
         """`POST /instances`: bind the size it carries, register, take its L1 again."""
         self.check_registration(request)
-        instance_id, re_registered = self.instances.register(request)
+        return self.admit(request)
+
+    def admit(self, request: RegisterRequest, at: float | None = None) -> bytes:
+        """Register an instance whose chunk size was checked (a replica's log record:
+        `at` is log time) and take its L1 batches again (gate.py): the reply body."""
+        instance_id, re_registered = self.instances.register(request, at=at)
         self.directory.readmit(instance_id)
         return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
 
-    def heartbeat(self, instance_id: str) -> bool:
+    def heartbeat(self, instance_id: str, at: float | None = None) -> bool:
         """Whether the instance is registered (False: it must re-register)."""
-        return self.instances.heartbeat(instance_id)
+        return self.instances.heartbeat(instance_id, at=at)
+
+    def registered(self, instance_id: str) -> bool:
+        return instance_id in self.instances
+
+    def registered_ids(self) -> list[str]:
+        return self.instances.ids()
+
+    def silent(self, timeout: float, now: float | None = None) -> list[str]:
+        """Registered ids not heard of for over `timeout` s (by `now`, default now)."""
+        return self.instances.silent(timeout, now=now)
 
     def deregister(self, instance_id: str) -> None:
         """Forget the registration; the caller then runs `drop_instance`."""
         self.instances.deregister(instance_id)
 
     def drop_instance(self, instance_id: str) -> None:
+        """The instance's L1 fenced and its cursor forgotten (`KeyDirectory.drop_instance`)."""
         self.directory.drop_instance(instance_id)
+
+    def depart(self, instance_id: str) -> None:
+        """The instance leaves: deregistered, then dropped."""
+        self.deregister(instance_id)
+        self.drop_instance(instance_id)
 
     def release_ghosts(self, timeout: float, now: float | None = None) -> list[str]:
         """The reaper's sweep of ids that are not registered and hold nothing: those that
@@ -322,6 +379,31 @@ class Coordinator:
         return self.directory.release_ghosts(self.instances.__contains__,
                                              time.monotonic() if now is None else now,
                                              timeout)
+
+    def has_ghosts(self) -> bool:
+        """Whether some id with an ingest cursor is not registered and holds nothing."""
+        return self.directory.has_ghosts(self.instances.__contains__)
+
+    # --- state (a replica's snapshot) -------------------------------------------------------
+
+    def state(self) -> dict:
+        """What a snapshot holds of this coordinator (take it between two batches)."""
+        return {"directory": self.directory, "instances": self.instances}
+
+    def take_state(self, state: dict) -> None:
+        """Take a loaded snapshot's state in place (whoever holds the directory and the
+        registry sees it)."""
+        self.directory.restore_from(state["directory"])
+        self.instances.restore_from(state["instances"])
+
+    def fresh_state(self) -> dict:
+        """The state of a coordinator that has applied nothing."""
+        config = self.config
+        return {"directory": KeyDirectory(chunk_size=config.chunk_size,
+                                          probe_stride=config.blend_probe_stride,
+                                          enable_blend_lookup=config.enable_blend_lookup,
+                                          trust_shared_hashes=config.trust_shared_hashes),
+                "instances": InstanceRegistry()}
 
     def instances_listing(self) -> bytes:
         return encode(self.instances.listing())

@@ -1,6 +1,26 @@
 """The instance registry: which MP servers are in the fleet, and when each last spoke.
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.instances`.
+Contract (WIRE.md, "Instances"; LMCache 0.5.6's `InstanceRegistry`):
+- `register(request)` inserts or replaces the whole record (a re-registration counts as
+  a heartbeat and keeps the instance's place in the listing); an empty `instance_id` is
+  assigned `"mp-" + 32 hex` (`with_instance_id`). Returns `(instance_id, re_registered)`.
+- `heartbeat(id)` -> False for an unknown id (the caller answers 404, the server
+  re-registers); `deregister(id)` -> whether it was registered (either way the caller
+  answers 204).
+- `listing()` and `ids()` in registration order; `silent(timeout)`: ids whose last heartbeat (or
+  registration) is more than `timeout` seconds old.
+- Time: one process on its own reads its clocks (registration time by the wall clock,
+  silence by the monotonic clock, so a wall clock step cannot reap a live fleet).
+  Replicas over an event log (`coordinator_stub.writes.replicated`) pass `at`/`now`, the log's
+  time, instead: then every replica fed the same records holds the same registry, down
+  to registration times, and reaps the same instances at the same record.
+- Thread-safe (one lock, held for O(1) work, or O(instances) for `listing`/`silent`): a
+  replica's apply thread writes it while the event loop answers heartbeats and listings.
+  Pickles without its lock (snapshots); `restore_from` takes another registry's records.
+
+Membership only: fencing a departed instance's placements is the key directory's job
+(`KeyDirectory.drop_instance`), which the caller runs after `deregister`. Registration
+and ingest are independent: events from an unregistered id are fine.
 """
 
 from __future__ import annotations

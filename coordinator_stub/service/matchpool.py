@@ -1,26 +1,53 @@
-"""The match workers, shared fairly between readers: start-time fair queuing by the CPU each
-lookup took (docs/DESIGN.md, "Coordinator").
+"""The match workers, shared fairly between readers: start-time fair queuing
+(`coordinator_stub.fairness`) by the CPU each lookup took (docs/DESIGN.md, "Coordinator").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.service.matchpool`.
+One reader's huge queries must not hold the matcher from everyone else. Every reader
+(`flow`: the bearer token with access control on, else the client's address) has its own
+FIFO of lookups; a worker takes the flow with the lowest start tag (ties: the smaller body
+first, then arrival), and once the lookup ran the flow is charged what it took: its finish
+is start + the worker thread's CPU microseconds for the job (`time.thread_time`, numba's
+kernels included; at least `MIN_CHARGE_US`), and its next lookup is tagged that finish.
+The body's size says little of the work (11 KB of gzip can ask for a million tokens of one
+repeated token): the charge comes after the work, so a flow's own next lookup pays for its
+last one.
+
+Guarantees: a reader who was not ahead of the others (its last finish at most the clock)
+is served as soon as a worker finishes the lookup it is running, before any lookup of a
+reader whose last lookups took more CPU, however many lookups other readers have queued;
+readers that flood share the workers equally by CPU. A lookup is not stopped once it runs:
+the wait behind one is bounded by the bounded work of a lookup (WIRE.md, "Limits"). A flow
+has at most one lookup running at a time, so one reader cannot occupy every worker either,
+and its lookups run in the order they came.
+
+Contract: `FairPool(workers, name)`; `submit(flow, size, fn, *args)` returns a
+`concurrent.futures.Future` at once, `submit_async` (on an event loop) an `asyncio.Future`
+that the worker settles on that loop directly (one `call_soon_threadsafe`, the HTTP
+layer's hand-off per lookup); either cancelled before it runs is skipped.
+`submit_async(..., wanted=f)`: the worker that reaches the job asks `f()` first; False
+(its client's connection is gone) drops it unrun, the future failing with `ClientGone`.
+`shutdown(cancel_futures=True)` stops the threads (what has not started is cancelled, or
+fails with `PoolClosed`). `idle`: nothing running or queued (read without the lock; the
+HTTP layer matches a small lookup on the loop only then, so a lookup arriving while others
+wait still takes its turn here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import heapq
-import itertools
 import threading
 import time
 from typing import Any, Callable, Hashable
+
+from coordinator_stub.errors import ShuttingDown
+from coordinator_stub.fairness import FairQueues
 
 #: The least a lookup is charged, in microseconds of CPU, so that no lookup is free.
 MIN_CHARGE_US = 50
 
 
-class PoolClosed(RuntimeError):
-    """The coordinator is shutting down; the lookup did not run."""
+class PoolClosed(ShuttingDown):
+    """The coordinator is shutting down; the lookup did not run (503, `Retry-After`)."""
 
 
 class ClientGone(RuntimeError):
@@ -30,11 +57,7 @@ class ClientGone(RuntimeError):
 class FairPool:
     def __init__(self, workers: int, name: str = "match") -> None:
         self._cond = threading.Condition()
-        self._queues: dict[Hashable, collections.deque] = {}
-        self._waiting: list[tuple[int, int, int, Hashable]] = []
-        self._arrivals = itertools.count()
-        self._clock = 0
-        self._finish: dict[Hashable, int] = {}
+        self._flows = FairQueues()  # jobs: (size, fn, args, future); tags in CPU us
         self._running: set[Hashable] = set()
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
@@ -63,29 +86,21 @@ class FairPool:
             if self._closed:
                 future.set_exception(PoolClosed("the coordinator is shutting down"))
                 return future
-            queue = self._queues.get(flow)
-            if queue is None:
-                queue = self._queues[flow] = collections.deque()
-            queue.append((size, fn, args, future))
-            if len(queue) == 1 and flow not in self._running:  # newly active
-                self._wait_locked(flow, max(self._clock, self._finish.pop(flow, 0)))
+            self._flows.append(flow, (size, fn, args, future), size,
+                               active=flow in self._running)
+            self._cond.notify()
         return future
 
-    def _wait_locked(self, flow: Hashable, start: int) -> None:
-        heapq.heappush(self._waiting, (start, self._queues[flow][0][0], next(self._arrivals),
-                                       flow))
-        self._cond.notify()
-
     def _run(self) -> None:
+        flows = self._flows
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not flows.waiting and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                start, _, _, flow = heapq.heappop(self._waiting)
-                self._clock = max(self._clock, start)
-                _, fn, args, future = self._queues[flow].popleft()
+                start, flow = flows.next_turn()
+                _, fn, args, future = flows.queues[flow].popleft()
                 self._running.add(flow)
             # Charged by the work done, known only now: the thread's CPU (numba's kernels
             # run on it, without the GIL, and count), not the body, which says little of it.
@@ -98,24 +113,18 @@ class FairPool:
                 if self._closed:  # shutdown() settled what was queued
                     return
                 finish = start + max(MIN_CHARGE_US, used // 1000)
-                if self._queues[flow]:
-                    self._wait_locked(flow, finish)  # backlogged: next at its finish tag
-                    continue
-                del self._queues[flow]
-                if not self._queues:  # nothing queued anywhere: no one to be fair to
-                    self._finish.clear()
-                    continue
-                self._finish[flow] = finish
-                if len(self._finish) > 2 * len(self._queues) + 64:  # forget passed tags
-                    self._finish = {f: t for f, t in self._finish.items() if t > self._clock}
+                queue = flows.queues[flow]
+                if queue:  # backlogged: next at its finish tag
+                    flows.wait(flow, finish, queue[0][0])
+                    self._cond.notify()
+                else:
+                    flows.went_idle(flow, finish)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            pending = [job for queue in self._queues.values() for job in queue]
-            self._queues.clear()
-            self._waiting.clear()
+            pending = self._flows.clear()
         for _, _, _, future in pending:
             if type(future) is concurrent.futures.Future:
                 _close(future, cancel_futures)
@@ -129,13 +138,13 @@ class FairPool:
     def idle(self) -> bool:
         """Nothing running or queued. Read without the lock: an answer a moment stale only
         decides where one small lookup runs (the HTTP layer's inline matching)."""
-        return not self._running and not self._waiting
+        return not self._running and not self._flows.waiting
 
     @property
     def pending(self) -> int:
         """Lookups queued, not yet started."""
         with self._cond:
-            return sum(len(queue) for queue in self._queues.values())
+            return self._flows.queued()
 
 
 def _run_job(future, fn: Callable[..., Any], args: tuple) -> None:

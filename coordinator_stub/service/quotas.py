@@ -16,18 +16,29 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from blend_wire import RETRY_AFTER_S
 from coordinator_stub.errors import Forbidden
 from coordinator_stub.scopes import Scope
 
 
 class OverQuota(Forbidden):
-    """A scope's instance ids are at their cap (-> 429 with Retry-After)."""
+    """A scope's instance ids are at their cap: 429, with `Retry-After` the instance
+    timeout, after which a silent id holding nothing is let go. A `Forbidden`, so a write
+    path refusing a batch outside its token's scope refuses this one alike."""
+
+    status = 429
+    counted_as = "instance_cap"
+
+    def __init__(self, reason: str, *, retry_after_s: int = RETRY_AFTER_S) -> None:
+        super().__init__(reason, headers={"Retry-After": str(retry_after_s)})
 
 
 class InstanceQuota:
-    def __init__(self, cap: int, live: Callable[[str], bool]) -> None:
+    def __init__(self, cap: int, live: Callable[[str], bool],
+                 retry_after_s: int = RETRY_AFTER_S) -> None:
         self.cap = cap  # 0: no cap
         self._live = live
+        self.retry_after_s = retry_after_s  # what a refused scope is told to wait
         self._ids: dict[tuple, set[str]] = {}
         self._lock = threading.Lock()
         self.refused = 0
@@ -48,7 +59,8 @@ class InstanceQuota:
                     f"this token's scope already has {len(ids)} instance ids in the "
                     f"coordinator, its cap (--max-instances-per-scope {self.cap}); "
                     f"{instance_id[:100]!r} ({where}) is refused until some of them leave "
-                    "(deregistered, or silent past --instance-timeout and holding nothing)")
+                    "(deregistered, or silent past --instance-timeout and holding nothing)",
+                    retry_after_s=self.retry_after_s)
             ids.add(instance_id)
 
     def counted(self) -> int:

@@ -3,11 +3,12 @@ calls for every write, whichever path the process runs (docs/DESIGN.md, "Coordin
 layout").
 
 - `coordinator_stub.writes.local.LocalWrites`: one process, in memory: `/events` bodies
-  through the fair ingest scheduler, the registry changed in place.
+  through the fair ingest scheduler (`fair_ingest.py`), the registry changed in place.
 - `coordinator_stub.writes.replicated.LogReplica` (`--event-log`, the `cluster` extra):
   every write a record of the event log, applied by every replica in log order.
 
-Both raise the service's refusals (`coordinator_stub.errors`, `blend_wire.WireError`);
+Both validate bodies alike (`validation.py`) and end in `Coordinator.ingest` (docs/DESIGN.md,
+"Coordinator ingest"). Both raise the service's refusals (`coordinator_stub.errors`, `blend_wire.WireError`);
 a refused write changes nothing.
 """
 

@@ -24,8 +24,7 @@ from typing import Callable
 
 import msgspec
 
-from blend_wire import (CacheEventBatch, RegisterReply, RegisterRequest, WireError, decode,
-                        encode)
+from blend_wire import CacheEventBatch, RegisterRequest, WireError, decode, encode
 from coordinator_stub.durability.eventlog import LogRecord
 from coordinator_stub.errors import TooLarge
 from coordinator_stub.scopes import Scope
@@ -98,26 +97,24 @@ class RecordApplier:
         return results
 
     def _apply(self, record: LogRecord) -> object:
-        directory = self.coordinator.directory
-        instances = self.coordinator.instances
+        coordinator = self.coordinator
         if record.kind == EVENTS:
             held = self.decoded.pop(record.record_id, None)
             if held is None:
                 events = decode(record.payload, EventsRecord)
                 held = events.batches, events.speaks_for
             batches, speaks_for = held
-            return directory.ingest(batches, None if speaks_for is None
-                                    else Scope(instances=tuple(speaks_for)).allows_instance)
+            return coordinator.ingest(batches, None if speaks_for is None
+                                      else Scope(instances=tuple(speaks_for)))
         if record.kind == REGISTER:
-            instance_id, re_registered = instances.register(
-                decode(record.payload, RegisterRequest), at=self.log_time)
-            directory.readmit(instance_id)  # its L1 batches are taken again (gate.py)
-            self.liveness.heard(instance_id)
-            return encode(RegisterReply(instance_id=instance_id, re_registered=re_registered))
+            request = decode(record.payload, RegisterRequest)
+            reply = coordinator.admit(request, at=self.log_time)
+            self.liveness.heard(request.instance_id)
+            return reply
         if record.kind == BEATS:
             now = self.liveness.clock()
             for instance_id in decode(record.payload, list[str]):
-                if instances.heartbeat(instance_id, at=self.log_time):
+                if coordinator.heartbeat(instance_id, at=self.log_time):
                     self.liveness.heard(instance_id, now)
             return None
         if record.kind == DROP:
@@ -126,7 +123,7 @@ class RecordApplier:
         if record.kind == REAP:
             reap = decode(record.payload, Reap)
             timeout = reap.timeout
-            reaped = instances.silent(timeout, now=self.log_time)
+            reaped = coordinator.silent(timeout, now=self.log_time)
             if reap.ids is not None:  # both clocks must agree (docs/DESIGN.md)
                 proposed = set(reap.ids)
                 reaped = [instance_id for instance_id in reaped if instance_id in proposed]
@@ -137,14 +134,13 @@ class RecordApplier:
             if reaped:
                 self._on_reaped(len(reaped))
             # Ids not registered that hold nothing, idle across reap records: released.
-            directory.release_ghosts(instances.__contains__, self.log_time, timeout)
+            coordinator.release_ghosts(timeout, now=self.log_time)
             return reaped
         return _UNKNOWN
 
     def depart(self, instance_id: str) -> None:
         self.liveness.forget(instance_id)
-        self.coordinator.instances.deregister(instance_id)
-        self.coordinator.directory.drop_instance(instance_id)
+        self.coordinator.depart(instance_id)
 
 
 def payloads(raws: list[msgspec.Raw], batches: list, limit: int,

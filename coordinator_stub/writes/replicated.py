@@ -29,12 +29,12 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from blend_wire import EventsReply, RegisterRequest, encode
+from blend_wire import RegisterRequest, encode
 from coordinator_stub.config import ClusterConfig
-from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory import KeyDirectory, Tally
 from coordinator_stub.errors import ServiceUnavailable
 from coordinator_stub.durability.eventlog import EventLog, LogGap, LogSettings, LogUnavailable
-from coordinator_stub.writes.local import validated_batches
+from coordinator_stub.writes.validation import validated_batches
 from coordinator_stub.service.instances import InstanceRegistry, with_instance_id
 from coordinator_stub.durability.snapshot_format import layout_of
 from coordinator_stub.durability.snapshot_stores import SnapshotBucket, Snapshots
@@ -185,19 +185,13 @@ class LogReplica:
                 f"--snapshot-dir (or share the directory, or use --snapshot-store nats), or "
                 f"raise the stream's retention")
         if state is None:
-            config = self.coordinator.config
-            state = {"directory": KeyDirectory(chunk_size=config.chunk_size,
-                                               probe_stride=config.blend_probe_stride,
-                                               enable_blend_lookup=config.enable_blend_lookup,
-                                               trust_shared_hashes=config.trust_shared_hashes),
-                     "instances": InstanceRegistry(), "log_time": 0.0}
+            state = {**self.coordinator.fresh_state(), "log_time": 0.0}
         # On the apply thread: no record is being applied while the state is replaced.
         await loop.run_in_executor(self._apply, self._take, state, seq)
         self.applied = seq
 
     def _take(self, state: dict, seq: int) -> None:
-        self.coordinator.directory.restore_from(state["directory"])
-        self.coordinator.instances.restore_from(state["instances"])
+        self.coordinator.take_state(state)
         self.applier.log_time = state["log_time"]
         self.applier.in_directory = self.snapshot_seq = self.restored_from = seq
 
@@ -284,7 +278,7 @@ class LogReplica:
         raws, batches = await loop.run_in_executor(self._validate, validated_batches, body,
                                                    scope)
         if not raws:
-            return encode(EventsReply(applied=0, duplicates=0, stale=0))
+            return encode(Tally().reply())
         replies: list[asyncio.Future] = []
         record_ids: list[str] = []
         try:
@@ -310,20 +304,17 @@ class LogReplica:
         finally:  # applied by now, or left to be decoded from the log when it comes
             for record_id in record_ids:
                 self.applier.decoded.pop(record_id, None)
-        applied = duplicates = stale = 0
+        tally = Tally()
         for waiter in done:
-            reply = waiter.result()
-            applied += reply.applied
-            duplicates += reply.duplicates
-            stale += reply.stale
+            tally.add(waiter.result())
         if pending:
             for waiter in pending:
                 waiter.cancel()
             log.warning("records appended but not applied here within %g s",
                         self.cluster.apply_timeout_s)
-            return encode({"applied": applied, "duplicates": duplicates, "stale": stale,
-                           "pending": len(pending)})
-        return encode(EventsReply(applied=applied, duplicates=duplicates, stale=stale))
+            return encode({"applied": tally.applied, "duplicates": tally.duplicates,
+                           "stale": tally.stale, "pending": len(pending)})
+        return encode(tally.reply())
 
     # --- the instance registry --------------------------------------------------------------
 
@@ -343,10 +334,10 @@ class LogReplica:
 
     async def heartbeat(self, instance_id: str) -> bool:
         """Whether the instance is registered (False: answer 404, it re-registers)."""
-        instances = self.coordinator.instances
-        if instance_id not in instances:
+        registered = self.coordinator.registered
+        if not registered(instance_id):
             await self._caught_up_with_the_log()  # a peer may have taken it a moment ago
-            if instance_id not in instances:
+            if not registered(instance_id):
                 return False
         self.liveness.beat(instance_id)
         return True
@@ -358,7 +349,7 @@ class LogReplica:
     def silent_here(self, timeout: float) -> list[str]:
         """Registered ids this replica has not heard of for over `timeout` s by its own
         monotonic clock."""
-        return self.liveness.silent(self.coordinator.instances.ids(), timeout)
+        return self.liveness.silent(self.coordinator.registered_ids(), timeout)
 
     async def reap(self, timeout: float) -> None:
         """The reaper's turn: when some instance is silent for over `timeout` s by this
@@ -374,7 +365,7 @@ class LogReplica:
     def _unregistered_cursors(self) -> bool:
         """On the apply thread: whether some id with an ingest cursor is not registered
         and holds nothing (a `reap` record would release it once idle long enough)."""
-        return self.coordinator.directory.has_ghosts(self.coordinator.instances.__contains__)
+        return self.coordinator.has_ghosts()
 
     async def _flush_beats(self) -> None:
         await self.liveness.flush(self._append_beats)
@@ -418,8 +409,7 @@ class LogReplica:
         if self._broken or seq <= self.snapshot_seq:
             return None
         started = time.monotonic()
-        path = self.snapshots.write({"directory": self.coordinator.directory,
-                                     "instances": self.coordinator.instances,
+        path = self.snapshots.write({**self.coordinator.state(),
                                      "log_time": self.applier.log_time},
                                     dict(self._expect(), seq=seq, replica=self.name,
                                          written_at=time.time()))

@@ -1,7 +1,27 @@
 """Real LMCache MP servers loading the plugin, and an engine-side client, for tests,
 the LMCache demo and benchmarks (not loaded by `import plugin`; needs LMCache and torch).
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.harness.lmcache_process`.
+Which LMCache: by default the one this process imports (the venv's 0.5.6, or 0.5.7rc2
+when this process runs with `LMCACHE_057_DIR` first on its path, as tests/test_lmcache057.py
+runs the LMCache tests), or the one `lmcache_dir` names (`lmcache_dir_for(version)`). The
+engine client speaks this process's LMCache, so a server of the other version needs a
+process of its own (`lmcache_env(version)`).
+
+- `start_lmcache_server(...)` starts `lmcache server` (HTTP front end: coordinator
+  registration, heartbeats, LMCache's own cache-event reporting) or the ZMQ-only
+  `python -m lmcache.v1.multiprocess.server`, blend engine, CPU device, on free loopback
+  ports, with `--server-module` loading `plugin.lmcache_adapter` (unless `plugin_module` is
+  False: a stock server, which may also run `engine_type="default"`). It waits until the
+  server answers an RPC, or fails with the log tail. Usage telemetry is off and its URL
+  points at a dead loopback port (`quiet_lmcache_env`; use it for `lmcache_command`, the
+  argv of LMCache's CLI, too).
+- `ServerFleet` keeps named servers, each with its engine client, and stops them all;
+  `start_many` starts several side by side (each spends seconds importing torch and
+  LMCache), then connects their clients in the order given.
+- `EngineClient` is what a serving engine does, over LMCache's own client API: register a
+  small CPU KV cache in shared memory, store token ranges, run `cb_unified_lookup` (ours, or
+  LMCache's built-in through the adapter's server-module method), retrieve, end sessions.
+  Every KV byte it stores is random and kept, so a retrieve can be checked byte for byte.
 """
 
 from __future__ import annotations

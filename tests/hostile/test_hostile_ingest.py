@@ -25,9 +25,11 @@ from blend_wire import (EVENTS_PATH, BlendNamespace, CacheEventBatch, WireError,
 from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.http.app import WRITES
 from coordinator_stub.http.budget import TRIM_AFTER_BYTES, ByteBudget
-from coordinator_stub.writes import local
-from coordinator_stub.writes.local import (STEP_BYTES, TURN_BYTES, FairIngest, LocalWrites,
-                                           _Outline, validated_batches)
+from coordinator_stub.directory import Tally, Verdict
+from coordinator_stub.writes import validation
+from coordinator_stub.writes.fair_ingest import STEP_BYTES, TURN_BYTES, FairIngest
+from coordinator_stub.writes.local import LocalWrites
+from coordinator_stub.writes.validation import _Outline, validated_batches
 from coordinator_stub.launch.process import launch_coordinator
 from coordinator_stub.service.coordinator import Coordinator
 from helpers import wait_until
@@ -55,9 +57,9 @@ def test_a_small_batch_waits_for_at_most_a_step_of_another_emitters_flood():
     applied: list[tuple[str, int]] = []
     writes = LocalWrites(Coordinator(CoordinatorConfig(chunk_size=4, enable_blend_lookup=True)))
 
-    def apply(b, scope=None):
-        applied.append((b.instance_id, b.seq))
-        return writes._apply_batch(b)
+    def apply(batches, scope=None):
+        applied.extend((b.instance_id, b.seq) for b in batches)
+        return writes.coordinator.ingest(batches)
 
     ingest = FairIngest(apply)
     flood = ingest.submit(_flood_body(50, 20))
@@ -79,6 +81,12 @@ def _sized_body(instance: str, seq: int, entries: int) -> bytes:
     return encode({"batches": [batch(*[entry(f"{seq:08x}{i:08x}", [1_000_000 + i % 4] * 4,
                                              offset=4 * i) for i in range(entries)],
                                      seq=seq, instance=instance)]})
+
+
+def _one_applied() -> Tally:
+    tally = Tally()
+    tally.count(Verdict.APPLY)
+    return tally
 
 
 class _Flood:
@@ -106,18 +114,19 @@ class _Flood:
         self.body_bytes = len(_sized_body("flood-0", 1, entries))
         assert self.body_bytes > TURN_BYTES  # each flood step is a turn of its own
 
-    def _apply(self, b, scope=None) -> str:
+    def _apply(self, batches, scope=None) -> Tally:
+        (b,) = batches
         if b.instance_id == "victim":
             applied, steps = self.arrived
             self.waits.append((self.flood_applied - applied, self.ingest.steps - steps))
             self.due = b.seq + 1 if b.seq < self.victims else 0
-            return "applied"
+            return _one_applied()
         if self.flood_applied + 1 == self.victim_after:
             self.due = 1
         if self.due:  # the victim posts while this flood batch is being applied
             self._post_victim()
         self.flood_applied += 1
-        return "applied"
+        return _one_applied()
 
     def _post_victim(self) -> None:
         self.arrived = (self.flood_applied, self.ingest.steps)
@@ -185,8 +194,8 @@ def test_backlogged_emitters_share_bytes_of_work_fairly():
     # emitters' turns are up to TURN_BYTES of their steps).
     sizes = {"small": 40, "medium": 160, "large": 640}  # entries per batch
     applied: list[tuple[str, int]] = []
-    ingest = FairIngest(lambda b, scope=None: applied.append((b.instance_id, len(b.entries)))
-                        or "applied")
+    ingest = FairIngest(lambda bs, scope=None: applied.append(
+        (bs[0].instance_id, len(bs[0].entries))) or _one_applied())
     per_entry = len(_sized_body("x", 1, 2)) - len(_sized_body("x", 1, 1))
     bodies = {name: 2 * 640 // n for name, n in sizes.items()}  # two large batches' worth
     futures = [ingest.submit(_sized_body(name, 1 + i, n))
@@ -211,8 +220,8 @@ def test_backlogged_emitters_share_bytes_of_work_fairly():
 
 def test_an_emitters_bodies_apply_in_arrival_order_across_turns():
     applied = []
-    ingest = FairIngest(lambda b, scope=None:
-                        applied.append((b.instance_id, b.seq)) or "applied")
+    ingest = FairIngest(lambda bs, scope=None:
+                        applied.append((bs[0].instance_id, bs[0].seq)) or _one_applied())
     futures = [ingest.submit(_flood_body(3, 2, instance=f"i{k % 2}", seq0=1 + 3 * (k // 2)))
                for k in range(6)]
     ingest.start()
@@ -227,7 +236,7 @@ def test_an_emitters_bodies_apply_in_arrival_order_across_turns():
 
 def test_a_bad_last_batch_rejects_the_whole_body_naming_it():
     applied = []
-    ingest = FairIngest(lambda b, scope=None: applied.append(b.seq) or "applied")
+    ingest = FairIngest(lambda bs, scope=None: applied.append(bs[0].seq) or _one_applied())
     ingest.start()
     try:
         body = encode({"batches": [_store_batch("i", 1, 2), _store_batch("i", 2, 2),
@@ -250,8 +259,8 @@ def _refusal_or_batches(validate, body: bytes):
 def _whole_body_first(body: bytes):
     """The reference: msgspec alone, the body's outline first, then each batch."""
     raws = decode(body, _Outline).batches
-    with mock.patch.object(local, "decode_batch", lambda raw: decode(raw, CacheEventBatch)):
-        return raws, [local._decode_batch(raw, i) for i, raw in enumerate(raws)]
+    with mock.patch.object(validation, "decode_batch", lambda raw: decode(raw, CacheEventBatch)):
+        return raws, [validation.decode_raw_batch(raw, i) for i, raw in enumerate(raws)]
 
 
 _GOOD_BODY = b"".join([

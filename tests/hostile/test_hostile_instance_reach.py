@@ -23,7 +23,7 @@ from coordinator_stub.durability.eventlog import LogRecord
 from coordinator_stub.scopes import ANY, Scope
 from coordinator_stub.service.coordinator import Coordinator
 from coordinator_stub.writes.liveness import Liveness
-from coordinator_stub.writes.local import validated_batches
+from coordinator_stub.writes.validation import validated_batches
 from coordinator_stub.writes.records import EVENTS, RecordApplier, payloads
 from hostile_helpers import A, B, batch, entry
 
