@@ -16,18 +16,18 @@ import multiprocessing
 import os
 import threading
 import time
-from typing import Annotated, Union
+from typing import Union
 
 import msgspec
 import numpy as np
 
 from blend_wire import Unprocessable
+from blend_wire.values import TokenId
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
-_TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 #: Bodies up to this size are decoded on the event loop (well under a millisecond); larger
 #: ones in the worker process.
 INLINE_PARSE_BYTES = 256 * 1024
@@ -52,7 +52,7 @@ class Message(msgspec.Struct):
 
 class _Completion(msgspec.Struct):
     model: Union[str, None] = None
-    prompt: Union[str, list[Union[_TokenId, str, list[_TokenId]]], None] = None
+    prompt: Union[str, list[Union[TokenId, str, list[TokenId]]], None] = None
     cache_salt: Union[str, None] = None
     add_special_tokens: bool = True
 
@@ -60,7 +60,7 @@ class _Completion(msgspec.Struct):
 class _Chat(msgspec.Struct):
     messages: list[Message]
     model: Union[str, None] = None
-    prompt_token_ids: Union[list[_TokenId], None] = None
+    prompt_token_ids: Union[list[TokenId], None] = None
     cache_salt: Union[str, None] = None
     add_generation_prompt: bool = True
 

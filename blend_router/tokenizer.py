@@ -30,8 +30,7 @@ import aiohttp
 import numpy as np
 
 from blend_router.prompts import ParsedRequest
-
-_MAX_TOKEN_ID = 2**32 - 1
+from blend_wire import MAX_TOKEN_ID
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,7 @@ class EngineTokenizer:
         except (aiohttp.ClientError, ValueError, AttributeError):
             return None
         if not isinstance(ids, list) or not all(
-                type(v) is int and 0 <= v <= _MAX_TOKEN_ID for v in ids):
+                type(v) is int and 0 <= v <= MAX_TOKEN_ID for v in ids):
             return None
         return np.asarray(ids, dtype=np.uint32)
 

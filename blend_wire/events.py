@@ -69,6 +69,8 @@ class CacheEventEntry(msgspec.Struct, kw_only=True, gc=False):
 
 
 EventType = Literal["store", "delete", "access", "config"]
+#: Where a placement lives: a server's own memory (`l1`) or a second tier (`l2`). The one
+#: definition: `typing.get_args(Tier)` is the list of tiers wherever one is checked.
 Tier = Literal["l1", "l2"]
 
 

@@ -17,10 +17,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from blend_wire.events import EncodedObjectKey
-from blend_wire.values import MAX_WORLD_SIZE, Name, NonNegative
+from blend_wire.events import EncodedObjectKey, Tier
+from blend_wire.values import MAX_WORLD_SIZE, Name, NonNegative, TokenId
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 OptionalPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 #: The largest chunk size the coordinator binds or is configured with (ours; LMCache
@@ -173,8 +172,6 @@ class DirectoryLookupRequest(msgspec.Struct, kw_only=True):
             raise ValueError("'model_name' is required with 'token_ids'")
 
 
-Tier = Literal["l1", "l2"]
-
 
 class WirePlacement(msgspec.Struct, kw_only=True):
     """One place a key is held. A `shared` placement (a fleet-shared pool) is one per
@@ -205,7 +202,7 @@ class DirectoryLookupReply(msgspec.Struct, kw_only=True):
 class DirectoryKeysQuery(msgspec.Struct, kw_only=True):
     """`GET /directory/keys` query parameters."""
 
-    tier: Literal["l1", "l2", "all"] = "all"
+    tier: Literal[Tier, "all"] = "all"
     instance_id: Name = ""
     backend: Name = ""
     offset: NonNegative = 0

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from blend_wire.values import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE
+from blend_wire.values import LIST_NOT_PLAIN, LIST_OK, LIST_OUT_OF_RANGE, MAX_TOKEN_ID
 
 _PAD = ord("=")
 _SPACE, _TAB, _LF, _CR = 32, 9, 10, 13
@@ -142,7 +142,7 @@ def _integer(text, i):
         return i, 0, LIST_NOT_PLAIN
     if c == _DOT or c == _LOWER_E or c == _UPPER_E:
         return i, 0, LIST_NOT_PLAIN  # a float
-    if digits > 10 or value > 0xFFFFFFFF or (negative and value != 0):
+    if digits > 10 or value > MAX_TOKEN_ID or (negative and value != 0):
         return i, 0, LIST_OUT_OF_RANGE
     return i, value, LIST_OK
 

@@ -272,7 +272,7 @@ def token_ids_of(values) -> TokenIds:
 
 def _from_ints(values: list[int]) -> TokenIds:
     """Python ints as `TokenIds`: uint32 when all fit, else the list itself."""
-    if all(0 <= value <= 0xFFFFFFFF for value in values):
+    if all(0 <= value <= MAX_TOKEN_ID for value in values):
         return np.array(values, dtype=np.uint32)
     return values
 

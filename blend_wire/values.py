@@ -54,6 +54,8 @@ MAX_CANDIDATE_POSITIONS = 1024
 MAX_REPLY_ENTRIES = 32768
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
+#: One token id as msgspec checks it (`MAX_TOKEN_ID`, the one limit).
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 TokenOffset = Annotated[int, msgspec.Meta(ge=UNKNOWN_TOKEN_OFFSET, le=MAX_TOKEN_OFFSET)]
 #: The wire's hex rule as a type. Keys decode with its lengths only (`HexOfLength`) and are
 #: held to the rest by `chunk_hash_of_hex` (Python's `re` took 2 µs per key), refused in

@@ -4,7 +4,8 @@ never in the caller's way.
 `submit(request_id, tokens, namespace, deadline)` queues one query and returns at once;
 `take(request_id)` hands the `FleetReply` over once (PENDING / DONE / FAILED / UNKNOWN).
 At most `match_concurrency` round-trips in flight, each within its deadline; replicas in
-turn with fail-over, one circuit breaker per URL; memory bounded (`result_ttl_s`,
+turn with fail-over and one circuit breaker per URL, by the plugin's one fail-over policy
+(`plugin.http.Replicas`, as the reporter and the registrar); memory bounded (`result_ttl_s`,
 `max_tracked`); replies read and validated by plugin.replies; no method raises into the
 serving path. `from_config(config)` is the client a `PluginConfig` describes.
 Contract: docs/DESIGN.md, "Plugin"; the wire: docs/WIRE.md.
@@ -26,7 +27,7 @@ import numpy as np
 
 from blend_wire import BLEND_LOOKUP_PATH, BlendLookupRequest, BlendNamespace, encode, encode_tokens
 from plugin.config import DEFAULT_MAX_REPLY_BYTES, PluginConfig, coordinator_url_list
-from plugin.http import coordinator_http
+from plugin.http import Replica, Replicas, Verdict, coordinator_http, retry_after_s, verdict_of
 from plugin.replies import QueryFailed, found_in, read_capped
 from plugin.types import BreakerState, FleetReply, FoundColumns, MatchState
 
@@ -65,17 +66,10 @@ class ClientStats:
     consecutive_failures: int = 0
 
 
-@dataclass(eq=False)
-class _Endpoint:
-    """One coordinator URL: its connections and its circuit breaker (guarded by the
-    client's lock)."""
+@dataclass
+class _Forms:
+    """What one coordinator URL answers (guarded by the client's lock)."""
 
-    url: str
-    http: httpx.Client
-    breaker: BreakerState = BreakerState.CLOSED
-    opened_at: float = 0.0
-    probe_out: bool = False
-    failures: int = 0  # consecutive unhealthy failures
     candidates: bool = True  # False once it answered the default form to a candidates query
     said_objects: bool = False  # its "no columns form" was logged (once per URL)
     said_blend_off: bool = False  # its "blend lookup off" was logged (once per URL)
@@ -87,7 +81,7 @@ class _Query:
     tokens: np.ndarray
     namespace: BlendNamespace
     deadline: float
-    endpoint: _Endpoint | None = None  # where it goes next
+    replica: Replica | None = None  # where it goes next
     is_probe: bool = False
     reply: FleetReply | None = None  # set once, when it is done
     done_at: float = 0.0
@@ -120,11 +114,14 @@ class BlendCoordinatorClient:
         self.max_tracked = max_tracked
         self._clock = clock
         # One connection per round-trip in flight, so none waits for a connection.
-        self._endpoints = [_Endpoint(url, coordinator_http(url, timeout=timeout,
-                                                           connections=match_concurrency,
-                                                           token=token, ca_file=ca_file))
-                           for url in urls]
-        self._turn = 0  # the endpoint the next query tries first
+        self._replicas = Replicas(
+            urls, lambda url: coordinator_http(url, timeout=timeout,
+                                               connections=match_concurrency, token=token,
+                                               ca_file=ca_file),
+            breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown_s,
+            clock=clock)
+        self._forms = {replica.url: _Forms() for replica in self._replicas.replicas}
+        self._turn = 0  # the replica the next query tries first
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(match_concurrency,
                                                         thread_name_prefix="blend-match")
@@ -222,16 +219,11 @@ class BlendCoordinatorClient:
     @property
     def breaker_state(self) -> BreakerState:
         """The best breaker: closed if any coordinator's is, else half-open if any is."""
-        with self._lock:
-            return self._best_locked().breaker
-
-    def _best_locked(self) -> _Endpoint:
-        rank = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-        return min(self._endpoints, key=lambda e: (rank[e.breaker], e.failures))
+        return self._replicas.best().breaker
 
     def stats(self) -> ClientStats:
         with self._lock:
-            best = self._best_locked()
+            best = self._replicas.best()
             return dataclasses.replace(self._stats, tracked=len(self._tracked),
                                        in_flight=self._in_flight, breaker=best.breaker,
                                        consecutive_failures=best.failures)
@@ -249,73 +241,45 @@ class BlendCoordinatorClient:
             self._drained.wait_for(lambda: self._drainers == 0, self.timeout + 1.0)
         if self._owns_executor:
             self._executor.shutdown(wait=True)
-        for endpoint in self._endpoints:
-            endpoint.http.close()
+        self._replicas.close()
 
-    # --- breakers, guarded by _lock -----------------------------------------------------------
+    # --- breakers (plugin.http.Replicas), guarded by _lock -----------------------------------
 
     def _route_locked(self, query: _Query, now: float, tried: tuple = ()) -> bool:
-        """Send `query` next to the first endpoint, in turn, whose breaker admits it and
+        """Send `query` next to the first replica, in turn, whose breaker admits it and
         that it has not tried; False if there is none."""
-        count = len(self._endpoints)
-        for step in range(count):
-            endpoint = self._endpoints[(self._turn + step) % count]
-            if endpoint in tried:
-                continue
-            admitted, is_probe = self._admit_locked(endpoint, now)
-            if admitted:
-                self._turn = (self._turn + step + 1) % count
-                query.endpoint, query.is_probe = endpoint, is_probe
-                return True
-        return False
-
-    def _admit_locked(self, endpoint: _Endpoint, now: float) -> tuple[bool, bool]:
-        """(admitted, is_probe)."""
-        if endpoint.breaker is BreakerState.CLOSED:
-            return True, False
-        if endpoint.breaker is BreakerState.OPEN:
-            if now - endpoint.opened_at < self.breaker_cooldown_s:
-                return False, False
-            endpoint.breaker = BreakerState.HALF_OPEN
-            endpoint.probe_out = False
-        if endpoint.probe_out:
-            return False, False
-        endpoint.probe_out = True
-        return True, True
+        picked = self._replicas.pick(self._turn, now, tried)
+        if picked is None:
+            return False
+        index, query.replica, query.is_probe = picked
+        self._turn = (index + 1) % len(self._replicas.replicas)
+        return True
 
     def _record_locked(self, query: _Query, failure: QueryFailed | None, now: float) -> None:
-        stats, endpoint = self._stats, query.endpoint
+        replica = query.replica
+        verdict, wait = (Verdict.OK, None) if failure is None else (failure.verdict,
+                                                                     failure.retry_after)
+        before, after = self._replicas.record(replica, verdict, now, is_probe=query.is_probe,
+                                              retry_after=wait)
         if failure is None:
-            if endpoint.breaker is not BreakerState.CLOSED:
-                log.info("coordinator at %s answers again; fleet lookups resume",
-                         endpoint.url)
-            endpoint.breaker, endpoint.probe_out, endpoint.failures = (
-                BreakerState.CLOSED, False, 0)
-            return
-        if not failure.unhealthy:
+            if before is not BreakerState.CLOSED:
+                log.info("coordinator at %s answers again; fleet lookups resume", replica.url)
+        elif verdict is not Verdict.UNAVAILABLE:
             # A 4xx or a malformed reply: this lookup goes local-only, the breaker is left as
-            # it was (a failed probe just lets the next query probe instead).
-            if query.is_probe:
-                endpoint.probe_out = False
+            # it was (a 429 pauses every replica for its Retry-After).
             log.warning("coordinator blend-lookup failed (%s); this lookup goes local-only",
                         failure)
-            return
-        endpoint.failures += 1
-        if endpoint.breaker is BreakerState.HALF_OPEN and query.is_probe:
-            endpoint.breaker, endpoint.opened_at, endpoint.probe_out = (
-                BreakerState.OPEN, now, False)
+        elif before is BreakerState.HALF_OPEN and query.is_probe:
             log.warning("coordinator probe failed (%s); %s gets no lookups for %.1f s",
-                        failure, endpoint.url, self.breaker_cooldown_s)
-        elif endpoint.breaker is BreakerState.CLOSED:
-            if endpoint.failures >= self.breaker_threshold:
-                endpoint.breaker, endpoint.opened_at = BreakerState.OPEN, now
-                stats.breaker_opened += 1
-                log.warning("coordinator blend-lookup failed %d times in a row (last: %s); "
-                            "circuit breaker of %s open for %.1f s", endpoint.failures,
-                            failure, endpoint.url, self.breaker_cooldown_s)
-            else:
-                log.warning("coordinator blend-lookup failed (%s); this lookup goes to "
-                            "another replica, or local-only", failure)
+                        failure, replica.url, replica.reopens_at - now)
+        elif before is not BreakerState.OPEN and after is BreakerState.OPEN:
+            self._stats.breaker_opened += 1
+            log.warning("coordinator blend-lookup failed %d times in a row (last: %s); "
+                        "circuit breaker of %s open for %.1f s", replica.failures,
+                        failure, replica.url, replica.reopens_at - now)
+        else:
+            log.warning("coordinator blend-lookup failed (%s); this lookup goes to "
+                        "another replica, or local-only", failure)
 
     # --- bookkeeping, guarded by _lock ----------------------------------------------------------
 
@@ -357,7 +321,7 @@ class BlendCoordinatorClient:
                 log.exception("coordinator query failed on request %s", query.request_id)
 
     def _serve(self, query: _Query) -> None:
-        tried: tuple[_Endpoint, ...] = ()
+        tried: tuple[Replica, ...] = ()
         while True:
             with self._lock:
                 current = self._tracked.get(query.request_id) is query
@@ -369,8 +333,9 @@ class BlendCoordinatorClient:
                         self._finish_locked(query, FleetReply(MatchState.FAILED), now)
                     else:
                         self._stats.skipped_cancelled += 1
-                    if query.is_probe:
-                        query.endpoint.probe_out = False  # let the next query probe instead
+                    if query.is_probe:  # let the next query probe instead
+                        self._replicas.record(query.replica, Verdict.ANSWERED, now,
+                                              is_probe=True)
                     return
                 budget = min(self.timeout, query.deadline - now)
                 self._in_flight += 1
@@ -381,7 +346,8 @@ class BlendCoordinatorClient:
             except QueryFailed as exc:
                 failure = exc
             except Exception as exc:  # anything else is a failure too, never an exception upward
-                failure = QueryFailed(f"unexpected {type(exc).__name__}: {exc}", unhealthy=False)
+                failure = QueryFailed(f"unexpected {type(exc).__name__}: {exc}",
+                                      verdict=Verdict.ANSWERED)
             with self._lock:
                 self._in_flight -= 1
                 now = self._clock()
@@ -391,10 +357,10 @@ class BlendCoordinatorClient:
                     self._stats.failed += 1
                 self._record_locked(query, failure, now)
                 tracked = self._tracked.get(query.request_id) is query
-                if (failure is not None and failure.unhealthy and tracked
+                if (failure is not None and failure.verdict is Verdict.UNAVAILABLE and tracked
                         and now < query.deadline - _MIN_USEFUL_S):
                     # Another replica may answer in the time left: fail over to it.
-                    tried += (query.endpoint,)
+                    tried += (query.replica,)
                     if self._route_locked(query, now, tried):
                         self._stats.failed_over += 1
                         continue
@@ -404,27 +370,30 @@ class BlendCoordinatorClient:
                     self._stats.late_discarded += 1
                 return
 
-    def _say_blend_off(self, endpoint: _Endpoint) -> None:
+    def _say_blend_off(self, url: str) -> None:
         """Once per URL: why this coordinator's answers hold nothing."""
         with self._lock:
-            first, endpoint.said_blend_off = not endpoint.said_blend_off, True
+            forms = self._forms[url]
+            first, forms.said_blend_off = not forms.said_blend_off, True
         if first:
             log.warning("%s has blend lookup off (started without --enable-blend-lookup): it "
                         "finds nothing, so this server reuses nothing through the fleet. "
-                        "Restart it with --enable-blend-lookup", endpoint.url)
+                        "Restart it with --enable-blend-lookup", url)
 
-    def _first_objects_reply(self, endpoint: _Endpoint) -> bool:
-        """Whether this is the first objects-form reply from `endpoint` (logged once)."""
+    def _first_objects_reply(self, url: str) -> bool:
+        """Whether this is the first objects-form reply from `url` (logged once)."""
         with self._lock:
-            first, endpoint.said_objects = not endpoint.said_objects, True
+            forms = self._forms[url]
+            first, forms.said_objects = not forms.said_objects, True
         return first
 
     def _round_trip(self, query: _Query, budget: float) -> FoundColumns:
-        namespace, endpoint = query.namespace, query.endpoint
+        namespace, replica = query.namespace, query.replica
+        url, forms = replica.url, self._forms[replica.url]
         # Columns are asked for with every candidates query: a coordinator of ours without
         # that form ignores the field, and one with it may answer a reply in objects
         # (hashes of different lengths), so an objects reply is no reason to stop asking.
-        asked_candidates = endpoint.candidates
+        asked_candidates = forms.candidates
         body = encode(BlendLookupRequest(tokens_b64=encode_tokens(query.tokens),
                                          model_name=namespace.model_name,
                                          world_size=namespace.world_size,
@@ -432,35 +401,46 @@ class BlendCoordinatorClient:
                                          candidates=asked_candidates,
                                          columns=asked_candidates))
         try:
-            with endpoint.http.stream("POST", BLEND_LOOKUP_PATH, content=body, timeout=budget,
-                                      headers=_JSON) as response:
+            with replica.http.stream("POST", BLEND_LOOKUP_PATH, content=body, timeout=budget,
+                                     headers=_JSON) as response:
                 if response.status_code != 200:
-                    text = read_capped(response, 4096, endpoint.url)[:200]
-                    raise QueryFailed(f"HTTP {response.status_code} from {endpoint.url}"
-                                      f"{BLEND_LOOKUP_PATH}: {text!r}",
-                                      unhealthy=response.status_code >= 500)
-                content = read_capped(response, self.max_reply_bytes, endpoint.url)
+                    raise _refused(response, url)
+                content = read_capped(response, self.max_reply_bytes, url)
         except httpx.TimeoutException as exc:
-            raise QueryFailed(f"no reply from {endpoint.url} within {budget:.3f} s "
-                              f"({type(exc).__name__})", unhealthy=True) from None
+            raise QueryFailed(f"no reply from {url} within {budget:.3f} s "
+                              f"({type(exc).__name__})", verdict=Verdict.UNAVAILABLE) from None
         except httpx.HTTPError as exc:
-            raise QueryFailed(f"{type(exc).__name__} talking to {endpoint.url}: {exc}",
-                              unhealthy=True) from None
-        found = found_in(content, endpoint.url, chunk_size=self.chunk_size,
+            raise QueryFailed(f"{type(exc).__name__} talking to {url}: {exc}",
+                              verdict=Verdict.UNAVAILABLE) from None
+        found = found_in(content, url, chunk_size=self.chunk_size,
                          instance_id=self.instance_id, num_tokens=len(query.tokens))
         if found.default_form and asked_candidates:
             with self._lock:
-                endpoint.candidates = False
+                forms.candidates = False
             log.info("%s answers blend lookups in LMCache's default form (no candidates): "
-                     "using it", endpoint.url)
-        if found.objects_form and self._first_objects_reply(endpoint):
+                     "using it", url)
+        if found.objects_form and self._first_objects_reply(url):
             log.info("%s answers blend lookups with candidates as objects (no columns form, "
-                     "or hashes of different lengths): using them", endpoint.url)
+                     "or hashes of different lengths): using them", url)
         if found.blend_lookup_off:
-            self._say_blend_off(endpoint)
+            self._say_blend_off(url)
         if found.dropped:
             with self._lock:
                 self._stats.dropped_entries += found.dropped
             log.warning("dropped %d invalid entr%s from the coordinator reply (first: %s)",
                         found.dropped, "y" if found.dropped == 1 else "ies", found.first_reason)
         return found.contents
+
+
+def _refused(response: httpx.Response, url: str) -> QueryFailed:
+    """A status other than 200 as a failure, with its verdict by the one policy and the
+    `Retry-After` it asks for, if any."""
+    text = read_capped(response, 4096, url)[:200]
+    verdict = verdict_of(response.status_code)
+    if verdict is Verdict.OK:  # a 2xx other than 200: not the reply asked for
+        verdict = Verdict.ANSWERED
+    header = response.headers.get("retry-after")
+    wait = (retry_after_s(header) if header is not None or verdict is Verdict.THROTTLED
+            else None)
+    return QueryFailed(f"HTTP {response.status_code} from {url}{BLEND_LOOKUP_PATH}: {text!r}",
+                       verdict=verdict, retry_after=wait)

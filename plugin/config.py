@@ -9,9 +9,9 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, get_args
 
-from blend_wire import ENGINE_URL_KEY, engine_address
+from blend_wire import ENGINE_URL_KEY, Tier, engine_address
 
 ENV_COORDINATOR_URL = "LMCACHE_COORDINATOR_URL"
 ENV_EVENT_REPORTING = "LMCACHE_COORDINATOR_EVENT_REPORTING"
@@ -97,8 +97,9 @@ class PluginConfig:
     event_backend: str = "dram"
     # Events held while the coordinator is unreachable; beyond this the oldest are dropped.
     event_queue_limit: int = 100_000
-    # Consecutive failed round-trips that open the circuit breaker, and how long it stays open
-    # before one probe query may close it again.
+    # Consecutive failed round-trips that open a replica's circuit breaker, and how long it
+    # stays open before one probe may close it again: the one fail-over policy (plugin.http)
+    # of the client, the reporter and the registrar alike.
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 5.0
     # A finished coordinator result nobody takes is dropped after this long.
@@ -131,8 +132,8 @@ class PluginConfig:
             raise ConfigError("instance_id must be a non-empty string")
         if self.incarnation is not None:
             _check_int_at_least("incarnation", self.incarnation, 0)
-        if self.event_tier not in ("l1", "l2"):
-            raise ConfigError(f"event_tier={self.event_tier!r} must be 'l1' or 'l2'")
+        if self.event_tier not in get_args(Tier):
+            raise ConfigError(f"event_tier={self.event_tier!r} must be one of {get_args(Tier)}")
         if not self.event_backend:
             raise ConfigError("event_backend must be non-empty (e.g. 'dram')")
         _check_int_at_least("event_queue_limit", self.event_queue_limit, 1)

@@ -1,4 +1,5 @@
-"""The plugin's one HTTP policy: how the coordinator client and the reporter talk to it.
+"""The plugin's one HTTP policy: how the coordinator client, the reporter and the registrar
+talk to a coordinator and fail over between its replicas.
 
 The rest of its contract: docs/CONTRACTS.md, `plugin.http`.
 """
@@ -6,18 +7,22 @@ The rest of its contract: docs/CONTRACTS.md, `plugin.http`.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import ssl
 import threading
 import time
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import httpcore
 import httpx
 
 from blend_wire import is_loopback_host
+from plugin.types import BreakerState
 
-__all__ = ["DeadlineTransport", "coordinator_http"]
+__all__ = ["MAX_RETRY_AFTER_S", "PERMANENT_STATUSES", "DeadlineTransport", "Replica", "Replicas",
+           "Sent", "Verdict", "coordinator_http", "retry_after_s", "verdict_of"]
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +185,204 @@ class DeadlineTransport(httpx.BaseTransport):
 
     def close(self) -> None:
         self._pool.close()
+
+
+# --- the one fail-over policy: replicas of one coordinator ------------------------------------
+
+#: The longest `Retry-After` honoured: a coordinator cannot bench a replica, or pause a
+#: caller, for longer.
+MAX_RETRY_AFTER_S = 60.0
+#: Refusals of what the request is, not of the replica's state: every replica would answer
+#: the same, now and later (invalid 400/422, too large 413, outside the token's scope 403,
+#: in conflict with the fleet 409).
+PERMANENT_STATUSES = frozenset({400, 403, 409, 413, 422})
+
+
+class Verdict(enum.Enum):
+    """What an answer says about the replica and the request (docs/CONTRACTS.md, `plugin.http`)."""
+
+    OK = "ok"                    # 2xx: the replica is well
+    ANSWERED = "answered"        # another answer the caller reads (404, 401...): health unknown
+    PERMANENT = "permanent"      # PERMANENT_STATUSES: no replica will take this request
+    THROTTLED = "throttled"      # 429: a quota every replica shares; no replica until Retry-After
+    UNAVAILABLE = "unavailable"  # connection error, timeout, 5xx: try the next replica
+
+
+def verdict_of(status: int) -> Verdict:
+    """The one classification of a coordinator's HTTP status (a transport error is
+    `Verdict.UNAVAILABLE` too)."""
+    if status >= 500:
+        return Verdict.UNAVAILABLE
+    if status == 429:
+        return Verdict.THROTTLED
+    if status in PERMANENT_STATUSES:
+        return Verdict.PERMANENT
+    return Verdict.OK if 200 <= status < 300 else Verdict.ANSWERED
+
+
+def retry_after_s(value: str | None) -> float:
+    """`Retry-After` in seconds (the delay form; an HTTP date or garbage counts as 1 s),
+    at most `MAX_RETRY_AFTER_S`."""
+    try:
+        delay = float(value) if value is not None else 1.0
+    except ValueError:
+        delay = 1.0
+    if not delay >= 0:  # NaN, negative
+        delay = 1.0
+    return min(delay, MAX_RETRY_AFTER_S)
+
+
+@dataclass(eq=False)
+class Replica:
+    """One coordinator URL: its connections and its circuit breaker (guarded by `Replicas`)."""
+
+    url: str
+    http: httpx.Client
+    breaker: BreakerState = BreakerState.CLOSED
+    failures: int = 0         # consecutive UNAVAILABLE verdicts
+    reopens_at: float = 0.0   # while OPEN: benched until then
+    probe_out: bool = False   # HALF_OPEN: the one request that tells whether it is back
+
+
+@dataclass
+class Sent:
+    """What `Replicas.request` got: the answer of the first replica that was not
+    unavailable, or none (`failure` says why)."""
+
+    response: httpx.Response | None
+    verdict: Verdict | None
+    failure: str = ""
+    tried: int = 0          # replicas asked; 0: every one benched (or paused), none asked
+    moved: int = 0          # times the request went on to the next replica
+    retry_after: bool = False  # some answer carried a Retry-After, honoured
+
+
+class Replicas:
+    """Replicas of one coordinator under the one fail-over policy (docs/CONTRACTS.md,
+    `plugin.http`): `UNAVAILABLE` goes on to the next replica at once; a replica's breaker
+    opens after `breaker_threshold` consecutive UNAVAILABLE verdicts, for
+    `breaker_cooldown_s`, or at once for its `Retry-After`; then one probe. `THROTTLED`
+    pauses every replica until its `Retry-After`. Thread-safe; no I/O under the lock."""
+
+    def __init__(self, urls: Sequence[str], http_for: Callable[[str], httpx.Client], *,
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not urls:
+            raise ValueError("at least one coordinator URL is needed")
+        if breaker_threshold < 1 or not breaker_cooldown_s > 0:
+            raise ValueError(f"breaker_threshold={breaker_threshold} must be >= 1 and "
+                             f"breaker_cooldown_s={breaker_cooldown_s} > 0")
+        self.replicas = [Replica(url, http_for(url)) for url in urls]
+        self.breaker_threshold, self.breaker_cooldown_s = breaker_threshold, breaker_cooldown_s
+        self.clock = clock
+        self.current = 0  # where `request` starts: it stays with the replica that answers
+        self._paused_until = 0.0
+        self._lock = threading.Lock()
+
+    def pick(self, start: int, now: float, tried: Collection[Replica] = ()
+             ) -> tuple[int, Replica, bool] | None:
+        """The first replica from index `start` on, in turn, not in `tried`, whose breaker
+        admits a request now: (its index, it, whether the request is its probe); None when
+        there is none."""
+        with self._lock:
+            if now < self._paused_until:
+                return None
+            count = len(self.replicas)
+            for step in range(count):
+                index = (start + step) % count
+                replica = self.replicas[index]
+                if replica not in tried:
+                    admitted, is_probe = self._admit_locked(replica, now)
+                    if admitted:
+                        return index, replica, is_probe
+            return None
+
+    def _admit_locked(self, replica: Replica, now: float) -> tuple[bool, bool]:
+        if replica.breaker is BreakerState.CLOSED:
+            return True, False
+        if replica.breaker is BreakerState.OPEN:
+            if now < replica.reopens_at:
+                return False, False
+            replica.breaker, replica.probe_out = BreakerState.HALF_OPEN, False
+        if replica.probe_out:
+            return False, False
+        replica.probe_out = True
+        return True, True
+
+    def record(self, replica: Replica, verdict: Verdict, now: float, *, is_probe: bool,
+               retry_after: float | None = None) -> tuple[BreakerState, BreakerState]:
+        """Account one request's verdict; (breaker before, breaker after).
+
+        OK closes the breaker. ANSWERED and PERMANENT leave it (a probe's just lets the next
+        request probe). UNAVAILABLE counts; it opens the breaker at the threshold, at a
+        failed probe, or at once when the answer carried `retry_after`. THROTTLED pauses
+        every replica for `retry_after` (1 s without one)."""
+        with self._lock:
+            before = replica.breaker
+            if verdict is Verdict.OK:
+                replica.breaker, replica.probe_out, replica.failures = (
+                    BreakerState.CLOSED, False, 0)
+            elif verdict is Verdict.UNAVAILABLE:
+                replica.failures += 1
+                if (retry_after is not None or is_probe
+                        or replica.failures >= self.breaker_threshold):
+                    bench = self.breaker_cooldown_s if retry_after is None else retry_after
+                    replica.breaker, replica.probe_out = BreakerState.OPEN, False
+                    replica.reopens_at = max(replica.reopens_at, now + bench)
+            else:
+                if is_probe:
+                    replica.probe_out = False
+                if verdict is Verdict.THROTTLED:
+                    self._paused_until = max(self._paused_until,
+                                             now + (1.0 if retry_after is None else retry_after))
+            return before, replica.breaker
+
+    def best(self) -> Replica:
+        """The replica in the best state: closed first, then half-open, fewest failures."""
+        rank = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+        with self._lock:
+            return min(self.replicas, key=lambda r: (rank[r.breaker], r.failures))
+
+    def request(self, method: str, path: str, *, content: bytes | None = None,
+                headers: Mapping[str, str] | None = None) -> Sent:
+        """One request, synchronous, to the current replica or, while the ones asked are
+        unavailable, to the next ones in turn (each at most once); the replica that answers
+        stays current. Each round-trip ends within its client's timeout."""
+        sent, tried = Sent(None, None), []
+        failure = "every replica is benched (unavailable, or asked for a pause: Retry-After)"
+        while (picked := self.pick(self.current, self.clock(), tried)) is not None:
+            index, replica, is_probe = picked
+            sent.moved += bool(tried)
+            self.current = index
+            tried.append(replica)
+            try:
+                response = replica.http.request(method, path, content=content, headers=headers)
+            except httpx.HTTPError as exc:
+                failure = f"{replica.url}: {type(exc).__name__}: {exc}"
+                self.record(replica, Verdict.UNAVAILABLE, self.clock(), is_probe=is_probe)
+                continue
+            verdict = verdict_of(response.status_code)
+            header = response.headers.get("retry-after")
+            wait = None if header is None else retry_after_s(header)
+            if verdict is Verdict.THROTTLED and wait is None:
+                wait = retry_after_s(None)
+            sent.retry_after |= wait is not None
+            self.record(replica, verdict, self.clock(), is_probe=is_probe, retry_after=wait)
+            if verdict is Verdict.UNAVAILABLE:
+                failure = f"{replica.url}: HTTP {response.status_code}: {response.text[:200]!r}"
+                continue
+            sent.response, sent.verdict = response, verdict
+            break
+        sent.tried = len(tried)
+        if sent.response is None:
+            sent.failure = failure
+        return sent
+
+    @property
+    def url(self) -> str:
+        """The current replica's URL."""
+        return self.replicas[self.current].url
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.http.close()

@@ -15,7 +15,7 @@ import httpx
 
 from blend_wire import INSTANCES_PATH, RegisterReply, WireError, decode, encode
 from plugin.config import coordinator_url_list
-from plugin.http import coordinator_http
+from plugin.http import Replicas, coordinator_http
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,10 @@ class InstanceRegistrar:
                  p2p_advertised_url: str = "", mq_port: int = 0,
                  metadata: dict[str, str] | None = None, token: str | None = None,
                  ca_file: str | None = None, chunk_size: int | None = None,
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
                  start: bool = True) -> None:
-        self._urls = coordinator_url_list(urls)
-        if not self._urls:
+        urls = coordinator_url_list(urls)
+        if not urls:
             raise ValueError("InstanceRegistrar needs at least one coordinator URL")
         if not heartbeat_interval > 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
@@ -53,12 +54,15 @@ class InstanceRegistrar:
                         "metadata": dict(metadata or {}),
                         "p2p_advertised_url": p2p_advertised_url, "mq_port": mq_port}
         self._body = self._registration(chunk_size)
-        self._clients = [coordinator_http(url, timeout=timeout, token=token, ca_file=ca_file)
-                         for url in self._urls]
-        self._current = 0
+        # One replica at a time, the next when it is unavailable: the plugin's one
+        # fail-over policy (plugin.http).
+        self._replicas = Replicas(
+            urls, lambda url: coordinator_http(url, timeout=timeout, token=token,
+                                               ca_file=ca_file),
+            breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown_s)
         self._lock = threading.Lock()
         self._beat_lock = threading.Lock()  # one registration or heartbeat at a time
-        self._stats = RegistrarStats(url=self._urls[0])
+        self._stats = RegistrarStats(url=urls[0])
         self._registered: str | None = None
         self._failing = False
         self._stop = threading.Event()
@@ -77,7 +81,7 @@ class InstanceRegistrar:
     def stats(self) -> RegistrarStats:
         with self._lock:
             return dataclasses.replace(self._stats, registered_id=self._registered,
-                                       url=self._urls[self._current])
+                                       url=self._replicas.url)
 
     # --- one beat ----------------------------------------------------------------------------
 
@@ -98,13 +102,13 @@ class InstanceRegistrar:
             self._body = self._registration(chunk_size)
             response = self._request("POST", INSTANCES_PATH, self._body)
             if response is not None and response.status_code == 409:
-                raise RuntimeError(f"the coordinator at {self._urls[self._current]} refuses "
+                raise RuntimeError(f"the coordinator at {self._replicas.url} refuses "
                                    f"chunk size {chunk_size}: {response.text[:300]}")
             if response is not None and response.status_code == 200:
                 self._registered_by(response)
             elif response is not None:
                 log.error("coordinator at %s refused the registration: HTTP %d %s",
-                          self._urls[self._current], response.status_code,
+                          self._replicas.url, response.status_code,
                           response.text[:300])
 
     def beat(self) -> None:
@@ -121,7 +125,7 @@ class InstanceRegistrar:
             return
         if response.status_code == 404:
             log.info("coordinator at %s no longer knows %s; registering again",
-                     self._urls[self._current], self._registered)
+                     self._replicas.url, self._registered)
             with self._lock:
                 self._stats.forgotten += 1
             self._registered = None
@@ -139,7 +143,7 @@ class InstanceRegistrar:
             return
         if response.status_code != 200:
             log.error("coordinator at %s refused the registration: HTTP %d %s",
-                      self._urls[self._current], response.status_code, response.text[:300])
+                      self._replicas.url, response.status_code, response.text[:300])
             return
         self._registered_by(response)
 
@@ -152,35 +156,24 @@ class InstanceRegistrar:
         self._registered = reply.instance_id
         with self._lock:
             self._stats.registrations += 1
-        log.info("registered with the coordinator at %s as %s", self._urls[self._current],
+        log.info("registered with the coordinator at %s as %s", self._replicas.url,
                  reply.instance_id)
 
     def _request(self, method: str, path: str, body: bytes | None = None
                  ) -> httpx.Response | None:
-        """Send to the current replica, moving on to the next while one cannot take it;
-        None when none could."""
-        failure = ""
-        for attempt in range(len(self._clients)):
-            if attempt:
-                with self._lock:
-                    self._current = (self._current + 1) % len(self._clients)
-                    self._stats.moved += 1
-            client = self._clients[self._current]
-            try:
-                response = client.request(method, path, content=body, headers=(
-                    {"content-type": "application/json"} if body is not None else None))
-            except httpx.HTTPError as exc:
-                failure = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code >= 500:
-                failure = f"HTTP {response.status_code}: {response.text[:200]!r}"
-                continue
-            if self._failing:
-                log.info("coordinator at %s answers again", self._urls[self._current])
-                self._failing = False
-            return response
-        self._failed(failure)
-        return None
+        """Send to the current replica, moving on to the next while one is unavailable
+        (plugin.http's policy); None when none answered."""
+        sent = self._replicas.request(method, path, content=body, headers=(
+            {"content-type": "application/json"} if body is not None else None))
+        with self._lock:
+            self._stats.moved += sent.moved
+        if sent.response is None:
+            self._failed(sent.failure)
+            return None
+        if self._failing:
+            log.info("coordinator at %s answers again", self._replicas.url)
+            self._failing = False
+        return sent.response
 
     def _failed(self, reason: str) -> None:
         with self._lock:
@@ -215,8 +208,7 @@ class InstanceRegistrar:
                 self._request("DELETE", f"{INSTANCES_PATH}/{self._registered}")
                 self._registered = None
         finally:
-            for client in self._clients:
-                client.close()
+            self._replicas.close()
 
 
 __all__ = ["InstanceRegistrar", "RegistrarStats"]

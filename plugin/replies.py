@@ -12,8 +12,9 @@ converted where they enter (the client's round-trip calls `read_capped` and `fou
   not its codec's text, or columns whose lengths disagree, fail the reply.
   The default form (LMCache's): one position and one chunk each, a `cur_st + C` beyond
   the query dropped. Dropped entries are counted by the caller.
-- Every failure is a `QueryFailed` saying why; `unhealthy` says whether it counts toward
-  the circuit breaker (connection, timeout, 5xx: yes; a bad reply: no).
+- Every failure is a `QueryFailed` saying why, with its `verdict` by the plugin's one
+  fail-over policy (`plugin.http.Verdict`): a bad reply is `ANSWERED` (the replica is not
+  unwell: no other replica is asked, its breaker is left as it was).
 Design: docs/DESIGN.md, "Plugin"; the shapes: docs/WIRE.md.
 """
 
@@ -29,6 +30,7 @@ import numpy as np
 from blend_wire import (MAX_CANDIDATE_CHUNKS, MAX_TOKEN_OFFSET, BlendCandidatesReply,
                         WireCandidateColumns, WireError, chunk_hash_of_hex, decode, decode_b64,
                         decode_uints)
+from plugin.http import Verdict
 from plugin.lookup import columns_of
 from plugin.types import FoundColumns, FoundContent, Place
 
@@ -39,13 +41,16 @@ _INFLATE_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 class QueryFailed(Exception):
     """One round-trip did not produce a usable reply; the message says why.
 
-    `unhealthy`: the failure says the coordinator is down or struggling (connection error,
-    timeout, 5xx) and counts toward the circuit breaker.
+    `verdict` (`plugin.http.Verdict`): `UNAVAILABLE` says the replica is down or struggling
+    (connection error, timeout, 5xx): the lookup fails over and it counts toward that
+    replica's breaker; anything else is this lookup's failure alone. `retry_after`: the
+    seconds the answer asked for (`Retry-After`), if any.
     """
 
-    def __init__(self, reason: str, *, unhealthy: bool) -> None:
+    def __init__(self, reason: str, *, verdict: Verdict = Verdict.ANSWERED,
+                 retry_after: float | None = None) -> None:
         super().__init__(reason)
-        self.unhealthy = unhealthy
+        self.verdict, self.retry_after = verdict, retry_after
 
 
 @dataclass
@@ -69,7 +74,7 @@ def read_capped(response: httpx.Response, cap: int, url: str) -> bytes:
     wbits = _INFLATE_WBITS.get(encoding)
     if wbits is None and encoding not in ("", "identity"):
         raise QueryFailed(f"reply from {url} has content-encoding {encoding!r}, which this "
-                          "client does not decode", unhealthy=False)
+                          "client does not decode")
     inflate = zlib.decompressobj(wbits) if wbits else None
     parts, size = [], 0
     try:
@@ -77,12 +82,10 @@ def read_capped(response: httpx.Response, cap: int, url: str) -> bytes:
             data = raw if inflate is None else inflate.decompress(raw, cap + 1 - size)
             size += len(data)
             if size > cap or (inflate is not None and inflate.unconsumed_tail):
-                raise QueryFailed(f"reply from {url} exceeds {cap} bytes (max_reply_bytes)",
-                                  unhealthy=False)
+                raise QueryFailed(f"reply from {url} exceeds {cap} bytes (max_reply_bytes)")
             parts.append(data)
     except zlib.error as exc:
-        raise QueryFailed(f"reply from {url} is not valid {encoding}: {exc}",
-                          unhealthy=False) from None
+        raise QueryFailed(f"reply from {url} is not valid {encoding}: {exc}") from None
     return b"".join(parts)
 
 
@@ -92,13 +95,11 @@ def found_in(content: bytes, url: str, *, chunk_size: int, instance_id: str,
     try:
         reply = decode(content, BlendCandidatesReply)
     except WireError as exc:
-        raise QueryFailed(f"reply from {url} is not a blend-lookup reply: {exc}",
-                          unhealthy=False) from None
+        raise QueryFailed(f"reply from {url} is not a blend-lookup reply: {exc}") from None
     if reply.candidates is not None or reply.columns is not None:
         if reply.chunk_size != chunk_size:
             raise QueryFailed(f"{url} matches {reply.chunk_size}-token chunks, this server "
-                              f"stores {chunk_size}: set both to one chunk size",
-                              unhealthy=False)
+                              f"stores {chunk_size}: set both to one chunk size")
         found = (_candidates(reply, chunk_size, instance_id, num_tokens)
                  if reply.columns is None else
                  _columns(_Columns.of(reply.columns, url), chunk_size, instance_id, num_tokens))
@@ -107,8 +108,7 @@ def found_in(content: bytes, url: str, *, chunk_size: int, instance_id: str,
     if not reply.matches and b'"matches"' not in content:
         # The shape defaults `matches` to empty; a reply without it at all is some other
         # service answering, not "nothing found".
-        raise QueryFailed(f"reply from {url} has no `matches`: {content[:200]!r}",
-                          unhealthy=False)
+        raise QueryFailed(f"reply from {url} has no `matches`: {content[:200]!r}")
     return _matches(reply, chunk_size, num_tokens)
 
 
@@ -221,8 +221,7 @@ class _Columns:
             holders = decode_uints(wire.holders, "holders")
             shared = decode_b64(wire.shared, "shared")
         except WireError as exc:
-            raise QueryFailed(f"reply from {url} has a bad column: {exc}",
-                              unhealthy=False) from None
+            raise QueryFailed(f"reply from {url} has a bad column: {exc}") from None
         chunks = raw.size // wire.hash_bytes
         # Counts summed as floats: a sum of huge counts cannot wrap round to a small
         # length (a sum of unsigned ints could), and below 2^53 it is exact.
@@ -232,8 +231,7 @@ class _Columns:
                 or shared.size != (chunks + 7) // 8
                 or any(c.sum(dtype=np.float64) != n for c, n in zip(counts, sizes))
                 or (holders.size and int(holders.max()) >= len(wire.instances))):
-            raise QueryFailed(f"reply from {url} has columns of inconsistent lengths",
-                              unhealthy=False)
+            raise QueryFailed(f"reply from {url} has columns of inconsistent lengths")
         return cls(counts[0].astype(np.int64), positions, counts[1].astype(np.int64),
                    raw.view(f"V{wire.hash_bytes}"), old_st, counts[2].astype(np.int64),
                    holders, wire.instances,

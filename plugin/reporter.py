@@ -13,17 +13,17 @@ import threading
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple, Sequence, get_args
 
 import httpx
 import numpy as np
 
 from blend_wire import (EVENTS_PATH, NO_TOKEN_IDS, UNKNOWN_TOKEN_OFFSET, BlendNamespace,
                         CacheEventBatch, CacheEventEntry, EncodedObjectKey, EventsReply,
-                        EventsRequest, TokenIds, WireError, check_token_offset, decode, encode,
-                        pack_kv_rank, token_ids_of, token_lists_to_json)
+                        EventsRequest, Tier, TokenIds, WireError, check_token_offset, decode,
+                        encode, pack_kv_rank, token_ids_of, token_lists_to_json)
 from plugin.config import DEFAULT_EVENT_TIMEOUT_S, PluginConfig, coordinator_url_list
-from plugin.http import coordinator_http
+from plugin.http import Replicas, Verdict, coordinator_http
 from plugin.workers import DaemonPool
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,8 @@ class ReporterStats:
     dropped_after_close: int = 0
     sent_batches: int = 0
     failed_flushes: int = 0
-    throttled: int = 0      # 503/429 answers: nothing posted until their Retry-After passed
-    rejected_batches: int = 0
+    throttled: int = 0      # answers with a Retry-After (503, 429): honoured (plugin.http)
+    rejected_batches: int = 0   # refused for good (422, 400, 413...): dropped
     forbidden_batches: int = 0  # 403: outside the token's scope, dropped (never sendable)
     forbidden_events: int = 0   # their entries
     applied: int = 0       # batches, as the coordinator counted them
@@ -48,9 +48,6 @@ class ReporterStats:
     stale: int = 0
     pending: int = 0
     incarnation: int = 0
-
-#: The longest `Retry-After` honoured: a coordinator cannot silence a reporter for longer.
-MAX_RETRY_AFTER_S = 60.0
 
 _incarnation_lock = threading.Lock()
 _last_incarnation = 0
@@ -70,7 +67,7 @@ class _Event(NamedTuple):
     tokens: TokenIds | None  # a private copy, never the caller's buffer
     offset: int
     size_bytes: int
-    tier: str
+    tier: Tier
     backend: str
 
 
@@ -101,13 +98,13 @@ class CacheEventReporter:
                  tier: str = "l1", backend: str = "dram", max_entries_per_batch: int = 1024,
                  max_entries_per_post: int = 4096, executor: Executor | None = None,
                  start: bool = True, token: str | None = None,
-                 ca_file: str | None = None) -> None:
+                 ca_file: str | None = None, breaker_threshold: int = 3,
+                 breaker_cooldown_s: float = 5.0) -> None:
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
-        self._urls = coordinator_url_list(base_url)
-        if not self._urls:
+        urls = coordinator_url_list(base_url)
+        if not urls:
             raise ValueError("at least one coordinator URL is needed")
-        self.base_url = self._urls[0]  # where events go now; see `_post`
         self.instance_id = instance_id
         self.incarnation = next_incarnation() if incarnation is None else incarnation
         self.flush_interval = flush_interval
@@ -115,12 +112,12 @@ class CacheEventReporter:
         self.tier, self.backend = tier, backend
         self.max_entries_per_batch = max_entries_per_batch
         self.max_entries_per_post = max_entries_per_post
-        # One client per coordinator replica; events go to one at a time (they share one
-        # event log) and move on to the next when it fails.
-        self._clients = [coordinator_http(url, timeout=timeout, token=token, ca_file=ca_file)
-                         for url in self._urls]
-        self._current = 0
-        self._http = self._clients[0]
+        # Events go to one replica at a time (they share one event log) and on to the next
+        # when it is unavailable, by the plugin's one fail-over policy.
+        self._replicas = Replicas(
+            urls, lambda url: coordinator_http(url, timeout=timeout, token=token,
+                                               ca_file=ca_file),
+            breaker_threshold=breaker_threshold, breaker_cooldown_s=breaker_cooldown_s)
         self._lock = threading.Lock()         # guards the queue, the outbox and the stats
         self._flush_lock = threading.Lock()   # one flush at a time keeps the order
         self._events: collections.deque[_Event] = collections.deque()
@@ -134,7 +131,6 @@ class CacheEventReporter:
         self._stats = ReporterStats(incarnation=self.incarnation)
         self._failing = False
         self._forbidden_said = False  # a 403 is logged once, then counted
-        self._retry_at = 0.0  # time.monotonic() before which nothing is posted (Retry-After)
         self._closed = False
         self._stop = threading.Event()
         self._owns_executor = executor is None and start
@@ -154,7 +150,14 @@ class CacheEventReporter:
                    incarnation=config.incarnation, flush_interval=config.event_flush_interval,
                    timeout=config.event_timeout, max_events=config.event_queue_limit,
                    tier=config.event_tier, backend=config.event_backend, executor=executor,
-                   token=config.coordinator_token, ca_file=config.coordinator_ca_file)
+                   token=config.coordinator_token, ca_file=config.coordinator_ca_file,
+                   breaker_threshold=config.breaker_threshold,
+                   breaker_cooldown_s=config.breaker_cooldown_s)
+
+    @property
+    def base_url(self) -> str:
+        """The coordinator replica events go to now."""
+        return self._replicas.url
 
     # --- the store path: enqueue only ----------------------------------------------------------
 
@@ -196,8 +199,8 @@ class CacheEventReporter:
         # Checked here, where the caller can be told; batch building must not fail.
         tier = self.tier if tier is None else tier
         backend = self.backend if backend is None else backend
-        if tier not in ("l1", "l2"):
-            raise ValueError(f"tier={tier!r} must be 'l1' or 'l2'")
+        if tier not in get_args(Tier):
+            raise ValueError(f"tier={tier!r} must be one of {get_args(Tier)}")
         if not backend:
             raise ValueError("backend must be non-empty (e.g. 'dram')")
         return tier, backend
@@ -244,8 +247,6 @@ class CacheEventReporter:
         """One delivery attempt of everything queued; True when nothing is left undelivered."""
         with self._flush_lock:
             self._form_batches()
-            if time.monotonic() < self._retry_at:
-                return not self._outbox  # the coordinator asked for a pause
             while True:
                 with self._lock:
                     to_send, entries = [], 0
@@ -305,39 +306,20 @@ class CacheEventReporter:
                                token_offset=event.offset)
 
     def _post(self, batches: list[CacheEventBatch]) -> bool:
-        body = encode(EventsRequest(batches=batches))
-        for attempt in range(len(self._clients)):
-            if attempt:  # the previous replica failed: the next one takes the events
-                self._current = (self._current + 1) % len(self._clients)
-                self._http = self._clients[self._current]
-                self.base_url = self._urls[self._current]
-            try:
-                response = self._http.post(EVENTS_PATH, content=body, headers=_JSON)
-            except httpx.HTTPError as exc:
-                failure = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code < 500 or response.status_code == 503:
-                break  # 503: the replicas share one log; its Retry-After holds for all
-            failure = f"HTTP {response.status_code}: {response.text[:200]!r}"
-        else:
-            return self._failed(failure)
-        if response.status_code == 422:
-            self._remove_sent(batches)
-            with self._lock:
-                self._stats.rejected_batches += len(batches)
-            log.error("coordinator rejected %d event batch(es) as invalid and they were "
-                      "dropped: %s", len(batches), response.text[:300])
-            return True
-        if response.status_code == 403:
-            return self._forbidden(batches, response)
-        if response.status_code in (429, 503):
-            delay = _retry_after_s(response.headers.get("retry-after"))
-            self._retry_at = time.monotonic() + delay
+        sent = self._replicas.request("POST", EVENTS_PATH,
+                                      content=encode(EventsRequest(batches=batches)),
+                                      headers=_JSON)
+        if sent.retry_after:
             with self._lock:
                 self._stats.throttled += 1
-            return self._failed(f"HTTP {response.status_code}, retrying after {delay:g} s: "
-                                f"{response.text[:200]!r}")
-        if response.status_code != 200:
+        response = sent.response
+        if response is None:
+            # Every replica unavailable; or every one benched (a Retry-After, an outage)
+            # and none asked: the events stay queued, in order, and nothing is counted.
+            return self._failed(sent.failure) if sent.tried else False
+        if sent.verdict is Verdict.PERMANENT:
+            return self._refused(batches, response)
+        if response.status_code != 200:  # 429 (every replica paused), 401, 404...
             return self._failed(f"HTTP {response.status_code}: {response.text[:200]!r}")
         self._remove_sent(batches)
         try:
@@ -356,14 +338,23 @@ class CacheEventReporter:
             self._failing = False
         return True
 
-    def _forbidden(self, batches: list[CacheEventBatch], response: httpx.Response) -> bool:
-        """A 403: the token may not send a batch of these (an instance or salt outside
-        its scope), now or ever, so it is no outage. Which one: each batch is sent on its
-        own; the refused ones are dropped and counted, the others delivered (in order),
-        and the refusal is logged once."""
+    def _refused(self, batches: list[CacheEventBatch], response: httpx.Response) -> bool:
+        """A permanent refusal (`plugin.http.PERMANENT_STATUSES`: invalid, too large, outside
+        the token's scope): no replica will ever take these batches as they are, so it is no
+        outage, and they must not wedge the queue. Which one: each batch is sent on its
+        own; a refused batch is dropped and counted, the others delivered (in order). A
+        403 (the token may not send it: an instance or salt outside its scope) counts
+        under `forbidden_*` and is logged once; any other under `rejected_batches`."""
         if len(batches) > 1:
             return all(self._post([batch]) for batch in batches)
         self._remove_sent(batches)
+        if response.status_code != 403:
+            with self._lock:
+                self._stats.rejected_batches += 1
+            log.error("coordinator at %s rejected a cache-event batch of %d event(s) with HTTP "
+                      "%d and it was dropped: %s", self.base_url, len(batches[0].entries),
+                      response.status_code, response.text[:300])
+            return True
         with self._lock:
             self._stats.forbidden_batches += 1
             self._stats.forbidden_events += len(batches[0].entries)
@@ -430,8 +421,7 @@ class CacheEventReporter:
                 self._flusher.result()  # it saw _stop; at most its last POST remains
             if self._owns_executor:
                 self._executor.shutdown(wait=True)
-            for client in self._clients:
-                client.close()
+            self._replicas.close()
 
 
 def _encode_token_lists(entries: list[CacheEventEntry]) -> None:
@@ -441,14 +431,3 @@ def _encode_token_lists(entries: list[CacheEventEntry]) -> None:
     held = [entry for entry in entries if type(entry.token_ids) is np.ndarray]
     for entry, raw in zip(held, token_lists_to_json([entry.token_ids for entry in held])):
         entry.token_ids = raw
-
-
-def _retry_after_s(value: str | None) -> float:
-    """`Retry-After` in seconds (the delay form; an HTTP date or garbage counts as 1 s)."""
-    try:
-        delay = float(value) if value is not None else 1.0
-    except ValueError:
-        delay = 1.0
-    if not delay >= 0:  # NaN, negative
-        delay = 1.0
-    return min(delay, MAX_RETRY_AFTER_S)

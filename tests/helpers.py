@@ -2,7 +2,7 @@
 
 - Real loopback HTTP servers that misbehave on purpose: `LoopbackServer(behave)` serves
   HTTP/1.1 on 127.0.0.1 with a thread per connection; `behave(path, body) -> Reply` decides
-  each answer (status, body, delay before answering), and every request is recorded with the
+  each answer (status, body, headers, delay before answering), and every request is recorded with the
   peak number answered concurrently. `HangingServer` accepts connections and never answers;
   `TricklingServer` answers one byte at a time, forever. `closed_port_url()` names a port
   nothing listens on.
@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, TypeVar
 
@@ -47,6 +47,7 @@ class Reply:
     status: int = 200
     body: bytes | str | dict = b'{"matches": []}'
     delay_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
 
     def payload(self) -> bytes:
         if isinstance(self.body, dict):
@@ -92,6 +93,8 @@ class LoopbackServer:
                     self.send_response(reply.status)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(payload)))
+                    for name, value in reply.headers.items():
+                        self.send_header(name, value)
                     self.end_headers()
                     self.wfile.write(payload)
                 except (BrokenPipeError, ConnectionResetError):
@@ -100,7 +103,7 @@ class LoopbackServer:
                     with server._lock:
                         server.active -= 1
 
-            do_GET = do_POST
+            do_GET = do_PUT = do_DELETE = do_POST
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True

@@ -16,6 +16,7 @@ from blend_wire import (MAX_TOKEN_OFFSET, WireError, decode_uints, encode, encod
                         encode_uints, uints_in)
 from helpers import LoopbackServer, Reply, take_when_done
 from plugin import BlendCoordinatorClient, BlendNamespace, FleetReply, MatchState
+from plugin.http import Verdict
 from plugin.replies import QueryFailed, found_in
 
 LANE = "unit"
@@ -178,7 +179,7 @@ def test_a_malformed_columns_reply_fails_the_lookup(change):
     body = encode({"chunk_size": C, "columns": {**GOOD, **change}})
     with pytest.raises(QueryFailed) as failed:
         found_in(body, "http://c", chunk_size=C, instance_id=ME, num_tokens=NUM_TOKENS)
-    assert not failed.value.unhealthy
+    assert failed.value.verdict is Verdict.ANSWERED  # the reply, not the replica: no fail-over
 
 
 def test_a_columns_reply_of_another_chunk_size_fails():

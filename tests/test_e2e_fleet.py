@@ -209,7 +209,9 @@ def test_coordinator_stopped_then_restarted(servers, model):
 
     restarted = _restart_on(port)
     try:
-        assert a.plugin.flush()  # the queued events are delivered to the new process
+        # The queued events are delivered to the new process, once A's reporter has sat out
+        # its bench (it failed twice: the one fail-over policy, plugin.http) and probed.
+        assert wait_until(a.plugin.flush, timeout=10.0, interval=0.05)
         # After the cool-down one probe closes the breaker and the fleet leg is back.
         def fleet_back():
             result, trace, _, _ = b.lookup(np.concatenate([fresh(8), late_doc, query_tail]), model)

@@ -1,4 +1,5 @@
-"""The plugin's one HTTP policy (plugin.http) against real loopback servers."""
+"""The plugin's one HTTP policy (plugin.http) against real loopback servers, and its one
+classification of answers (the fail-over rule the client, reporter and registrar share)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import httpx
 import pytest
 
 from helpers import NOT_HUNG_S, HangingServer, LoopbackServer, Reply, TricklingServer, closed_port_url
-from plugin.http import coordinator_http
+from plugin.http import MAX_RETRY_AFTER_S, Verdict, coordinator_http, retry_after_s, verdict_of
 
 LANE = "unit"
 
@@ -88,3 +89,20 @@ def test_the_plugin_reaches_into_no_private_attribute():
     assert used, "no httpx/httpcore use found: the check itself is broken"
     assert sorted(f"{lib}.{name}" for lib, name in used if name not in public[lib]) == []
     assert sorted(private) == []
+
+
+@pytest.mark.parametrize("status, verdict", [
+    (200, Verdict.OK), (204, Verdict.OK), (401, Verdict.ANSWERED), (404, Verdict.ANSWERED),
+    (400, Verdict.PERMANENT), (403, Verdict.PERMANENT), (409, Verdict.PERMANENT),
+    (413, Verdict.PERMANENT), (422, Verdict.PERMANENT), (429, Verdict.THROTTLED),
+    (500, Verdict.UNAVAILABLE), (502, Verdict.UNAVAILABLE), (503, Verdict.UNAVAILABLE),
+    (504, Verdict.UNAVAILABLE)])
+def test_the_one_classification_of_a_coordinators_status(status, verdict):
+    assert verdict_of(status) is verdict
+
+
+@pytest.mark.parametrize("header, seconds", [
+    ("2", 2.0), ("0.5", 0.5), (None, 1.0), ("Wed, 21 Oct 2026 07:28:00 GMT", 1.0),
+    ("-3", 1.0), ("nan", 1.0), ("1e9", MAX_RETRY_AFTER_S)])
+def test_retry_after_is_read_as_seconds_and_capped(header, seconds):
+    assert retry_after_s(header) == seconds

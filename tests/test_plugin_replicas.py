@@ -2,8 +2,10 @@
 
 Real loopback servers stand in for replicas: lookups take turns over the healthy ones,
 fail over within the budget when one is down, and each replica has its own breaker; the
-reporter posts to one replica and moves on when it fails. One URL behaves as before
-(the rest of the plugin tests run with one).
+reporter posts to one replica and moves on when it fails. The client, the reporter and the
+registrar follow one fail-over policy (plugin.http): what makes them move on, what is
+permanent, how long a replica is benched; each test of it runs all three. One URL behaves
+as before (the rest of the plugin tests run with one).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import LoopbackServer, Reply, closed_port_url, take_when_done, wait_until
+from blend_wire import INSTANCES_PATH
+from helpers import LoopbackServer, Reply, closed_port_url, ok_reply, take_when_done, wait_until
 from plugin import BlendCoordinatorClient, BlendNamespace, FleetReply, MatchState, PluginConfig
 from plugin.config import ConfigError
+from plugin.registrar import InstanceRegistrar
 from plugin.reporter import CacheEventReporter
 
 LANE = "unit"
@@ -120,7 +124,6 @@ def test_config_takes_comma_separated_urls():
 def test_every_part_is_built_from_the_configs_one_url_list():
     # The config parses the list once; the client, the reporter and the registrar take it.
     from plugin.config import coordinator_url_list
-    from plugin.registrar import InstanceRegistrar
 
     assert coordinator_url_list(" http://a:1/ , http://b:2 ,") == ("http://a:1", "http://b:2")
     assert coordinator_url_list(["http://a:1/", " "]) == ("http://a:1",)
@@ -143,3 +146,118 @@ def test_every_part_is_built_from_the_configs_one_url_list():
     finally:
         registrar.close()  # never registered: nothing is sent
 
+
+
+# --- one fail-over policy (plugin.http.Replicas): the client, the reporter and the registrar
+# follow the same rule. Each caller below sends one request at a time through its own
+# fail-over; `send()` says whether a replica took it.
+
+def healthy(path: str, body: bytes) -> Reply:
+    if path == INSTANCES_PATH:
+        return Reply(200, {"instance_id": "s", "re_registered": False})
+    if path.endswith("/events"):
+        return ok_reply(path, body)
+    return found("cc")(path, body)  # a lookup, or a heartbeat (only its status is read)
+
+
+class Lookups:
+    def __init__(self, urls: list[str]) -> None:
+        self.client, self.sent = make_client(urls), 0
+
+    def send(self) -> bool:
+        self.sent += 1
+        request_id = f"r{self.sent}"
+        return (self.client.submit(request_id, TOKENS, NS)
+                and take_when_done(self.client, request_id).state is MatchState.DONE)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Reports:
+    def __init__(self, urls: list[str]) -> None:
+        self.reporter = CacheEventReporter(urls, instance_id="s", flush_interval=60,
+                                           timeout=0.5, start=False)
+
+    def send(self) -> bool:
+        taken = self.reporter.stats().sent_batches
+        self.reporter.report_store(NS, [bytes([taken + 1])], [np.arange(C, dtype=np.uint32)], [0])
+        self.reporter.flush()
+        return self.reporter.stats().sent_batches > taken
+
+    def close(self) -> None:
+        self.reporter.close()
+
+
+class Registrations:
+    def __init__(self, urls: list[str]) -> None:
+        self.registrar = InstanceRegistrar(urls, instance_id="s", ip="127.0.0.1",
+                                           http_port=1, timeout=0.5, start=False)
+
+    def send(self) -> bool:
+        before = self.registrar.stats()
+        self.registrar.beat()
+        after = self.registrar.stats()
+        return (after.registrations, after.heartbeats) != (before.registrations,
+                                                          before.heartbeats)
+
+    def close(self) -> None:
+        self.registrar.close()
+
+
+CALLERS = [Lookups, Reports, Registrations]
+
+
+@pytest.mark.parametrize("caller", CALLERS, ids=lambda c: c.__name__)
+def test_every_caller_skips_a_replica_answering_503_and_one_answering_502(caller):
+    """5xx, 503 included, says "this replica cannot take it now": each caller goes on to
+    the next replica at once (the reporter used to stop at a 503)."""
+    with LoopbackServer(lambda p, b: Reply(503, "busy")) as a, \
+            LoopbackServer(lambda p, b: Reply(502, "bad gateway")) as b, \
+            LoopbackServer(healthy) as c:
+        sending = caller([a.url, b.url, c.url])
+        try:
+            assert sending.send()
+            assert (len(a.requests), len(b.requests), len(c.requests)) == (1, 1, 1)
+        finally:
+            sending.close()
+
+
+@pytest.mark.parametrize("caller", CALLERS, ids=lambda c: c.__name__)
+def test_no_caller_fails_over_a_permanent_refusal(caller):
+    """A 422 refuses what the request is: every replica would; none is asked next."""
+    with LoopbackServer(lambda p, b: Reply(422, {"detail": "invalid"})) as a, \
+            LoopbackServer(healthy) as b:
+        sending = caller([a.url, b.url])
+        try:
+            assert not sending.send()
+            assert (len(a.requests), len(b.requests)) == (1, 0)
+        finally:
+            sending.close()
+
+
+@pytest.mark.parametrize("caller", CALLERS, ids=lambda c: c.__name__)
+def test_every_caller_benches_a_replica_for_its_retry_after(caller):
+    with LoopbackServer(lambda p, b: Reply(503, "busy", headers={"Retry-After": "60"})) as a:
+        sending = caller([a.url])
+        try:
+            assert not sending.send()
+            assert not sending.send()  # benched: not asked again before its Retry-After
+            assert len(a.requests) == 1
+        finally:
+            sending.close()
+
+
+@pytest.mark.parametrize("caller", CALLERS, ids=lambda c: c.__name__)
+def test_a_429_pauses_every_replica_for_every_caller(caller):
+    """429: a quota every replica shares (the instance-id cap); the next replica would
+    answer the same, so none is asked before the Retry-After."""
+    with LoopbackServer(lambda p, b: Reply(429, "cap", headers={"Retry-After": "60"})) as a, \
+            LoopbackServer(healthy) as b:
+        sending = caller([a.url, b.url])
+        try:
+            assert not sending.send()
+            assert not sending.send()
+            assert (len(a.requests), len(b.requests)) == (1, 0)
+        finally:
+            sending.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -296,6 +297,31 @@ def test_rejected_batches_are_dropped_not_retried_forever(caplog):
         assert reporter.pending == 0
         assert reporter.stats().rejected_batches == 1
         assert "rejected" in caplog.text
+        reporter.close()
+
+
+@pytest.mark.parametrize("status", [400, 413, 422])
+def test_a_permanent_refusal_drops_only_the_refused_batch(status):
+    """Every permanent refusal (plugin.http.PERMANENT_STATUSES) is handled alike: the post's
+    batches are sent one by one, the refused one is dropped and counted, the others are
+    delivered in order, and nothing is left to wedge the queue (a 413 used to be retried
+    for ever; a 422 dropped every batch of its post)."""
+    def behave(path, body):
+        if any(batch["event_type"] == "delete" for batch in json.loads(body)["batches"]):
+            return Reply(status, {"detail": "refused"})
+        return ok_reply(path, body)
+
+    with LoopbackServer(behave) as server:
+        reporter = reporter_for(server.url)
+        reporter.report_store(NS, [b"\x01"], [tok(1)], [0])
+        reporter.report_delete(NS, [b"\x02"])
+        reporter.report_store(NS, [b"\x03"], [tok(3)], [0])
+        assert reporter.flush()
+        stats = reporter.stats()
+        assert (stats.pending, stats.rejected_batches, stats.sent_batches) == (0, 1, 2)
+        assert stats.failed_flushes == 0
+        posts = [[batch["seq"] for batch in body["batches"]] for body in server.bodies(EVENTS)]
+        assert posts == [[1, 2, 3], [1], [2], [3]]
         reporter.close()
 
 

@@ -24,13 +24,14 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, get_args
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                generate_latest)
 from prometheus_client import platform_collector, process_collector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from blend_wire import Tier
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.service.quotas import InstanceQuota
 
@@ -107,7 +108,7 @@ class _DirectoryCollector:
             "lmcache_coordinator_key_directory_placement_bytes",
             "Reported logical bytes of the placements in the key directory, by tier",
             labels=["tier"])
-        for tier in ("l1", "l2"):
+        for tier in get_args(Tier):
             placements.add_metric([tier], totals[f"{tier}_count"])
             placement_bytes.add_metric([tier], totals[f"{tier}_size_bytes"])
         yield placements

@@ -57,7 +57,9 @@ def take_over_replicas(build, config: PluginConfig, blend,
         p2p_advertised_url=build.mp_config.p2p_config.advertise_url,
         mq_port=build.mp_config.port if build.mp_config.p2p_config.enabled else 0,
         metadata=config.registration_metadata,
-        token=config.coordinator_token, ca_file=config.coordinator_ca_file)
+        token=config.coordinator_token, ca_file=config.coordinator_ca_file,
+        breaker_threshold=config.breaker_threshold,
+        breaker_cooldown_s=config.breaker_cooldown_s)
     if LMCACHE_057:
         # LMCache 0.5.7 binds a negotiated chunk size at its one URL (cleared above, so
         # it does not): the plugin's registrar sends it to the replicas instead.
