@@ -1,6 +1,30 @@
 """Plugin configuration: one frozen value, read once at start-up.
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.config`.
+Contract:
+- `PluginConfig.from_env(**overrides)` reads the `LMCACHE_COORDINATOR_*` names of WIRE.md
+  (plus `LMCACHE_CHUNK_SIZE`, `LMCACHE_COORDINATOR_INSTANCE_ID`, `LMCACHE_COORDINATOR_TOKEN`
+  and `LMCACHE_COORDINATOR_CA_FILE`, this project's additions), then applies keyword
+  overrides, which win over the environment.
+- A bad value is a `ConfigError` at start-up whose message names the environment variable
+  (or the field, for an override) and says what is accepted. Nothing is clamped silently.
+  A boolean (`LMCACHE_COORDINATOR_EVENT_REPORTING`) takes `1`, `true`, `yes`, `on` and `0`,
+  `false`, `no`, `off` (any case; empty is unset) and refuses anything else: LMCache reads
+  every value but `1`/`true`/`yes` as off, so a typo silently reported nothing. Inside an
+  LMCache server LMCache's rule decides (`on` is off there, and the plugin warns that the
+  fleet leg is off); a value neither takes still stops the plugin's start (WIRE.md).
+- `engine_url` (`LMCACHE_COORDINATOR_ENGINE_URL`): the engine's OpenAI server,
+  `http(s)://HOST:PORT` and nothing more (`blend_wire.engine_address`, a `ConfigError`
+  otherwise); `registration_metadata` carries it as `engine_url` (WIRE.md "Instances"), and
+  under LMCache the plugin's registrar then registers in place of LMCache's.
+- `instance_id` defaults to `hostname:pid`, which changes on restart; the plugin warns about
+  it when the fleet leg is on (`instance_id_is_default`).
+- The fleet leg is on only with a URL *and* event reporting (`fleet_enabled`); deciding what
+  to do about a URL without reporting (warn, no client) belongs to the plugin.
+- `blend_timeout` is both the lookup's per-request HTTP timeout and its match budget
+  (`match_budget_s`), as in LMCache. Cache-event POSTs are background work, off the serving
+  path: they have their own total deadline, `event_timeout` (LMCache's event sink allows
+  2 s per POST, `HttpCacheEventSink(timeout=2.0)`), so a slow but alive coordinator does not
+  make them fail and retry while lookups keep their budget.
 """
 
 from __future__ import annotations

@@ -1,7 +1,59 @@
 """The plugin's one HTTP policy: how the coordinator client, the reporter and the registrar
 talk to a coordinator and fail over between its replicas.
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.http`.
+Contract:
+- `coordinator_http(base_url, timeout=..., connections=..., token=..., ca_file=...)` is the
+  only way the plugin makes an `httpx.Client`: no proxy from the environment (one must not
+  sit between a server and its coordinator, nor swallow our timeouts), a pool of
+  `connections` keep-alive connections, and `DeadlineTransport` underneath. With a `token`,
+  every request carries `Authorization: Bearer <token>` (a coordinator with access control
+  on); with a `ca_file`, an `https://` coordinator's certificate is checked against it
+  instead of the system's trust store. A token bound for an `http://` URL whose host is
+  not loopback is warned about (once per host): it would cross the network in clear.
+- `DeadlineTransport` makes a request's timeout a *total* deadline for the round-trip:
+  connecting, sending and every read of the status line, headers and body, together.
+  httpx applies its timeouts per phase and per read (a read that returns one byte restarts
+  the clock), so a coordinator trickling bytes could otherwise hold a caller forever.
+  The budget is the smallest of the request's httpx timeouts (`timeout=` of the call, or the
+  client's), fixed when the request is handed to the transport.
+- Built on public API only: `httpx.BaseTransport`, and an `httpcore.ConnectionPool` given a
+  `network_backend` that cuts each socket operation's timeout to what is left of the
+  deadline. No httpx internals, so httpx upgrades do not break it (tests/test_plugin_http.py
+  runs the trickling servers against it).
+- Errors surface as httpx's exception types (`httpx.ReadTimeout`, `httpx.ConnectError`...),
+  as from httpx's own transport.
+
+The one fail-over policy (issue 34; before it the reporter stopped at a 503, the registrar
+moved on at any 5xx and the client had breakers of its own). The client, the reporter and
+the registrar each hold a `Replicas` over their URLs and follow it alike:
+- `verdict_of(status)` is the one classification of an answer. `UNAVAILABLE`: a connection
+  error, a timeout or any 5xx (503 included: a replica whose ingest budget or connections
+  are at their cap, whose event log has no quorum, or that is shutting down): this replica
+  cannot take it now, the request goes on to the next replica at once (each at most once
+  per request). `PERMANENT`
+  (`PERMANENT_STATUSES`: 400, 403, 409, 413, 422): a refusal of what the request is, which
+  every replica would repeat: no other replica is asked, and it is no outage.
+  `THROTTLED` (429, a quota every replica shares: the instance-id cap): no replica is asked
+  before its `Retry-After`. `OK` (2xx) and `ANSWERED` (anything else, 401 or 404: the
+  caller reads it) end the request at that replica.
+- How long a replica is benched: each has a circuit breaker. It opens after
+  `breaker_threshold` consecutive `UNAVAILABLE` verdicts (3), for `breaker_cooldown_s` (5 s;
+  both from `PluginConfig`, the same for all three callers), or at once for its
+  `Retry-After` (`retry_after_s`: seconds, at most `MAX_RETRY_AFTER_S`, 60; an HTTP date or
+  garbage is 1 s) when an unavailable answer carries one. After the bench one request
+  probes it (half-open): an `OK` closes the breaker, an `UNAVAILABLE` opens it again, any
+  other verdict lets the next request probe. A benched replica is skipped; with every one
+  benched (or paused) a request is not sent at all.
+- Order: `pick(start, ...)` takes the first admitted replica from `start` on. The client
+  starts each query at the replica after the last one used (lookups take turns);
+  `Replicas.request` (the reporter, the registrar: synchronous) starts at the current
+  replica and the one that answers stays current. `Sent` says what happened: the answer
+  and its verdict, or why none came, how many replicas were asked and moved past, and
+  whether a `Retry-After` was honoured.
+- Each caller keeps its own guarantees on top: the client never raises into the serving
+  path and fails over only within the lookup's budget; the reporter and the registrar
+  bound each round-trip by their timeout, so a request takes at most one timeout per
+  replica.
 """
 
 from __future__ import annotations
@@ -159,7 +211,7 @@ class _Body(httpx.SyncByteStream):
 
 class DeadlineTransport(httpx.BaseTransport):
     """An httpx transport whose request timeout bounds the whole round-trip
-    (docs/CONTRACTS.md, `plugin.http`)."""
+    (module doc)."""
 
     def __init__(self, *, max_connections: int = 1,
                  ssl_context: ssl.SSLContext | None = None) -> None:
@@ -199,7 +251,7 @@ PERMANENT_STATUSES = frozenset({400, 403, 409, 413, 422})
 
 
 class Verdict(enum.Enum):
-    """What an answer says about the replica and the request (docs/CONTRACTS.md, `plugin.http`)."""
+    """What an answer says about the replica and the request (module doc)."""
 
     OK = "ok"                    # 2xx: the replica is well
     ANSWERED = "answered"        # another answer the caller reads (404, 401...): health unknown
@@ -258,8 +310,7 @@ class Sent:
 
 
 class Replicas:
-    """Replicas of one coordinator under the one fail-over policy (docs/CONTRACTS.md,
-    `plugin.http`): `UNAVAILABLE` goes on to the next replica at once; a replica's breaker
+    """Replicas of one coordinator under the one fail-over policy (module doc): `UNAVAILABLE` goes on to the next replica at once; a replica's breaker
     opens after `breaker_threshold` consecutive UNAVAILABLE verdicts, for
     `breaker_cooldown_s`, or at once for its `Retry-After`; then one probe. `THROTTLED`
     pauses every replica until its `Retry-After`. Thread-safe; no I/O under the lock."""

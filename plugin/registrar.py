@@ -1,6 +1,34 @@
 """Keeps a serving process registered with its coordinator: register, heartbeat, deregister.
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.registrar`.
+What LMCache 0.5.6's `lmcache server` does for itself with one coordinator URL
+(`keep_registered`, WIRE.md "What an LMCache MP server and LMCache's tools call"), for several replicas
+of one coordinator (comma-separated URLs), which LMCache's own cannot use.
+
+Contract:
+- `InstanceRegistrar(urls, instance_id=..., ip=..., http_port=..., heartbeat_interval=...)`
+  starts a daemon thread (unless `start=False`) that registers at once
+  (`POST /instances`), then heartbeats every `heartbeat_interval` s
+  (`PUT /instances/{id}/heartbeat`). A `404` means the coordinator forgot the instance:
+  it registers again at once. Any other failure keeps the registration and tries again
+  at the next beat. `close()` stops the thread and deregisters (`DELETE`), once (not
+  sent while every replica is benched: the coordinator reaps the instance after its timeout).
+- Several URLs: one replica at a time, by the plugin's one fail-over policy (`plugin.http`):
+  a request it answers `UNAVAILABLE` (no connection, a timeout, any 5xx) goes on to the next
+  replica at once; the next requests stay there; a replica is benched as the policy says
+  (its breaker, a `Retry-After`), and a 429 pauses every replica. The replicas share one
+  registry (`coordinator_stub.writes.replicated`), so a heartbeat that moves keeps the
+  registration: no re-registration, no fencing.
+- A registration the coordinator refuses as invalid (4xx) is logged as an error, not sent
+  to another replica (every one would refuse it), and tried again at the next beat (an
+  operator may fix the coordinator meanwhile).
+- LMCache 0.5.7: `chunk_size` (or, once negotiated, `bind_chunk_size(size)`, the
+  server's bind listener under replicas) is sent with every registration from then on;
+  `bind_chunk_size` registers at once, so the coordinator binds or checks it, and raises
+  `RuntimeError` on a `409` (a size that fleet cannot take), as LMCache's own listener.
+- Every request goes through the plugin's one HTTP policy (plugin.http): `timeout`
+  bounds each round-trip, so `close()` ends within about one timeout per replica. No
+  method but `bind_chunk_size` raises: failures are logged (one warning per outage) and
+  counted in `stats()`.
 """
 
 from __future__ import annotations
@@ -34,8 +62,7 @@ class RegistrarStats:
 
 
 class InstanceRegistrar:
-    """Registers one serving process and keeps it registered (docs/CONTRACTS.md,
-    `plugin.registrar`)."""
+    """Registers one serving process and keeps it registered (module doc)."""
 
     def __init__(self, urls: str | Sequence[str], *, instance_id: str, ip: str,
                  http_port: int, heartbeat_interval: float = 5.0, timeout: float = 2.0,

@@ -1,6 +1,54 @@
 """Cache-event reporter: the server's stores and evictions, as `POST /events` batches.
 
-The rest of its contract: docs/CONTRACTS.md, `plugin.reporter`.
+Contract:
+- `report_store` / `report_delete` only append to an in-memory queue (the store path never
+  waits on the network, nor on batch building: batches are built outside the queue's lock); a
+  task on the executor (the caller's, e.g. `BlendPlugin`'s, or one this reporter owns) flushes
+  every `flush_interval`, and `close()` flushes once more.
+- Input comes converted from the edge (`BlendPlugin`): a `BlendNamespace`, `bytes` chunk
+  hashes (DESIGN.md: opaque bytes, hex on the wire), `uint32` token arrays. Each event's wire
+  key is built when it is queued, so a hash that cannot be written as hex or a namespace that
+  does not fit the wire raises `TypeError`/`WireError` to that caller and never reaches batch
+  building, where it would take the whole queue down with it. Token chunks are copied when
+  queued: the caller may reuse its buffer at once.
+- Every POST goes through the plugin's one HTTP policy (plugin.http): its `timeout` (the
+  config's `event_timeout`, not the lookup budget: delivery is background work) bounds the
+  whole round-trip, so a coordinator trickling bytes cannot hold `flush()` or `close()`.
+- STORE entries carry each chunk's `token_ids` and `token_offset`; DELETE entries carry keys.
+  A flush writes the token lists of the batches it forms in one kernel call
+  (`token_lists_to_json`): the body's bytes are those of the arrays, no Python int per token.
+  Keys come from the namespace: `kv_rank` packs the world size in its top byte.
+- Every event has a tier and a backend: the reporter's own unless the call names others (a
+  tier-aware host reports L1 and L2 placements separately). Consecutive events of one
+  `(type, tier, backend)` share a batch.
+- Batches are numbered `seq = 1, 2, ...` per `(instance_id, incarnation)`. The incarnation
+  defaults to the start time in nanoseconds, so a new reporter for the same `instance_id`
+  outranks the previous one and the coordinator fences its placements.
+- A seq is given to a batch once; a failed POST is retried later with the same batches in the
+  same order (a retry of something that did land is then a harmless duplicate), and events
+  reported meanwhile queue behind them.
+- The queue is bounded (`max_events` entries, formed batches included): when it is full the
+  oldest events are dropped first and counted in `stats().dropped_events`, which every batch
+  built afterwards carries as its cumulative `dropped_events` (LMCache 0.5.7's field: the
+  coordinator counts the rises per emitter).
+- Several coordinator URLs (replicas sharing one event log, comma-separated): events go
+  to one at a time, by the plugin's one fail-over policy (`plugin.http`): an `UNAVAILABLE`
+  answer (a connection error, a timeout, any 5xx, 503 included since issue 34) sends the
+  same body on to the next replica at once (a replica that appended it before failing
+  makes the copy a duplicate, which the gate drops). One URL behaves as before.
+- A permanent refusal (`plugin.http.PERMANENT_STATUSES`: 400, 403, 409, 413, 422) can never
+  succeed at any replica, so it must not wedge the queue: the batches of the refused post
+  are sent one by one, a refused one is dropped and counted, the others delivered in order.
+  A 403 (outside the token's scope, issue 32) counts under `forbidden_batches`,
+  `forbidden_events` and is logged once, then at debug; any other under
+  `rejected_batches`, logged as an error. (Before issue 34 a 422 dropped every batch of
+  its post and a 413 was retried for ever.)
+- A coordinator that sheds load is honoured: a replica whose unavailable answer (a 503)
+  carries `Retry-After` is benched that long (seconds, capped at
+  `plugin.http.MAX_RETRY_AFTER_S`) and the body goes to the next replica; a 429 pauses
+  every replica until its `Retry-After` (1 s when absent or unreadable). With every replica
+  benched a flush sends nothing and counts no failure; the events stay queued, in order.
+  `stats().throttled` counts the answers whose `Retry-After` was honoured.
 """
 
 from __future__ import annotations
@@ -90,7 +138,7 @@ def encode_key(namespace: BlendNamespace, chunk_hash: bytes) -> EncodedObjectKey
 
 class CacheEventReporter:
     """Queues cache events and delivers them in order in the background
-    (docs/CONTRACTS.md, `plugin.reporter`)."""
+    (module doc)."""
 
     def __init__(self, base_url: str | Sequence[str], *, instance_id: str, incarnation: int | None = None,
                  flush_interval: float = 1.0, timeout: float = DEFAULT_EVENT_TIMEOUT_S,

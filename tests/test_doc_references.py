@@ -1,5 +1,5 @@
-"""Every pointer into the docs resolves: a reference like `DESIGN.md, "Routing"` or
-CONTRACTS.md, `plugin.http` (in code or in docs/) names a heading that exists in that
+"""Every pointer into the docs resolves: a reference like `DESIGN.md, "Routing"` (a quoted
+title, or a backticked module name) in code or in docs/ names a heading that exists in that
 file, and a docstring that says "module doc" points at a module docstring with something in
 it (more than a summary line or two: not one that only sends the reader elsewhere).
 

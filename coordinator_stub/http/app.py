@@ -1,7 +1,31 @@
 """HTTP layer: the aiohttp application serving docs/WIRE.md's endpoints (structure:
 docs/DESIGN.md, "Coordinator layout").
 
-The rest of its contract: docs/CONTRACTS.md, `coordinator_stub.http.app`.
+Contract:
+- `create_app(config)` builds the application; `app[COORDINATOR]` is its `Coordinator`
+  (tests use it to reach the directory), `app[WRITES]` its write path
+  (`coordinator_stub.writes.WritePath`: local, or the event log with `--event-log`).
+- Handlers read the body (within `max_body_bytes` and `body_timeout_s`; `/events` bodies
+  also within the byte budget, `coordinator_stub.http.budget`), then hand the request to
+  the service or the write path and answer its reply. The event loop only moves bytes and
+  runs O(1) bookkeeping; what blocks runs on worker threads: blend lookups and scores on
+  the readers' fair pool (`coordinator_stub.service.matchpool`, `match_workers` threads;
+  a body of at most 256 KiB has its shape validated on the loop first), everything else
+  on asyncio's default pool, ingest on its own scheduler thread.
+- One error middleware answers every refusal (`blend_wire.Refusal`: `coordinator_stub.errors`,
+  `blend_wire.WireError`, DESIGN.md "Refusals") by its own status, reason and headers, in
+  LMCache's shapes: 422 `{"detail": [...]}` for a body breaking the wire contract; 400
+  (`BadRequest`, or a body that cannot be read), 403 (`Forbidden`), 408 (body too slow),
+  409 (`ChunkSizeConflict`), 413 (`TooLarge`), 429 (`OverQuota`) and 503 (`ServiceUnavailable`;
+  `ShuttingDown`: `IngestClosed`, `PoolClosed`) with `Retry-After`, all `{"detail":
+  "<why>"}`; 400/408/413 with `Connection: close` (the rest of the body cannot be framed).
+  A heartbeat of an unknown id: 404. Each refusal is counted under
+  `rejected_requests{reason}` (its class's `counted_as`); none changes state, none is a 500.
+- Routes: `ROUTES`, each declared once with its role (`coordinator_stub.http.access`).
+- Background work: asyncio tasks owned by the app's lifecycle (`cleanup_ctx`); the only
+  one is the reaper (every `health_check_interval` s, 0: never), which calls the write
+  path's `reap(instance_timeout)`.
+- `/metrics` (Prometheus text) unless `enable_metrics` is off (then 404).
 """
 
 from __future__ import annotations
