@@ -3,7 +3,7 @@
 Its presence also puts tests/ on sys.path (pytest's default "prepend" import mode adds each
 conftest's folder), so every test module, sub-folders included, imports the shared helpers
 (`helpers` for the plugin side, `coordinator_client` for the coordinator side); no test
-module imports another.
+module imports another (tests/test_public_api.py reads every file's imports to check).
 
 - `start(**overrides)`: an in-process coordinator (chunk size 4, blend lookup on) on a free
   loopback port, with `CoordinatorConfig` overrides; every one started is closed after the

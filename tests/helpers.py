@@ -21,11 +21,16 @@
   reference the bulk claim is compared with.
 - `build_tokenizer(folder, corpus)`: a small Hugging Face tokenizer (tokenizer.json and a
   chat template) written for the router's tests, `CHAT_TEMPLATE` its template.
+- For the LMCache end-to-end tests (tests/test_lmcache_e2e.py,
+  tests/lmcache057_negotiation_e2e.py): `tokens(n)`, random token ids from one seeded
+  generator; `found(result)`, a lookup result's non-prefix segments as (old_st, cur_st);
+  `HTTP_TIMEOUT` for their own requests to the coordinator.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
 import socket
 import sys
@@ -321,3 +326,17 @@ def build_tokenizer(folder, corpus: str, chat_template: str | None = CHAT_TEMPLA
             "bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
             "chat_template": chat_template}))
     return tokenizer
+
+
+# --- the LMCache end-to-end tests ---------------------------------------------------------
+
+HTTP_TIMEOUT = 30.0  # the tests' own requests to the coordinator: a slow answer is no failure
+_rng = random.Random(20261129)
+
+
+def tokens(n: int) -> list[int]:
+    return [_rng.randrange(1000, 60000) for _ in range(n)]
+
+
+def found(result) -> list[tuple[int, int]]:
+    return [(s.old_st, s.cur_st) for s in result.non_prefix_segments]

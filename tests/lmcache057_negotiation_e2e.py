@@ -20,9 +20,8 @@ import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, STATS_PATH, encode_tokens
 from coordinator_stub.launch.process import start_coordinator
-from helpers import wait_until
+from helpers import HTTP_TIMEOUT, found, tokens, wait_until
 from plugin.harness.lmcache_process import ServerFleet
-from test_lmcache_e2e import HTTP_TIMEOUT, found, tokens
 
 LANE = "lmcache"
 
