@@ -19,6 +19,9 @@
   `action()`, a deterministic measure of work for "cost does not grow with N" tests.
 - `claim_one_by_one`: `ClaimLists.claim_new` done by `claim_all`, chunk by chunk, the
   reference the bulk claim is compared with.
+- `remove_claim_holding(index, tokens, ...)`, `remove_chunk_holding(index, tokens, ...)`:
+  LMCache's `BlendIndex` removals, which take the content the caller knows a claim by, on
+  a `ContentIndex` (whose removals take none): the token check done here, then the removal.
 - `build_tokenizer(folder, corpus)`: a small Hugging Face tokenizer (tokenizer.json and a
   chat template) written for the router's tests, `CHAT_TEMPLATE` its template.
 - For the LMCache end-to-end tests (tests/test_lmcache_e2e.py,
@@ -294,6 +297,27 @@ def claim_one_by_one(claims, hashes, cids, offsets, namespaces, fresh):
     claims.claim_all(hashes, cids.tolist(), offsets.tolist(), namespaces
                      if type(namespaces) is list else [namespaces] * len(hashes), ids)
     return ids
+
+
+def remove_claim_holding(index, tokens, chunk_hash, namespace) -> None:
+    """LMCache's `remove_claim(tokens, chunk_hash, namespace)`: the namespace's claim goes
+    only if its content is `tokens` (None: whatever it is)."""
+    if tokens is None or _holds(index.tokens_of(chunk_hash, namespace), tokens):
+        index.remove_claim(chunk_hash, namespace)
+
+
+def remove_chunk_holding(index, tokens, chunk_hash, namespaces) -> None:
+    """LMCache's `remove_chunk(tokens, chunk_hash)`: the chunk's claims (by any of
+    `namespaces`) whose content is `tokens` go; None: the chunk with every claim."""
+    if tokens is None:
+        index.remove_chunk(chunk_hash)
+        return
+    for namespace in namespaces:
+        remove_claim_holding(index, tokens, chunk_hash, namespace)
+
+
+def _holds(content, tokens) -> bool:
+    return content is not None and np.array_equal(content, np.asarray(tokens))
 
 
 #: The chat template of `build_tokenizer`'s model: role markers around each message, as a
