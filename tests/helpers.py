@@ -24,8 +24,8 @@
   a `ContentIndex` (whose removals take none): the token check done here, then the removal.
 - `build_tokenizer(folder, corpus)`: a small Hugging Face tokenizer (tokenizer.json and a
   chat template) written for the router's tests, `CHAT_TEMPLATE` its template.
-- For the LMCache end-to-end tests (tests/test_lmcache_e2e.py,
-  tests/lmcache057_negotiation_e2e.py): `tokens(n)`, random token ids from one seeded
+- For the LMCache end-to-end tests (tests/e2e/test_lmcache_e2e.py,
+  tests/e2e/lmcache057_negotiation_e2e.py): `tokens(n)`, random token ids from one seeded
   generator; `found(result)`, a lookup result's non-prefix segments as (old_st, cur_st);
   `HTTP_TIMEOUT` for their own requests to the coordinator.
 """

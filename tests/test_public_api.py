@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import types
 from pathlib import Path
 
@@ -141,3 +142,19 @@ def test_no_file_under_tests_imports_a_test_module():
     importing = {str(path.relative_to(TESTS)): sorted(_imported(tree) & test_modules)
                  for path, tree in trees.items() if _imported(tree) & test_modules}
     assert not importing, f"move what they share into a helper module: {importing}"
+
+
+def test_no_folder_under_tests_shadows_a_module():
+    """tests/ is on sys.path (tests/conftest.py), so a folder there is importable by its
+    name: named like a package (tests/plugin/), it would be found as a namespace package
+    before the editable install's finder looks, and `pytest` run without `python -m` would
+    import it instead of the package. Folders are named for what they test (tests/wire/ for
+    blend_wire), never by a module's name."""
+    clashing = []
+    for folder in sorted(path for path in TESTS.iterdir()
+                         if path.is_dir() and path.name.isidentifier()):
+        spec = importlib.util.find_spec(folder.name)
+        places = [Path(place) for place in (spec.submodule_search_locations or [])]
+        if spec.origin is not None or any(TESTS not in place.parents for place in places):
+            clashing.append(f"tests/{folder.name}/ and {spec.origin or places}")
+    assert not clashing, clashing

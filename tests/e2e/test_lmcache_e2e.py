@@ -1,5 +1,5 @@
 """End to end on real LMCache MP servers loading the plugin (`--server-module`): LMCache
-0.5.6 here, and the same scenarios on 0.5.7rc2 when tests/test_lmcache057.py runs this file
+0.5.6 here, and the same scenarios on 0.5.7rc2 when tests/e2e/test_lmcache057.py runs this file
 in a process importing that version (the servers run the LMCache this process imports).
 
 Processes, all on free loopback ports: the bundled coordinator; servers A and B started as
