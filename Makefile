@@ -13,7 +13,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 # is the `lmcache` extra in pyproject.toml (torch pinned there).
 LMCACHE_VERSION := 0.5.6
 COMMA := ,
-# LMCache's next release beside it, for tests/test_lmcache057.py (the same LMCache tests on
+# LMCache's next release beside it, for tests/e2e/test_lmcache057.py (the same LMCache tests on
 # it): its own target directory, put first on PYTHONPATH by plugin.harness.lmcache_process. Its CPU
 # stack is the same `lmcache` extra (same declared dependencies as 0.5.6; torch stays pinned).
 LMCACHE_057_VERSION := 0.5.7rc2

@@ -21,7 +21,7 @@ Two forms, one module:
   validation error: LMCache answers 200 and treats the content as unknown, WIRE.md).
   Anything else is refused exactly as msgspec refuses it for `list[int]` (same message,
   e.g. ``Expected `int`, got `float` - at `$.token_ids[3]```): the kernel accepts only
-  what msgspec accepts with the same values (tests/test_token_lists.py checks it against
+  what msgspec accepts with the same values (tests/wire/test_token_lists.py checks it against
   msgspec on generated valid and invalid lists), and hands anything else to msgspec.
   `token_ids_of` does the same for ids given in code (a list, a tuple, an array).
   `token_lists_to_json` is the way back: uint32 arrays to the JSON lists, one kernel call
@@ -31,7 +31,7 @@ Two forms, one module:
 matcher's index takes its input through it too). A list whose first id is an `int` (what a
 serving process hands over) is converted by the standard library's `array`, about 5x
 faster than numpy (66 vs 330 µs per 4,096 ids, 2-core AMD EPYC VM of docs/BENCHMARKS.md, load ~2, 2026-12-02); whatever that refuses (an id outside uint32, a float, a string) goes
-through numpy as before, so results and errors are numpy's (tests/test_token_lists.py
+through numpy as before, so results and errors are numpy's (tests/wire/test_token_lists.py
 checks them against the numpy-only conversion). One difference: an object that is not a
 number but has `__index__` is taken as its index in such a list, where numpy refused it. The kernels (`blend_wire.token_kernels`,
 numba) are loaded on first use: `import blend_wire` loads no numba.

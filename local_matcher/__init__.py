@@ -11,11 +11,11 @@ from local_matcher.index import ContentIndex, IndexBusy
 from local_matcher.matcher import LocalMatcher
 
 __all__ = [
-    "UNKNOWN_TOKEN_OFFSET",
     "BlendMatch",
     "CBMatchResult",
     "ContentCandidates",
     "ContentIndex",
     "IndexBusy",
     "LocalMatcher",
+    "UNKNOWN_TOKEN_OFFSET",
 ]

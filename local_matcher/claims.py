@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from array import array
 from itertools import groupby
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -148,29 +148,16 @@ class ClaimLists:
 
     # --- removing -----------------------------------------------------------------------
 
-    def remove_claim(self, chunk_hash: Hashable, ns_id: int, holds: Callable[[int], bool]
-                     ) -> int:
-        """Drop `ns_id`'s claim on a chunk if `holds(its content)`; the content it left,
-        or NONE when nothing changed."""
+    def remove_claim(self, chunk_hash: Hashable, ns_id: int) -> int:
+        """Drop `ns_id`'s claim on a chunk; the content it left, or NONE when there was
+        no such claim."""
         claim = self.chunks.get(chunk_hash)
         slot = NONE if claim is None else self._slot_of(claim, ns_id)
-        if slot == NONE or not holds(self.slot_cid[slot]):
+        if slot == NONE:
             return NONE
         cid = self.slot_cid[slot]
         self._remove_slot(chunk_hash, claim, slot)
         return cid
-
-    def remove_where(self, chunk_hash: Hashable, holds: Callable[[int], bool]) -> list[int]:
-        """Drop every claim on a chunk whose content `holds`; the contents they left."""
-        claim = self.chunks.get(chunk_hash)
-        if claim is None:
-            return []
-        vacated = []
-        for slot in self._slots_in(claim):
-            if holds(self.slot_cid[slot]):
-                vacated.append(self.slot_cid[slot])
-                claim = self._remove_slot(chunk_hash, claim, slot)
-        return vacated
 
     def drop(self, chunk_hash: Hashable) -> set[int] | tuple:
         """Drop a chunk with every claim (unknown: nothing); the contents it occupied."""

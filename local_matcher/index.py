@@ -167,28 +167,21 @@ class ContentIndex:
 
     # --- removing ---------------------------------------------------------------------
 
-    def remove_claim(self, tokens, chunk_hash: Hashable, namespace: Hashable) -> None:
-        """Drop `namespace`'s claim on a chunk; the chunk lives on for other namespaces.
+    def remove_claim(self, chunk_hash: Hashable, namespace: Hashable) -> None:
+        """Drop `namespace`'s claim on a chunk, whatever its content; the chunk lives on
+        for other namespaces. Unknown chunk or namespace: nothing changes.
 
-        `tokens` name the content the caller knows the claim by (None: whatever it is);
-        if they differ from the claim's content, or anything is unknown, nothing changes.
-        """
+        LMCache's `remove_claim` also takes the tokens the caller knows the claim by; the
+        coordinator's directory knows which claim a report speaks for, so none are asked."""
         with self._lock:
             ns_id = self._claims.ns_ids.get(namespace)
             if ns_id is not None:
-                self._settle([self._claims.remove_claim(chunk_hash, ns_id,
-                                                        self._holder(tokens))])
+                self._settle([self._claims.remove_claim(chunk_hash, ns_id)])
 
-    def remove_chunk(self, tokens, chunk_hash: Hashable) -> None:
-        """Drop a chunk and every claim on it, in one lock acquisition.
-
-        With `tokens`, only the claims whose content they are (LMCache's occupant of
-        that content); None: every claim."""
+    def remove_chunk(self, chunk_hash: Hashable) -> None:
+        """Drop a chunk and every claim on it, in one lock acquisition."""
         with self._lock:
-            if tokens is None:
-                self._settle(self._claims.drop(chunk_hash))
-            else:
-                self._settle(self._claims.remove_where(chunk_hash, self._holder(tokens)))
+            self._settle(self._claims.drop(chunk_hash))
 
     def remove_chunks(self, chunk_hashes: Iterable[Hashable]) -> None:
         """Drop chunks by hash with all their claims; unknown hashes are skipped."""
@@ -347,12 +340,6 @@ class ContentIndex:
             yield
         finally:
             self._lock.release()
-
-    def _holder(self, tokens):
-        """Whether a content is `tokens` (None: any content is)."""
-        if tokens is None:
-            return lambda cid: True
-        return lambda cid: self._store.holds(cid, as_tokens(tokens))
 
     def _settle(self, touched: Iterable[int]) -> None:
         """Free each touched content left without an occupant (NONE: none touched)."""

@@ -185,9 +185,6 @@ class ContentStore:
         """The stored tokens of content `cid` (a view)."""
         return self._block_arrays[cid >> kernels.BLOCK_BITS][cid & (kernels.BLOCK_ROWS - 1)]
 
-    def holds(self, cid: int, tokens: np.ndarray) -> bool:
-        return bool(np.array_equal(self.row(cid), tokens))
-
     def probe(self, query: np.ndarray, stride: int, ns_bit: int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Occurrences of contents whose namespace mask has `ns_bit`: (positions, ids) of

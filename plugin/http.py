@@ -18,7 +18,7 @@ Contract:
   client's), fixed when the request is handed to the transport.
 - Built on public API only: `httpx.BaseTransport`, and an `httpcore.ConnectionPool` given a
   `network_backend` that cuts each socket operation's timeout to what is left of the
-  deadline. No httpx internals, so httpx upgrades do not break it (tests/test_plugin_http.py
+  deadline. No httpx internals, so httpx upgrades do not break it (tests/serving/test_plugin_http.py
   runs the trickling servers against it).
 - Errors surface as httpx's exception types (`httpx.ReadTimeout`, `httpx.ConnectError`...),
   as from httpx's own transport.

@@ -3,7 +3,16 @@
 Its presence also puts tests/ on sys.path (pytest's default "prepend" import mode adds each
 conftest's folder), so every test module, sub-folders included, imports the shared helpers
 (`helpers` for the plugin side, `coordinator_client` for the coordinator side); no test
-module imports another.
+module imports another (tests/test_public_api.py reads every file's imports to check).
+
+Layout, a folder per package, named for what it tests but never by a module's name (on
+sys.path it would hide the package; tests/test_public_api.py checks): `wire/` (blend_wire),
+`matcher/` (local_matcher), `serving/` (plugin, its LMCache adapter included),
+`coordinator/` (coordinator_stub), `router/` (blend_router), `bench/` (benchmarks); `e2e/`
+runs several of them together in real processes (LMCache's servers among them), `hostile/`
+the adversarial cases; the whole-project checks (layering, limits, exports, docs, README,
+entry points) and the helper modules sit here. Test file names stay unique across folders
+(each folder's modules import by their bare name).
 
 - `start(**overrides)`: an in-process coordinator (chunk size 4, blend lookup on) on a free
   loopback port, with `CoordinatorConfig` overrides; every one started is closed after the

@@ -1,6 +1,7 @@
 """Helpers for the coordinator's tests.
 
 - Request bodies (`key`, `entry`, `batch`) and `refusal` (a 422 body in FastAPI's shape).
+- `scrape(coord)`: `GET /metrics`, parsed: each sample's value by (name, sorted labels).
 - `start_coordinator(clients, **overrides)`: an in-process coordinator on a free loopback
   port, driven over real HTTP through `Coordinator`. Chunk size 4 by default, so a chunk
   is four token ids. The `start` and `coord` fixtures (tests/conftest.py) build them,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import io
 
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from blend_wire import (
     BLEND_LOOKUP_PATH,
@@ -19,6 +21,7 @@ from blend_wire import (
     DIRECTORY_LOOKUP_PATH,
     EVENTS_PATH,
     INSTANCES_PATH,
+    METRICS_PATH,
     STATS_PATH,
     encode,
     encode_tokens,
@@ -57,6 +60,18 @@ def refusal(body: dict) -> str:
         assert set(error) == {"type", "loc", "msg", "input"}, error
         assert error["loc"][0] in ("body", "query"), error
     return " ".join(f"{e['msg']} {e['loc']}" for e in body["detail"])
+
+
+async def scrape(coord) -> dict[tuple[str, tuple], float]:
+    """`GET /metrics` (its Prometheus text media type checked): every sample's value by
+    (name, sorted label pairs)."""
+    response = await coord.call("GET", METRICS_PATH)
+    assert response.headers["Content-Type"] == "text/plain; version=1.0.0; charset=utf-8"
+    samples = {}
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
 
 
 class Coordinator:

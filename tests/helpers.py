@@ -19,13 +19,21 @@
   `action()`, a deterministic measure of work for "cost does not grow with N" tests.
 - `claim_one_by_one`: `ClaimLists.claim_new` done by `claim_all`, chunk by chunk, the
   reference the bulk claim is compared with.
+- `remove_claim_holding(index, tokens, ...)`, `remove_chunk_holding(index, tokens, ...)`:
+  LMCache's `BlendIndex` removals, which take the content the caller knows a claim by, on
+  a `ContentIndex` (whose removals take none): the token check done here, then the removal.
 - `build_tokenizer(folder, corpus)`: a small Hugging Face tokenizer (tokenizer.json and a
   chat template) written for the router's tests, `CHAT_TEMPLATE` its template.
+- For the LMCache end-to-end tests (tests/e2e/test_lmcache_e2e.py,
+  tests/e2e/lmcache057_negotiation_e2e.py): `tokens(n)`, random token ids from one seeded
+  generator; `found(result)`, a lookup result's non-prefix segments as (old_st, cur_st);
+  `HTTP_TIMEOUT` for their own requests to the coordinator.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
 import socket
 import sys
@@ -294,6 +302,27 @@ def claim_one_by_one(claims, hashes, cids, offsets, namespaces, fresh):
     return ids
 
 
+def remove_claim_holding(index, tokens, chunk_hash, namespace) -> None:
+    """LMCache's `remove_claim(tokens, chunk_hash, namespace)`: the namespace's claim goes
+    only if its content is `tokens` (None: whatever it is)."""
+    if tokens is None or _holds(index.tokens_of(chunk_hash, namespace), tokens):
+        index.remove_claim(chunk_hash, namespace)
+
+
+def remove_chunk_holding(index, tokens, chunk_hash, namespaces) -> None:
+    """LMCache's `remove_chunk(tokens, chunk_hash)`: the chunk's claims (by any of
+    `namespaces`) whose content is `tokens` go; None: the chunk with every claim."""
+    if tokens is None:
+        index.remove_chunk(chunk_hash)
+        return
+    for namespace in namespaces:
+        remove_claim_holding(index, tokens, chunk_hash, namespace)
+
+
+def _holds(content, tokens) -> bool:
+    return content is not None and np.array_equal(content, np.asarray(tokens))
+
+
 #: The chat template of `build_tokenizer`'s model: role markers around each message, as a
 #: real model's template writes them (Llama 3's, ChatML's), the BOS from the config.
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
@@ -324,3 +353,17 @@ def build_tokenizer(folder, corpus: str, chat_template: str | None = CHAT_TEMPLA
             "bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
             "chat_template": chat_template}))
     return tokenizer
+
+
+# --- the LMCache end-to-end tests ---------------------------------------------------------
+
+HTTP_TIMEOUT = 30.0  # the tests' own requests to the coordinator: a slow answer is no failure
+_rng = random.Random(20261129)
+
+
+def tokens(n: int) -> list[int]:
+    return [_rng.randrange(1000, 60000) for _ in range(n)]
+
+
+def found(result) -> list[tuple[int, int]]:
+    return [(s.old_st, s.cur_st) for s in result.non_prefix_segments]

@@ -1,5 +1,5 @@
 """The selection rule written the plain way, in Python, as the reference the kernel
-(`local_matcher.selection`) is tested against (tests/test_selection_kernel.py): the rule's
+(`local_matcher.selection`) is tested against (tests/matcher/test_selection_kernel.py): the rule's
 first implementation, kept only here. Steps as docs/DESIGN.md, "Plugin", states them."""
 
 from __future__ import annotations

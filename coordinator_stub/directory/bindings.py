@@ -130,7 +130,7 @@ class Bindings:
                     else:
                         tokens = index.tokens_of(chunk_hash, namespace)
                     restore.append((namespace, tokens, offset))
-                index.remove_chunk(None, chunk_hash)
+                index.remove_chunk(chunk_hash)
                 for namespace, tokens, offset in restore:
                     if tokens is None:
                         log.error("chunk %s cannot be re-indexed: its tokens are gone",

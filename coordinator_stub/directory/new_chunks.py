@@ -3,7 +3,7 @@ process reports the chunks it just stored, runs of them under one key, so most o
 costs a few operations per run instead of a dozen calls per entry. `store_batch` splits a
 batch into maximal runs the bulk path can take and the entries between them, which go
 entry by entry (`Bindings._store`), in order. The bulk path records what the entry-by-entry
-one would; tests/test_coordinator_directory_bulk.py holds the two to the same state over
+one would; tests/coordinator/test_coordinator_directory_bulk.py holds the two to the same state over
 random batches. Also `digest`, what a binding keeps of indexed tokens.
 """
 

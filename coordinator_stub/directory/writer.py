@@ -140,11 +140,11 @@ class IndexWriter:
             elif kind is _REMOVE_CLAIM:
                 if (first, second) not in self.replaced:  # to restore should this fail
                     self.replaced[(first, second)] = index.tokens_of(first, second)
-                index.remove_claim(None, first, second)
+                index.remove_claim(first, second)
             else:
                 if first not in self.replaced:
                     self.replaced[first] = index.tokens_of(first)
-                index.remove_chunk(None, first)
+                index.remove_chunk(first)
             self.sent += 1
         self.sent = 0  # all sent: nothing for a later failure to repair
 

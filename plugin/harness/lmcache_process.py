@@ -2,7 +2,7 @@
 the LMCache demo and benchmarks (not loaded by `import plugin`; needs LMCache and torch).
 
 Which LMCache: by default the one this process imports (the venv's 0.5.6, or 0.5.7rc2
-when this process runs with `LMCACHE_057_DIR` first on its path, as tests/test_lmcache057.py
+when this process runs with `LMCACHE_057_DIR` first on its path, as tests/e2e/test_lmcache057.py
 runs the LMCache tests), or the one `lmcache_dir` names (`lmcache_dir_for(version)`). The
 engine client speaks this process's LMCache, so a server of the other version needs a
 process of its own (`lmcache_env(version)`).

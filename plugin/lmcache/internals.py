@@ -2,9 +2,9 @@
 
 Everything here beyond LMCache's documented server-module API is listed in
 `LMCACHE_INTERNALS` / `VERSION_INTERNALS` (checked at start-up by the factory, and by
-tests/test_lmcache_adapter.py); `MOVED_IN_057` says what 0.5.7rc2 moved and where it is
+tests/serving/test_lmcache_adapter.py); `MOVED_IN_057` says what 0.5.7rc2 moved and where it is
 found now. Every underscore name of LMCache the adapter reads is read here and nowhere
-else (tests/test_plugin_http.py checks it): `BlendInternals` over a live `BlendModule`
+else (tests/serving/test_plugin_http.py checks it): `BlendInternals` over a live `BlendModule`
 (its prefix leg, sparse prefetch and coordinator client), `prefix_leg_hits` /
 `prefetched_keys` (releasing a prefix leg's read locks) and `front_end_http_config`.
 Design: docs/DESIGN.md, "Inside a real LMCache MP server".
@@ -29,7 +29,7 @@ SUPPORTED_VERSIONS = ("0.5.6", "0.5.7rc2")
 LMCACHE_057 = hasattr(_ext_server_module, "load_server_module_classes")
 
 # Every LMCache name this adapter uses beyond its documented server-module API, as
-# (module, dotted attribute). Checked at start-up and by tests/test_lmcache_adapter.py; an
+# (module, dotted attribute). Checked at start-up and by tests/serving/test_lmcache_adapter.py; an
 # upgrade that moves one fails loudly, naming it.
 LMCACHE_INTERNALS: tuple[tuple[str, str], ...] = (
     ("lmcache.v1.multiprocess.modules.blend", "BlendModule.cb_unified_lookup"),

@@ -11,7 +11,7 @@ un-indexed A's chunk; B's token-less STOREs of guessed hashes matched exactly wh
 tenant had cached the document; and every claim on a chunk rewrote the offset of all its
 claims (8,000 namespaces on one chunk: 6.5 s for one content change).
 
-`--trust-shared-hashes` restores LMCache's rules on purpose (tests/test_coordinator.py).
+`--trust-shared-hashes` restores LMCache's rules on purpose (tests/coordinator/test_coordinator.py).
 """
 
 from __future__ import annotations

@@ -90,10 +90,10 @@ def test_a_chunk_two_namespaces_claim_is_named_in_lmcaches_order(index):
     index.add(X, b"shared", 0, B)  # B claims it after its own chunk
     assert index.match(X + X, A) == [BlendMatch(b"shared", 0, 0)]
     assert index.match(X + X, B) == [BlendMatch(b"shared", 0, 0), BlendMatch(b"mine", 8, 4)]
-    index.remove_claim(X, b"shared", A)  # the occupant lives on in B: its place too
+    index.remove_claim(b"shared", A)  # the occupant lives on in B: its place too
     assert index.match(X + X, B) == [BlendMatch(b"shared", 0, 0), BlendMatch(b"mine", 8, 4)]
     assert index.match(X + X, A) == []
-    index.remove_claim(X, b"shared", B)  # gone, then indexed again: it goes last
+    index.remove_claim(b"shared", B)  # gone, then indexed again: it goes last
     index.add(X, b"shared", 0, B)
     assert index.match(X + X, B) == [BlendMatch(b"mine", 8, 0), BlendMatch(b"shared", 0, 4)]
 
@@ -107,8 +107,8 @@ def test_joining_an_older_occupant_is_placed_among_the_namespaces_own_in_order(i
     index.add(X, b"o3", 0, B)
     index.add(X, b"o1", 0, B)
     assert [m.chunk_hash for m in index.match(X * 5, B)] == [b"o1", b"o2", b"o3", b"m1", b"m2"]
-    index.remove_claim(X, b"o1", A)
-    index.remove_claim(X, b"o2", B)
+    index.remove_claim(b"o1", A)
+    index.remove_claim(b"o2", B)
     assert [m.chunk_hash for m in index.match(X * 5, B)] == [b"o1", b"o3", b"m1", b"m2"]
     assert [m.chunk_hash for m in index.match(X * 5, A)] == [b"o2", b"o3"]
 
@@ -118,8 +118,8 @@ def test_readding_keeps_a_chunks_place_and_removal_of_any_place_keeps_the_order(
         index.add(X, name, 0, A)
     index.add(X, b"a", 64, A)  # an offset update, not a new claim
     assert [m.chunk_hash for m in index.match(X * 4, A)] == [b"a", b"b", b"c", b"d"]
-    index.remove_chunk(X, b"a")  # the head
-    index.remove_claim(X, b"c", A)  # the middle
+    index.remove_chunk(b"a")  # the head
+    index.remove_claim(b"c", A)  # the middle
     assert [m.chunk_hash for m in index.match(X * 4, A)] == [b"b", b"d"]
     index.remove_chunks([b"d"])  # the tail
     index.add(X, b"e", 0, A)
@@ -165,10 +165,10 @@ def test_removing_n_occupants_of_one_content_is_linear_work(how):
     def remove_all(index: ContentIndex, n: int) -> None:
         if how == "remove_chunk":
             for i in range(n):
-                index.remove_chunk(X, (0, i))
+                index.remove_chunk((0, i))
         elif how == "remove_claim":
             for i in range(n):
-                index.remove_claim(X, (0, i), 0)
+                index.remove_claim((0, i), 0)
         else:
             index.remove_chunks([(0, i) for i in range(n)])
 
@@ -239,14 +239,14 @@ def test_a_chunk_many_namespaces_claim_serves_each_until_its_claim_goes(index):
     for tenant in tenants[1:]:
         index.add(X, b"shared", 8, tenant)
     for i, tenant in enumerate(tenants[:-1]):
-        index.remove_claim(X, b"shared", tenant)
+        index.remove_claim(b"shared", tenant)
         assert index.match(X, tenant) == []
         assert index.match(X, tenants[-1]) == [BlendMatch(b"shared", 8, 0)]
         assert index.stats()["num_claims"] == len(tenants) - i - 1
-    index.remove_claim(X, b"shared", tenants[-1])
+    index.remove_claim(b"shared", tenants[-1])
     stats = index.stats()
     assert (stats["num_chunks"], stats["num_claims"], stats["num_contents"]) == (0, 0, 0)
     for tenant in tenants:
         index.add(X, b"shared", 0, tenant)
-    index.remove_chunk(X, b"shared")
+    index.remove_chunk(b"shared")
     assert index.stats()["num_claims"] == 0

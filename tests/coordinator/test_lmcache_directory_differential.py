@@ -7,7 +7,7 @@ hashes and contents, chunk size 4; after every batch each namespace's matches (n
 positions, order) and the blend index counts must be LMCache's. Offsets are always known and
 token lists one chunk long: where LMCache differs on purpose there (an unknown offset keeps
 LMCache's stale position; a list of another length becomes LMCache's binding content),
-WIRE.md documents our rule and tests/test_coordinator.py tests it.
+WIRE.md documents our rule and tests/coordinator/test_coordinator.py tests it.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ import time
 import pytest
 
 from blend_wire import CHUNK_SIZE_PATH, INSTANCES_PATH, encode, pack_kv_rank
-from coordinator_client import C, batch, entry, refusal
-from test_coordinator_metrics import scrape
+from coordinator_client import C, batch, entry, refusal, scrape
 
 LANE = "unit"
 

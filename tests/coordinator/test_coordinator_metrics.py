@@ -6,25 +6,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from blend_wire import DIRECTORY_LOOKUP_PATH, METRICS_PATH, encode
-from coordinator_client import batch, entry, key
+from coordinator_client import batch, entry, key, scrape
 
 LANE = "unit"
 
 A = [11, 12, 13, 14]
-
-
-
-async def scrape(coord) -> dict[tuple[str, tuple], float]:
-    response = await coord.call("GET", METRICS_PATH)
-    assert response.headers["Content-Type"] == "text/plain; version=1.0.0; charset=utf-8"
-    samples = {}
-    for family in text_string_to_metric_families(await response.text()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 async def test_lmcache_directory_gauges_by_tier(start):

@@ -18,7 +18,7 @@ from coordinator_stub.launch.process import launch_coordinator
 
 LANE = "coordinator"
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "coordinator.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "coordinator.json"
 #: The coordinator's metric families: its own, LMCache's, and prometheus_client's process ones.
 _NAME = re.compile(r"\b((?:blend_coordinator|lmcache_coordinator|process|python)_[a-z0-9_]+)"
                    r"(\{[^}]*\})?")

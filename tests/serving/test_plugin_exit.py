@@ -22,7 +22,7 @@ from coordinator_stub.launch.process import launch_coordinator
 
 LANE = "coordinator"
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: The exit hook's bound with the default budgets (blend 1 s + events 2 s + 1 s), plus the
 #: interpreter's own teardown on a loaded machine.
 PROMPT_EXIT_S = 12.0

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import claim_one_by_one
+from helpers import claim_one_by_one, remove_chunk_holding, remove_claim_holding
 from local_matcher import ContentIndex
 from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS
 
@@ -168,11 +168,11 @@ def run_against_model(operations, stride) -> None:
                 model.add(content, chunk_hash, offset, op[2])
         elif kind == "remove_claim":
             content = model.stored(op[1], op[2]) if op[3] == "stored" else op[3]
-            index.remove_claim(content, op[1], op[2])
+            remove_claim_holding(index, content, op[1], op[2])
             model.remove_claim(op[1], op[2], content)
         elif kind == "remove_chunk":
             content = model.stored(op[1]) if op[2] == "stored" else op[2]
-            index.remove_chunk(content, op[1])
+            remove_chunk_holding(index, content, op[1], NAMESPACES)
             model.remove_chunk(op[1], content)
         else:
             got = index.match(op[1], op[2])
@@ -228,7 +228,7 @@ def test_the_bulk_claim_leaves_what_claiming_chunk_by_chunk_does(operations):
                 index.add_many(np.array(rows, dtype=np.uint32), list(hashes), list(offsets),
                                list(namespaces) if op[2] else namespaces[0])
             elif op[0] == "remove_claim":
-                index.remove_claim(None, op[1], op[2])
+                index.remove_claim(op[1], op[2])
             else:
-                index.remove_chunk(None, op[1])
+                index.remove_chunk(op[1])
         assert _claims_state(bulk) == _claims_state(each)

@@ -1,6 +1,6 @@
 """LMCache 0.5.7rc2 only: a chunk size negotiated at registration, end to end.
 
-Run by tests/test_lmcache057.py in its 0.5.7 child (the file name keeps the suite's own
+Run by tests/e2e/test_lmcache057.py in its 0.5.7 child (the file name keeps the suite's own
 0.5.6 run from collecting it: 0.5.6 has no negotiation). Two `lmcache server`s with
 `--chunk-size 256` whose engines register a model with 48-token blocks: LMCache rounds the
 size up to 288 and binds it at the coordinator (`--chunk-size 256` there, the minimum);
@@ -20,9 +20,8 @@ import pytest
 
 from blend_wire import BLEND_LOOKUP_PATH, STATS_PATH, encode_tokens
 from coordinator_stub.launch.process import start_coordinator
-from helpers import wait_until
+from helpers import HTTP_TIMEOUT, found, tokens, wait_until
 from plugin.harness.lmcache_process import ServerFleet
-from test_lmcache_e2e import HTTP_TIMEOUT, found, tokens
 
 LANE = "lmcache"
 
@@ -32,7 +31,7 @@ settled = functools.partial(wait_until, timeout=60.0, interval=0.05)
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    assert lmcache.__version__ == "0.5.7rc2", "run by tests/test_lmcache057.py on 0.5.7"
+    assert lmcache.__version__ == "0.5.7rc2", "run by tests/e2e/test_lmcache057.py on 0.5.7"
     coordinator = start_coordinator("--enable-blend-lookup", "--chunk-size", "256")
     # C is given two URLs, this one first: LMCache's own bind takes one URL, so the
     # plugin's registrar carries the size (issue 32, item 8).

@@ -129,9 +129,9 @@ def test_readding_a_hash_with_new_content_moves_it(index):
 def test_remove_makes_content_undiscoverable(index):
     index.add(X, b"x", 0, A)
     index.add(Y, b"y", 4, A)
-    index.remove_chunk(X, b"x")
+    index.remove_chunk(b"x")
     assert index.match(X + Y, A) == [BlendMatch(b"y", 4, 4)]
-    index.remove_claim(Y, b"y", A)
+    index.remove_claim(b"y", A)
     assert index.match(X + Y, A) == []
     assert index.stats()["num_contents"] == 0
 
@@ -139,11 +139,10 @@ def test_remove_makes_content_undiscoverable(index):
 def test_removing_unknown_things_is_a_no_op(index):
     index.add(X, b"x", 0, A)
     before = index.stats()
-    index.remove_chunk(X, b"unknown")
-    index.remove_claim(X, b"unknown", A)
-    index.remove_claim(X, b"x", B)  # namespace without a claim
-    index.remove_claim(X, b"x", "never-seen")
-    index.remove_chunk(Y, b"x")  # tokens are not the chunk's content
+    index.remove_chunk(b"unknown")
+    index.remove_claim(b"unknown", A)
+    index.remove_claim(b"x", B)  # namespace without a claim
+    index.remove_claim(b"x", "never-seen")
     index.remove_chunks([b"nope"])
     assert index.stats() == before
     assert index.match(X, A) == [BlendMatch(b"x", 0, 0)]
@@ -155,7 +154,7 @@ def test_identical_content_under_two_hashes_survives_removal_of_one(index):
     assert index.stats()["num_contents"] == 1
     # One match per position: the first-indexed occupant.
     assert index.match(X, A) == [BlendMatch(b"first", 0, 0)]
-    index.remove_chunk(X, b"first")
+    index.remove_chunk(b"first")
     assert index.match(X, A) == [BlendMatch(b"second", 40, 0)]
 
 
@@ -189,12 +188,12 @@ def test_chunk_claimed_by_two_namespaces(index):
             stats["num_namespaces"]) == (1, 1, 2, 2)
     assert index.match(X, A) == index.match(X, B) == [BlendMatch(b"x", 0, 0)]
 
-    index.remove_claim(X, b"x", A)
+    index.remove_claim(b"x", A)
     assert index.match(X, A) == []
     assert index.match(X, B) == [BlendMatch(b"x", 0, 0)]
     assert index.stats()["num_namespaces"] == 1
 
-    index.remove_claim(X, b"x", B)
+    index.remove_claim(b"x", B)
     assert index.match(X, B) == []
     stats = index.stats()
     assert (stats["num_contents"], stats["num_chunks"], stats["num_claims"],
@@ -204,7 +203,7 @@ def test_chunk_claimed_by_two_namespaces(index):
 def test_remove_chunk_retires_every_namespace_at_once(index):
     for namespace in (A, B, "c"):
         index.add(X, b"x", 0, namespace)
-    index.remove_chunk(X, b"x")
+    index.remove_chunk(b"x")
     assert all(index.match(X, ns) == [] for ns in (A, B, "c"))
     assert index.stats()["num_claims"] == 0
 
@@ -234,7 +233,7 @@ def test_two_contents_with_the_same_fingerprint_are_both_matchable():
     assert index.stats()["num_contents"] == 2
     assert index.match(reverse + X, A) == [BlendMatch(b"x", 0, 4)]
     assert index.match(reverse + X, B) == [BlendMatch(b"r", 4, 0)]
-    index.remove_chunk(X, b"x")
+    index.remove_chunk(b"x")
     assert index.match(reverse + X, B) == [BlendMatch(b"r", 4, 0)]
 
 

@@ -3,8 +3,8 @@ the pinned LMCache, the internals it uses (and what moved between the supported 
 the factory's refusals, the RPC signatures, and the tier rule for the local matcher.
 
 Runs against whichever supported LMCache is importable: 0.5.6 in the suite's own process,
-0.5.7rc2 in the child run of tests/test_lmcache057.py. The adapter in a running server is
-tests/test_lmcache_e2e.py.
+0.5.7rc2 in the child run of tests/e2e/test_lmcache057.py. The adapter in a running server is
+tests/e2e/test_lmcache_e2e.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from plugin.lmcache.tiers import TierWatcher
 
 LANE = "lmcache"
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_installed_lmcache_is_a_pinned_one():
@@ -181,7 +181,7 @@ def test_only_the_adapter_and_the_harness_import_lmcache():
 
 
 def test_private_lmcache_names_are_imported_by_the_internals_module_only():
-    # Its attributes are checked by tests/test_plugin_http.py (no `x._name` outside it).
+    # Its attributes are checked by tests/serving/test_plugin_http.py (no `x._name` outside it).
     import ast
     offenders = []
     for path in [ROOT / "plugin" / "lmcache_adapter.py", *(ROOT / "plugin").rglob("*.py")]:

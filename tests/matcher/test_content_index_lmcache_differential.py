@@ -4,10 +4,11 @@ LMCache's index keeps one content and one offset per chunk hash (a re-store with
 tokens is `remove_chunk` then `add`; an `add` at another offset moves the chunk's offset for
 every namespace). Our index keeps them per claim, so the driver does what the directory does
 with `--trust-shared-hashes`: other content retires the chunk first, and a new offset is
-re-added for every namespace claiming the chunk. Then every match must be the same list,
-in the same order: LMCache names, per content, the occupants in the order they were first
-indexed on it (a namespace joining an older occupant does not move it; one removed and
-indexed again goes last).
+re-added for every namespace claiming the chunk; LMCache's removals take the claim's tokens,
+ours none, so the driver checks them first (`helpers.remove_claim_holding`). Then every
+match must be the same list, in the same order: LMCache names, per content, the occupants
+in the order they were first indexed on it (a namespace joining an older occupant does not
+move it; one removed and indexed again goes last).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from lmcache.v1.mp_coordinator.blend_index import BlendIndex
 
+from helpers import remove_claim_holding
 from local_matcher import ContentIndex
 
 LANE = "lmcache"
@@ -54,7 +56,7 @@ class Both:
         if known is None:
             return
         self.theirs.remove_claim(np.array(known[0], dtype=np.uint32), chunk_hash, namespace)
-        self.ours.remove_claim(known[0], chunk_hash, namespace)
+        remove_claim_holding(self.ours, known[0], chunk_hash, namespace)
         known[2].discard(namespace)
         if not known[2]:
             del self.chunks[chunk_hash]
@@ -63,7 +65,7 @@ class Both:
         known = self.chunks.pop(chunk_hash, None)
         if known is not None:
             self.theirs.remove_chunk(np.array(known[0], dtype=np.uint32), chunk_hash)
-            self.ours.remove_chunk(None, chunk_hash)
+            self.ours.remove_chunk(chunk_hash)
 
     def assert_same(self, query, namespace) -> None:
         ours = [(m.chunk_hash, m.old_st, m.cur_st) for m in self.ours.match(query, namespace)]

@@ -1,5 +1,5 @@
 """End to end on real LMCache MP servers loading the plugin (`--server-module`): LMCache
-0.5.6 here, and the same scenarios on 0.5.7rc2 when tests/test_lmcache057.py runs this file
+0.5.6 here, and the same scenarios on 0.5.7rc2 when tests/e2e/test_lmcache057.py runs this file
 in a process importing that version (the servers run the LMCache this process imports).
 
 Processes, all on free loopback ports: the bundled coordinator; servers A and B started as
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 
 import httpx
 import lmcache
@@ -27,7 +26,7 @@ import torch
 
 from blend_wire import BLEND_LOOKUP_PATH, DIRECTORY_LOOKUP_PATH, INSTANCES_PATH, encode_tokens
 from coordinator_stub.launch.process import start_coordinator
-from helpers import wait_until
+from helpers import HTTP_TIMEOUT, found, tokens, wait_until
 from plugin.harness.lmcache_process import ServerFleet
 
 LANE = "lmcache"
@@ -36,15 +35,9 @@ C = 256
 MODEL = "fleet-model"  # EngineClient's default model
 BUDGET = 0.5
 MARGIN = 1.5  # "within budget, not hung": generous for a loaded 2-core CI machine
-rng = random.Random(20261129)
 # An outcome that crosses several processes (engine -> server -> coordinator): generous, as a
 # loaded 2-core machine is slow; polled every 50 ms (each poll is an RPC or an HTTP request).
 settled = functools.partial(wait_until, timeout=60.0, interval=0.05)
-HTTP_TIMEOUT = 30.0  # the tests' own requests to the coordinator: a slow answer is no failure
-
-
-def tokens(n: int) -> list[int]:
-    return [rng.randrange(1000, 60000) for _ in range(n)]
 
 
 class Fleet(ServerFleet):
@@ -130,10 +123,6 @@ class Fleet(ServerFleet):
 def fleet(tmp_path_factory):
     with Fleet(tmp_path_factory) as running:
         yield running
-
-
-def found(result) -> list[tuple[int, int]]:
-    return [(s.old_st, s.cur_st) for s in result.non_prefix_segments]
 
 
 def test_each_server_runs_the_plugin_with_exactly_one_event_reporter(fleet):

@@ -1,4 +1,4 @@
-"""A real `lmcache server` (LMCache 0.5.6, and 0.5.7rc2 through tests/test_lmcache057.py;
+"""A real `lmcache server` (LMCache 0.5.6, and 0.5.7rc2 through tests/e2e/test_lmcache057.py;
 HTTP front end, the plugin loaded) given two coordinator replicas in one
 `--coordinator-url` list, as `LMCACHE_COORDINATOR_URL=a,b`.
 
