@@ -1,6 +1,33 @@
 """The claims of a content index: which namespace claims which chunk on which content.
 
-The rest of its contract: docs/CONTRACTS.md, `local_matcher.claims`.
+`ClaimLists` is the bookkeeping half of `local_matcher.index.ContentIndex` (which owns
+the content store, the lock and the public API; docs/DESIGN.md, "The content index").
+Not thread-safe: the index calls it under its lock.
+
+Each (chunk, namespace) claim is a *slot*; the claims one namespace holds on one content
+form a circular doubly linked list of slots in occupant order (LMCache's: the order in
+which the chunks were first indexed on that content), kept in flat integer arrays, so
+that no cost grows with how many occupants a content has or how many namespaces claim a
+chunk: adding a claim is O(1) when its occupant is the newest on the content (else one
+step per newer occupant of its namespace), removing one O(1), a match one step per
+occurrence.
+
+Invariants:
+- `chunks[h]` for chunk `h`: the slot of its only claim (an int); a tuple of slots while
+  a few namespaces claim it; past `_FEW_CLAIMS`, a `_ManyClaims` ({namespace id: slot}
+  and, per content, its occupant's order and claim count). Ints and tuples of ints are
+  untracked by Python's cyclic GC, so a million chunks add no GC pause.
+- slot `s`: `slot_chunk[s]` its chunk, `slot_ns[s]` its namespace id, `slot_cid[s]` its
+  content, `slot_offset[s]` its stored offset, `_slot_order[s]` its occupant's order
+  number (the same in every slot of one occupant, increasing with the time the occupant
+  was first indexed), `next_slot[s]` and `_prev[s]` its neighbours in its circular list
+  (the head's prev is the tail), sorted by order number. Free slots are on `_free_slots`.
+- the list of (cid, ns) starts at `head[cid]` if `slot_ns[head[cid]] == ns`, else at
+  `_more_heads[ns << 32 | cid]`: most contents are claimed by one namespace, so their
+  only list costs no dict entry.
+- `num_chunks[cid]` occupants per content (chunks with at least one claim on it). A
+  content is stored iff it has an occupant; a chunk exists iff a namespace claims it.
+- A namespace's id is recycled once nothing claims it, so the ids stay small.
 """
 
 from __future__ import annotations
@@ -28,8 +55,7 @@ def mask_bits(ns_ids: np.ndarray) -> np.ndarray:
 
 
 class ClaimLists:
-    """The slots, lists and namespace ids of a content index
-    (docs/CONTRACTS.md, `local_matcher.claims`)."""
+    """The slots, lists and namespace ids of a content index (module doc)."""
 
     def __init__(self) -> None:
         self.chunks: dict[Hashable, object] = {}

@@ -1,6 +1,38 @@
 """The content index: which stored chunks does a token sequence contain, and where?
 
-The rest of its contract: docs/CONTRACTS.md, `local_matcher.index`.
+Design (docs/DESIGN.md, "The content index"): content of exactly `chunk_size` tokens is
+stored once in a `ContentStore`; every chunk hash that names that content is an
+*occupant* of it, carrying its own stored offset and claimed by one or more namespaces.
+A match rolls a fingerprint over the query, lets the filter and the exact table reject
+almost every window, skips contents the requester's namespace has no claim on, and only
+then compares tokens.
+
+The match rule (DESIGN.md; WIRE.md, blend-lookup; LMCache's own): at most one match per
+query position, and each chunk at most once. At a position whose window equals a stored
+content, the match names the first occupant of the requester's namespace not named
+earlier in this query; a later occurrence of the same content gets the next one, and once
+all are named, none. "First" is LMCache's order: occupants in the order they were first
+indexed on that content, whichever namespace claimed them first (a namespace joining an
+existing occupant does not move it; an occupant removed and indexed again goes last).
+
+Content per claim: each (chunk, namespace) claim carries its own content and offset, so
+what one namespace reports for a chunk hash never changes what another matches. `add`
+touches only the adding namespace's claim; `remove_chunk` drops every claim (the caller,
+the coordinator's directory, decides which namespaces a report speaks for). When all
+claims of a chunk agree (the common case) the chunk is one occupant of one content.
+
+Why costs do not grow with multiplicity (one document behind a thousand prefixes, one
+chunk claimed by thousands of namespaces): the claims live in per-(content, namespace)
+linked lists of slots (`local_matcher.claims`, which states their invariants), so a
+lookup costs O(query + matches) and deleting n occupants O(n). The candidates form comes
+out as columns (`candidate_columns`, a `CandidateColumns`: positions and chunks in CSR
+arrays, each chunk's hash the index's own object), with no Python object per content or
+chunk, and bounded by `MAX_CANDIDATE_POSITIONS` per content and `MAX_REPLY_ENTRIES` in
+all (keyword arguments `max_positions`, `max_entries`; WIRE.md, "Limits"), with
+`truncated` set when cut; `candidates` is the same as plain data. Every call runs under
+`self._lock`, which is never held while calling out. A lookup (`match`, `match_columns`,
+`candidates`, `candidate_columns`) called with `wait=False` raises `IndexBusy` instead of waiting for that lock:
+the coordinator matches small lookups on its event loop, which must not wait for ingest.
 """
 
 from __future__ import annotations
@@ -194,8 +226,7 @@ class ContentIndex:
     # --- matching -------------------------------------------------------------------------
 
     def match(self, query, namespace: Hashable, *, wait: bool = True) -> list[BlendMatch]:
-        """The chunks of `namespace` found in `query`, by the match rule (docs/CONTRACTS.md,
-        `local_matcher.index`).
+        """The chunks of `namespace` found in `query`, by the match rule (module doc).
 
         Ascending by `cur_st`; at most one match per position and per chunk; every
         match compared token by token. `wait=False`: `IndexBusy` rather than wait for a

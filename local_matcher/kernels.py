@@ -83,7 +83,7 @@ def append_block(blocks, block):
 @njit(cache=True, inline="always")
 def _mix(x, factor):
     """One multiply (which carries every input bit into all the bits above it), then the
-    high half folded into the low: a cheap bijection of 64-bit words (CONTRACTS.md says
+    high half folded into the low: a cheap bijection of 64-bit words (the module doc says
     why it is enough)."""
     x = x * factor
     return x ^ (x >> _S32)
