@@ -310,10 +310,11 @@ class Sent:
 
 
 class Replicas:
-    """Replicas of one coordinator under the one fail-over policy (module doc): `UNAVAILABLE` goes on to the next replica at once; a replica's breaker
-    opens after `breaker_threshold` consecutive UNAVAILABLE verdicts, for
-    `breaker_cooldown_s`, or at once for its `Retry-After`; then one probe. `THROTTLED`
-    pauses every replica until its `Retry-After`. Thread-safe; no I/O under the lock."""
+    """Replicas of one coordinator under the one fail-over policy (module doc):
+    `UNAVAILABLE` goes on to the next replica at once; a replica's breaker opens after
+    `breaker_threshold` consecutive UNAVAILABLE verdicts, for `breaker_cooldown_s`, or at
+    once for its `Retry-After`; then one probe. `THROTTLED` pauses every replica until its
+    `Retry-After`. Thread-safe; no I/O under the lock."""
 
     def __init__(self, urls: Sequence[str], http_for: Callable[[str], httpx.Client], *,
                  breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,

@@ -7,9 +7,9 @@ layout").
 - `coordinator_stub.writes.replicated.LogReplica` (`--event-log`, the `cluster` extra):
   every write a record of the event log, applied by every replica in log order.
 
-Both validate bodies alike (`validation.py`) and end in `Coordinator.ingest` (docs/DESIGN.md,
-"Coordinator ingest"). Both raise the service's refusals (`coordinator_stub.errors`, `blend_wire.WireError`);
-a refused write changes nothing.
+Both validate bodies alike (`validation.py`) and end in `Coordinator.ingest`
+(docs/DESIGN.md, "Coordinator ingest"). Both raise the service's refusals
+(`coordinator_stub.errors`, `blend_wire.WireError`); a refused write changes nothing.
 """
 
 from __future__ import annotations
