@@ -23,7 +23,8 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from typing import Any, Hashable
+import threading
+from typing import Any, Callable, Hashable
 
 
 class FairQueues:
@@ -56,6 +57,14 @@ class FairQueues:
     def wait(self, flow: Hashable, start: int, tie: int) -> None:
         """`flow` (with work queued) waits for a turn from `start`."""
         heapq.heappush(self._waiting, (start, tie, next(self._arrivals), flow))
+
+    def wait_for_turn(self, cond: threading.Condition, closed: Callable[[], bool]
+                      ) -> tuple[int, Hashable] | None:
+        """With `cond` (the owner's lock) held: wait until some flow waits for a turn, then
+        `next_turn()`; None once `closed()`."""
+        while not self._waiting and not closed():
+            cond.wait()
+        return None if closed() else self.next_turn()
 
     def next_turn(self) -> tuple[int, Hashable]:
         """The waiting flow with the lowest tag, taken out of the heap: `(start, flow)`.

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
+
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +32,10 @@ from blend_wire import (
 from coordinator_stub import COORDINATOR, CoordinatorConfig, create_app
 
 C = 4
+
+
+#: Random chunk hashes and tokens for bodies whose text does not matter.
+_RANDOM = np.random.default_rng(11)
 
 
 def key(chunk_hash: str, model: str = "m", salt: str = "", world_size: int = 1,
@@ -51,6 +57,22 @@ def batch(*entries: dict, seq: int = 1, instance: str = "i0", incarnation: int =
     return {"instance_id": instance, "incarnation": incarnation, "seq": seq,
             "event_type": event_type, "tier": tier, "backend": backend,
             "entries": list(entries), "shared": shared}
+
+
+def store_batch(instance: str, seq: int, entries: int, chunk: int = 4,
+                rng: np.random.Generator = _RANDOM) -> dict:
+    """A STORE batch of `entries` chunks of `chunk` random tokens (random hashes) at
+    consecutive offsets."""
+    return batch(*[entry(rng.bytes(16).hex(), rng.integers(0, 2**31, chunk).tolist(),
+                         offset=i * chunk) for i in range(entries)],
+                 seq=seq, instance=instance)
+
+
+def flood_body(batches: int, entries: int, instance: str = "flood", seq0: int = 1,
+               chunk: int = 4) -> bytes:
+    """An `/events` body of `batches` such STORE batches from one emitter."""
+    return encode({"batches": [store_batch(instance, seq0 + i, entries, chunk)
+                               for i in range(batches)]})
 
 
 def refusal(body: dict) -> str:

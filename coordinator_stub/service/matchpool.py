@@ -95,11 +95,10 @@ class FairPool:
         flows = self._flows
         while True:
             with self._cond:
-                while not flows.waiting and not self._closed:
-                    self._cond.wait()
-                if self._closed:
+                turn = flows.wait_for_turn(self._cond, lambda: self._closed)
+                if turn is None:
                     return
-                start, flow = flows.next_turn()
+                start, flow = turn
                 _, fn, args, future = flows.queues[flow].popleft()
                 self._running.add(flow)
             # Charged by the work done, known only now: the thread's CPU (numba's kernels

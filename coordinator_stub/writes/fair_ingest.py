@@ -155,11 +155,10 @@ class FairIngest:
         flows = self._flows
         while True:
             with self._cond:
-                while not flows.waiting and not self._closed:
-                    self._cond.wait()
-                if self._closed:
+                turn = flows.wait_for_turn(self._cond, lambda: self._closed)
+                if turn is None:
                     return
-                start, flow = flows.next_turn()
+                start, flow = turn
                 self._running = flow
                 queue = flows.queues[flow]
             spent = 0

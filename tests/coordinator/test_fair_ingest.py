@@ -7,7 +7,6 @@ tests/hostile/test_hostile_ingest.py.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from blend_wire import encode
@@ -16,24 +15,9 @@ from coordinator_stub.directory import Tally, Verdict
 from coordinator_stub.service.coordinator import Coordinator
 from coordinator_stub.writes.fair_ingest import STEP_BYTES, TURN_BYTES, FairIngest
 from coordinator_stub.writes.local import LocalWrites
-from coordinator_client import batch, entry
+from coordinator_client import batch, entry, flood_body, store_batch
 
 LANE = "unit"
-
-rng = np.random.default_rng(11)
-
-
-def _store_batch(instance: str, seq: int, entries: int, chunk: int = 4) -> dict:
-    return batch(*[entry(rng.bytes(16).hex(), rng.integers(0, 2**31, chunk).tolist(),
-                         offset=i * chunk) for i in range(entries)],
-                 seq=seq, instance=instance)
-
-
-def _flood_body(batches: int, entries: int, instance: str = "flood", seq0: int = 1,
-                chunk: int = 4) -> bytes:
-    return encode({"batches": [_store_batch(instance, seq0 + i, entries, chunk)
-                               for i in range(batches)]})
-
 
 def test_a_small_batch_waits_for_at_most_a_step_of_another_emitters_flood():
     applied: list[tuple[str, int]] = []
@@ -44,7 +28,7 @@ def test_a_small_batch_waits_for_at_most_a_step_of_another_emitters_flood():
         return writes.coordinator.ingest(batches)
 
     ingest = FairIngest(apply)
-    flood = ingest.submit(_flood_body(50, 20))
+    flood = ingest.submit(flood_body(50, 20))
     victim = ingest.submit(encode({"batches": [batch(entry("aa01", [11, 12, 13, 14], offset=0),
                                                      instance="victim")]}))
     ingest.start()  # both queued before the first step: the order below is deterministic
@@ -204,7 +188,7 @@ def test_an_emitters_bodies_apply_in_arrival_order_across_turns():
     applied = []
     ingest = FairIngest(lambda bs, scope=None:
                         applied.append((bs[0].instance_id, bs[0].seq)) or _one_applied())
-    futures = [ingest.submit(_flood_body(3, 2, instance=f"i{k % 2}", seq0=1 + 3 * (k // 2)))
+    futures = [ingest.submit(flood_body(3, 2, instance=f"i{k % 2}", seq0=1 + 3 * (k // 2)))
                for k in range(6)]
     ingest.start()
     try:
@@ -221,7 +205,7 @@ def test_a_bad_last_batch_rejects_the_whole_body_naming_it():
     ingest = FairIngest(lambda bs, scope=None: applied.append(bs[0].seq) or _one_applied())
     ingest.start()
     try:
-        body = encode({"batches": [_store_batch("i", 1, 2), _store_batch("i", 2, 2),
+        body = encode({"batches": [store_batch("i", 1, 2), store_batch("i", 2, 2),
                                    batch(entry("aa01", [11, 12, 13, 14], offset=-7), seq=3,
                                          instance="i")]})
         with pytest.raises(Exception, match=r"\$\.batches\[2\]\.entries\[0\]\.token_offset"):

@@ -18,29 +18,18 @@ import socket
 import numpy as np
 import pytest
 
-from blend_wire import EVENTS_PATH, BlendNamespace, encode
+from blend_wire import EVENTS_PATH, BlendNamespace
 from coordinator_stub.http.app import WRITES
 from coordinator_stub.http.budget import TRIM_AFTER_BYTES, ByteBudget
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
+from coordinator_client import flood_body
 from hostile_helpers import A, batch, entry
 from plugin.reporter import CacheEventReporter
 
 LANE = "unit"
 
 rng = np.random.default_rng(11)
-
-
-def _store_batch(instance: str, seq: int, entries: int, chunk: int = 4) -> dict:
-    return batch(*[entry(rng.bytes(16).hex(), rng.integers(0, 2**31, chunk).tolist(),
-                         offset=i * chunk) for i in range(entries)],
-                 seq=seq, instance=instance)
-
-
-def _flood_body(batches: int, entries: int, instance: str = "flood", seq0: int = 1,
-                chunk: int = 4) -> bytes:
-    return encode({"batches": [_store_batch(instance, seq0 + i, entries, chunk)
-                               for i in range(batches)]})
 
 
 async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
@@ -57,7 +46,7 @@ async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
             queued_at.append(len(applied))
         return submit(body, *args)
     queue.submit = recording_submit
-    flood = [_flood_body(4, 1000, instance=f"flood{k}") for k in range(3)]
+    flood = [flood_body(4, 1000, instance=f"flood{k}") for k in range(3)]
     posts = [asyncio.create_task(coord.client.post(EVENTS_PATH, data=body)) for body in flood]
     while queue.pending < 3:  # every flood body received and queued
         await asyncio.sleep(0.005)
