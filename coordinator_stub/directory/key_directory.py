@@ -287,6 +287,8 @@ class KeyDirectory:
         self._lock = threading.Lock()
         for name in _COUNTERS:  # counters added since the snapshot was written start at 0
             self._counters.setdefault(name, 0)
+        if type(self._capacity) is not Capacity:  # written before it was a consumer
+            self._capacity = Capacity(self._journal, self._capacity)
 
     def state_parts(self) -> tuple:
         """The objects whose fields make up a snapshot's layout (`snapshot.layout_of`),

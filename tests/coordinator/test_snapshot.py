@@ -130,3 +130,25 @@ def test_an_older_format_is_refused_saying_so(tmp_path):
                                   1))
     with pytest.raises(SnapshotRefused, match="older"):
         read(path, {})
+
+
+def test_a_snapshot_from_before_the_ingest_pipeline_still_ingests():
+    # Until issue 34 the capacity table was a plain journaled dict; a snapshot holding one
+    # has the same layout, so it is loaded, and its capacity rows take `config` batches.
+    import pickle
+
+    from coordinator_stub.directory.journal import JournaledDict
+
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    directory._capacity = JournaledDict(directory._journal,  # noqa: SLF001 - an old state
+                                        {("s", "l1", "dram"): (1 << 20, 1)})
+    loaded = pickle.loads(pickle.dumps(directory))
+    config = {"instance_id": "s", "seq": 1, "event_type": "config", "tier": "l1",
+              "backend": "dram", "capacity_bytes": 2 << 20, "capacity_revision": 2}
+    assert loaded.ingest(decode(encode({"batches": [config]}), EventsRequest).batches
+                         ).applied == 1
+    assert [(row["capacity_bytes"], row["capacity_revision"])
+            for row in loaded.stats()["capacity"]] == [(2 << 20, 2)]
+    loaded.drop_instance("s")
+    assert loaded.stats()["capacity"] == []
+
