@@ -23,8 +23,9 @@ Invariants:
   was first indexed), `next_slot[s]` and `_prev[s]` its neighbours in its circular list
   (the head's prev is the tail), sorted by order number. Free slots are on `_free_slots`.
 - the list of (cid, ns) starts at `head[cid]` if `slot_ns[head[cid]] == ns`, else at
-  `_more_heads[ns << 32 | cid]`: most contents are claimed by one namespace, so their
-  only list costs no dict entry.
+  `other_heads.get(ns << 32 | cid)` (`local_matcher.head_table`, a table the lookup
+  kernels read): most contents are claimed by one namespace, so their only list costs
+  no entry there.
 - `num_chunks[cid]` occupants per content (chunks with at least one claim on it). A
   content is stored iff it has an occupant; a chunk exists iff a namespace claims it.
 - A namespace's id is recycled once nothing claims it, so the ids stay small.
@@ -39,8 +40,10 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from local_matcher.head_table import HeadTable, heads_of
+
 NONE = -1  # "no slot" in the slot and head arrays
-_NS_SHIFT = 32  # `_more_heads` key: namespace id above, content id below
+_NS_SHIFT = 32  # `other_heads` key: namespace id above, content id below
 _FEW_CLAIMS = 8  # claims on one chunk kept in a tuple (scanned); past this, a _ManyClaims
 
 
@@ -72,7 +75,7 @@ class ClaimLists:
         # Per content id (grown with the store).
         self.head = array("i")
         self.num_chunks = array("i")
-        self._more_heads: dict[int, int] = {}
+        self.other_heads = HeadTable()
         self.num_occupants = 0
         self._namespaces = _NamespaceIds()
         self.num_claims = 0
@@ -215,28 +218,16 @@ class ClaimLists:
         slot = self._slots_in(claim)[0] if ns_id is None else self._slot_of(claim, ns_id)
         return NONE if slot == NONE else self.slot_cid[slot]
 
-    @property
-    def has_other_heads(self) -> bool:
-        """Whether some content has lists of more than one namespace (`_more_heads`)."""
-        return bool(self._more_heads)
-
     def heads_of(self, cids: np.ndarray, ns_id: int) -> np.ndarray:
         """Per content, the head slot of `ns_id`'s list (-1: none)."""
-        heads = np.frombuffer(self.head, dtype=np.int32)[cids].astype(np.int64)
-        own = heads != NONE
-        own[own] = np.frombuffer(self.slot_ns, dtype=np.int32)[heads[own]] == ns_id
-        if not own.all():
-            more = self._more_heads
-            for i in np.flatnonzero(~own).tolist():
-                heads[i] = more.get(ns_id << _NS_SHIFT | int(cids[i]), NONE) if more else NONE
-        return heads
+        return heads_of(cids, ns_id, self.head, self.slot_ns, *self.other_heads.for_kernels)
 
     def python_bytes(self) -> int:
         """Memory held beyond the content store: the arrays and the Python records."""
         arrays = (self.slot_ns, self.slot_cid, self.slot_offset, self._slot_order,
                   self.next_slot, self._prev, self.head, self.num_chunks, self._free_slots)
         return (sys.getsizeof(self.chunks) + len(self.chunks) * _RECORD_BYTES
-                + sys.getsizeof(self.slot_chunk) + sys.getsizeof(self._more_heads)
+                + sys.getsizeof(self.slot_chunk) + self.other_heads.nbytes()
                 + sum(len(a) * a.itemsize for a in arrays))
 
     # --- a chunk's claims: one slot (int), a tuple of slots, or a _ManyClaims ----------
@@ -324,7 +315,7 @@ class ClaimLists:
         head = self.head[cid]
         if head != NONE and self.slot_ns[head] == ns_id:
             return head
-        return self._more_heads.get(ns_id << _NS_SHIFT | cid, NONE) if self._more_heads \
+        return self.other_heads.get(ns_id << _NS_SHIFT | cid) if self.other_heads.size \
             else NONE
 
     def _set_head(self, cid: int, ns_id: int, old: int, new: int) -> None:
@@ -333,9 +324,9 @@ class ClaimLists:
         if self.head[cid] == old:
             self.head[cid] = new
         elif new == NONE:
-            del self._more_heads[ns_id << _NS_SHIFT | cid]
+            self.other_heads.delete(ns_id << _NS_SHIFT | cid)
         else:
-            self._more_heads[ns_id << _NS_SHIFT | cid] = new
+            self.other_heads.set(ns_id << _NS_SHIFT | cid, new)
 
     def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int, offset: int, claim) -> int:
         """A new slot: `ns_id`'s claim on `chunk_hash` (whose claims so far are `claim`,
@@ -381,7 +372,7 @@ class ClaimLists:
             if self.head[cid] == NONE:
                 self.head[cid] = slot
             else:
-                self._more_heads[ns_id << _NS_SHIFT | cid] = slot
+                self.other_heads.set(ns_id << _NS_SHIFT | cid, slot)
             return
         order, after = slot_order[slot], prev_slot[head]  # the tail
         while slot_order[after] > order:
@@ -443,7 +434,7 @@ class ClaimLists:
 
 class _NamespaceIds:
     """Small integer ids for namespaces (a bit of the store's masks, a key of
-    `_more_heads`), each recycled once nothing claims its namespace, so they stay small."""
+    `other_heads`), each recycled once nothing claims its namespace, so they stay small."""
 
     def __init__(self) -> None:
         self.ids: dict[Hashable, int] = {}

@@ -249,12 +249,8 @@ class ContentIndex:
                 return [], [], []
             store = self._store
             found = store.match_occupants(tokens, self.probe_stride, mask_bit(ns_id), ns_id,
-                                          claims.head, claims.slot_ns, claims.has_other_heads,
+                                          claims.head, claims.slot_ns, claims.other_heads,
                                           claims.next_slot, claims.slot_offset)
-            if found is None:  # some list of this namespace is not its content's first
-                heads = claims.heads_of(store.probed()[1], ns_id)
-                found = store.take_occupants(tokens, heads, claims.next_slot,
-                                             claims.slot_offset)
             positions, slots, offsets = found.tolist()
             slot_chunk = claims.slot_chunk
             return [slot_chunk[s] for s in slots], offsets, positions

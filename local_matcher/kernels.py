@@ -52,6 +52,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.typed import List
 
+from local_matcher.head_table import other_head
+
 _SCRAMBLE_FACTOR = np.uint64(0x9E3779B97F4A7C15)
 _FINISH_FACTOR = np.uint64(0xBF58476D1CE4E5B9)
 _S32 = np.uint64(32)
@@ -260,7 +262,7 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table
     fingerprint in the table and carry `ns_bit` in its namespace mask (a cheap
     over-approximation of "claimed by the requester"). The first candidate of a content
     is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
-    its later candidates are kept unverified as repeats (`take_occupants` compares only
+    its later candidates are kept unverified as repeats (`match_occupants` compares only
     as many as the content has occupants to offer). A window whose fingerprint several
     candidates share is resolved at once to the one content holding it, if any: each
     window yields one entry at most. Writes, ascending by position, the
@@ -301,35 +303,22 @@ def _take_into(query, found, firsts, repeats, cursor, first, next_slot, slot_off
 
 
 @njit(cache=True, nogil=True)
-def take_occupants(query, found, firsts, repeats, cursor, first, next_slot, slot_offset,
-                   blocks, out):
-    """Give each occurrence `probe` found an occupant: the caller's lists, not the store's.
-
-    First occurrences and repeat candidates are merged in position order. A first
-    occurrence takes ``cursor[cid]``, the head of the requester's circular list on that
-    content (-1: none). A repeat candidate is compared token by token only while the list
-    has a slot left (``next_slot[cursor[cid]]`` is not back at the head, ``first[cid]``);
-    if equal it takes that slot. The caller sets `cursor` and `first` to the head for
-    every content among the first occurrences. Writes positions, slots and the slots'
-    `slot_offset` to ``out[0]``, ``out[1]``, ``out[2]``, ascending; returns how many.
-    """
-    return _take_into(query, found, firsts, repeats, cursor, first, next_slot, slot_offset,
-                      blocks, out)
-
-
-@njit(cache=True, nogil=True)
 def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
                     table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found,
-                    head, slot_ns, ns_id, other_heads, next_slot, slot_offset, cursor, first,
-                    out):
-    """`probe`, the heads of the requester's lists, then `take_occupants`, in one call.
+                    head, slot_ns, ns_id, other_keys, other_slots, other_shift, next_slot,
+                    slot_offset, cursor, first, out):
+    """`probe`, the heads of the requester's lists, then the occupants, in one call.
 
     The head of namespace `ns_id`'s list on a content is ``head[cid]`` when that slot is
-    its (``slot_ns``); else, when `other_heads` (the caller keeps the heads of further
-    lists elsewhere), it is not known here: returns (firsts, repeats, -1) after the
-    probe, and the caller finds the heads and calls `take_occupants`. Without
-    `other_heads` that content has no list of `ns_id`. Returns (firsts, repeats,
-    matches)."""
+    its (``slot_ns``), else the one the caller's `HeadTable` (`other_keys`,
+    `other_slots`, `other_shift`) holds under ``ns_id << 32 | cid``, if any.
+
+    Occupants: first occurrences and repeat candidates are merged in position order. A
+    first occurrence takes the head of the requester's circular list on its content
+    (-1: none). A repeat candidate is compared token by token only while that list has a
+    slot left (the next slot is not back at the head); if equal it takes that slot.
+    Writes positions, slots and the slots' `slot_offset` to ``out[0]``, ``out[1]``,
+    ``out[2]``, ascending. Returns (firsts, repeats, matches)."""
     firsts, repeats = _probe_into(query, stride, salt, base, base_pow, filter_words,
                                   filter_shift, table, table_shift, blocks, width, ns_mask,
                                   ns_bit, seen, epoch, scratch, found)
@@ -341,9 +330,8 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
         cid = found[1, i]
         slot = head[cid]
         if slot == -1 or slot_ns[slot] != ns_id:
-            if other_heads:
-                return firsts, repeats, -1
-            slot = -1
+            slot = other_head(other_keys, other_slots, other_shift,
+                              (np.int64(ns_id) << 32) | cid)
         cursor[cid] = slot
         first[cid] = slot
     return firsts, repeats, _take_into(query, found, firsts, repeats, cursor, first,

@@ -22,7 +22,9 @@ import secrets
 from array import array
 
 import numpy as np
-from local_matcher import kernels
+
+from local_matcher import head_table, kernels
+from local_matcher.head_table import HeadTable
 
 _FILTER_BITS_PER_SLOT_LOG2 = 3
 # Probe buffers are kept for queries up to this many tokens (a few MB); longer ones
@@ -57,10 +59,13 @@ class ContentStore:
         query = np.arange(12, dtype=np.uint32)
         head, slot_ns = array("i", [-1, -1]), array("i", [0, 0])  # no lists: no matches
         next_slot, slot_offset = array("i", [0]), array("q", [0])
-        store.match_occupants(query, 1, 1, 0, head, slot_ns, True, next_slot, slot_offset)
+        store.match_occupants(query, 1, 1, 0, head, slot_ns, HeadTable(), next_slot,
+                              slot_offset)
         found = store.probe(query, 1, 1)
-        heads = np.zeros(found[1].size, dtype=np.int64)
-        store.take_occupants(query, heads, next_slot, slot_offset)
+        others = HeadTable()
+        for key in range(8):  # past half full: compiles `rehash`
+            others.set(key, 0)
+        heads = head_table.heads_of(found[1], 0, head, slot_ns, *others.for_kernels)
         store.occurrences(query, *found, 1)
         kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), next_slot)
         store.remove(cids)
@@ -189,7 +194,7 @@ class ContentStore:
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Occurrences of contents whose namespace mask has `ns_bit`: (positions, ids) of
         each content's first verified occurrence, then (positions, ids) of its later
-        candidates, not yet verified (`take_occupants`). Both ascending by position;
+        candidates, not yet verified (`occurrences`). Both ascending by position;
         views of the store's buffers, valid until its next `probe` or `match_occupants`."""
         self._probe_buffers(query.size)
         self._epoch += 1
@@ -201,47 +206,27 @@ class ContentStore:
         return self._probed_views()
 
     def match_occupants(self, query: np.ndarray, stride: int, ns_bit: int, ns_id: int,
-                        head, slot_ns, other_heads: bool, next_slot, slot_offset
-                        ) -> np.ndarray | None:
-        """`probe`, then `take_occupants` with the heads of namespace `ns_id`'s lists, in
-        one kernel call: a (3, matches) view of (positions, slots, offsets), valid until
-        the next probe. The lists are the caller's (`local_matcher.claims`): `head[cid]`
-        the first list on a content, its namespace `slot_ns[head[cid]]`; None when some
-        content's list of `ns_id` is not its first and `other_heads` says the caller
-        keeps such heads: then find them and call `take_occupants` for this probe."""
+                        head, slot_ns, other_heads: HeadTable, next_slot, slot_offset
+                        ) -> np.ndarray:
+        """`probe`, then the occupants of namespace `ns_id`'s lists, in one kernel call
+        (`kernels.match_occupants`): a (3, matches) view of (positions, slots, offsets),
+        valid until the next probe. The lists are the caller's (`local_matcher.claims`): `head[cid]`
+        the first list on a content, its namespace `slot_ns[head[cid]]`; the heads of the
+        others in `other_heads`."""
         self._probe_buffers(query.size)
         self._epoch += 1
         firsts, repeats, matches = kernels.match_occupants(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
             self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
             self.ns_mask, np.uint64(ns_bit), self._seen, self._epoch, self._scratch,
-            self._found, head, slot_ns, ns_id, other_heads, next_slot, slot_offset,
-            self._cursor, self._first, self._out)
+            self._found, head, slot_ns, ns_id, *other_heads.for_kernels, next_slot,
+            slot_offset, self._cursor, self._first, self._out)
         self._probed = firsts, repeats
-        return None if matches < 0 else self._out[:, :matches]
+        return self._out[:, :matches]
 
     def probed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What the last `probe` or `match_occupants` found, as `probe` returns it."""
         return self._probed_views()
-
-    def take_occupants(self, query: np.ndarray, heads: np.ndarray, next_slot, slot_offset
-                       ) -> np.ndarray:
-        """A (3, matches) view of (positions, slots, offsets): the occurrences the last
-        probe of `query` found, each given an occupant.
-
-        The occupants are the caller's: per first-found content, the head slot of the
-        requester's circular list (`heads`, -1: none); `next_slot` links each slot to the
-        next of its list, `slot_offset` is each slot's stored offset. The first occurrence
-        of a content takes the head, each verified repeat the next slot, until the list
-        comes back round to its head."""
-        firsts, repeats = self._probed
-        first_cid = self._found[1, :firsts]
-        self._cursor[first_cid] = heads
-        self._first[first_cid] = heads
-        matches = kernels.take_occupants(query, self._found, firsts, repeats, self._cursor,
-                                         self._first, next_slot, slot_offset, self._blocks,
-                                         self._out)
-        return self._out[:, :matches]
 
     def _probed_views(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         firsts, repeats = self._probed

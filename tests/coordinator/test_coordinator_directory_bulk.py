@@ -220,7 +220,7 @@ def _state(directory: KeyDirectory, ordered: bool = True) -> dict:
                                                 claims.slot_offset, claims._slot_order,
                                                 claims.next_slot, claims._prev, claims.head,
                                                 claims.num_chunks, claims._free_slots)),
-                           dict(claims._more_heads), dict(claims.ns_ids),
+                           dict(claims.other_heads.items()), dict(claims.ns_ids),
                            claims.num_occupants, claims._next_order,
                            index._store.ns_mask.tobytes())
     return state

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from local_matcher import BlendMatch, ContentIndex, kernels
+from local_matcher import BlendMatch, ContentIndex, head_table, kernels
 
 LANE = "unit"
 
@@ -245,8 +245,9 @@ def test_fingerprint_key_is_random_per_instance():
 
 def test_kernels_are_compiled_when_an_index_is_built():
     index = ContentIndex(chunk_size=C)
-    kernel_list = (kernels.probe, kernels.take_occupants, kernels.insert_rows,
-                   kernels.remove_contents, kernels.rebuild_table)
+    kernel_list = (kernels.probe, kernels.match_occupants, kernels.insert_rows,
+                   kernels.remove_contents, kernels.rebuild_table, head_table.heads_of,
+                   head_table.rehash)
     for kernel in kernel_list:
         assert kernel.signatures, f"{kernel.__name__} was not warmed"
     compiled = [len(kernel.signatures) for kernel in kernel_list]

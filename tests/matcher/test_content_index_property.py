@@ -208,7 +208,7 @@ def _claims_state(index: ContentIndex) -> tuple:
             *(bytes(a) for a in (claims.slot_ns, claims.slot_cid, claims.slot_offset,
                                  claims._slot_order, claims.next_slot, claims._prev,
                                  claims.head, claims.num_chunks, claims._free_slots)),
-            dict(claims._more_heads), dict(claims.ns_ids), claims.num_claims,
+            dict(claims.other_heads.items()), dict(claims.ns_ids), claims.num_claims,
             claims.num_occupants, claims._next_order, index._store.ns_mask.tobytes())
 
 
