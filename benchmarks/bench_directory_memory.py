@@ -63,22 +63,25 @@ def measure(chunk_size: int, chunks: int, batch: int = 500) -> dict[str, float]:
     directory = KeyDirectory(chunk_size=chunk_size, enable_blend_lookup=True)
     rng = np.random.default_rng(chunk_size)
 
-    def batches(seq: int, count: int) -> list[CacheEventBatch]:
+    def body(seq: int, count: int) -> bytes:
+        # Offsets as in prompts of up to 32 chunks: most are Python ints of their own.
         entries = [{"key": {"chunk_hash_hex": os.urandom(32).hex(), "model_name": "m",
                             "kv_rank": 0},
                     "token_ids": rng.integers(0, 128_000, chunk_size).tolist(),
-                    "token_offset": (i % 8) * chunk_size} for i in range(count)]
-        body = {"batches": [{"instance_id": "i0", "seq": seq, "event_type": "store",
-                             "tier": "l1", "backend": "dram", "entries": entries}]}
-        return decode(encode(body), EventsRequest).batches
+                    "token_offset": (i % 32) * chunk_size} for i in range(count)]
+        return encode({"batches": [{"instance_id": "i0", "seq": seq, "event_type": "store",
+                                    "tier": "l1", "backend": "dram", "entries": entries}]})
 
-    directory.ingest(batches(1, batch))  # kernels loaded, first blocks made
-    bodies = [batches(2 + k, batch) for k in range(chunks // batch)]
+    def batches(encoded: bytes) -> list[CacheEventBatch]:
+        return decode(encoded, EventsRequest).batches
+
+    directory.ingest(batches(body(1, batch)))  # kernels loaded, first blocks made
+    bodies = [body(2 + k, batch) for k in range(chunks // batch)]
     gc.collect()
     tracemalloc.start(1)
     before = tracemalloc.take_snapshot()
-    for body in bodies:
-        directory.ingest(body)
+    for encoded in bodies:  # decoded here: what the directory keeps of it is counted
+        directory.ingest(batches(encoded))
     del bodies
     gc.collect()
     after = tracemalloc.take_snapshot()

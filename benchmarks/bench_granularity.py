@@ -49,7 +49,7 @@ import psutil
 from benchmarks.bench_rag import (INSTANCES, Run, Workload, chunk_sizes, load_musique, run_one,
                                   workload_a, workload_b)
 from benchmarks.bench_unified_lookup import MODEL
-from benchmarks.common import machine_description
+from benchmarks.common import cpu_seconds, machine_description
 from benchmarks.lookup_forms import forms_table
 from benchmarks.musique_data import DATA_FILE, MUSIQUE_DATA_DIR
 from coordinator_stub.launch.process import start_coordinator
@@ -153,7 +153,7 @@ def store_price(work: Workload, chunk: int) -> StorePrice:
         store_all(coordinator.url, [(0, warm)], [host.chunk_hashes(LookupKey("w", warm, MODEL))],
                   chunk, f"warm-{chunk}")
         before = indexed()
-        rss, cpu = process.memory_info().rss, sum(process.cpu_times()[:2])
+        rss, cpu = process.memory_info().rss, cpu_seconds(process.pid)
         started = time.process_time()
         store_all(coordinator.url, stores, hashes, chunk, f"price-{chunk}")
         price.store_path_us = (time.process_time() - started) / price.stored_tokens * 1e6
@@ -162,7 +162,7 @@ def store_price(work: Workload, chunk: int) -> StorePrice:
             time.sleep(0.05)
         if indexed() != before + chunks:
             raise RuntimeError(f"the coordinator indexed {indexed() - before} of {chunks} chunks")
-        price.ingest_us = (sum(process.cpu_times()[:2]) - cpu) / price.stored_tokens * 1e6
+        price.ingest_us = (cpu_seconds(process.pid) - cpu) / price.stored_tokens * 1e6
         price.coordinator_bytes = (process.memory_info().rss - rss) / price.stored_tokens
         relay = CountingRelay(coordinator.port)
         try:  # the same stores again from other instances, through the relay

@@ -26,7 +26,7 @@ from blend_wire import (
 )
 from coordinator_stub.directory.guard import foreign_place, what_stands
 from coordinator_stub.directory.journal import Journal, JournaledDict
-from coordinator_stub.directory.new_chunks import digest, store_batch
+from coordinator_stub.directory.new_chunks import digest, shared_offset, store_batch
 from coordinator_stub.directory.placements import (
     FEW,
     INSTANCE,
@@ -161,13 +161,14 @@ class Bindings:
         binding's content and offset. Unless shared hashes are trusted, what other
         instances reported stands (`guard.what_stands`)."""
         key_no = self._placements.key_no(entry.key)
+        new_offset = shared_offset(entry.token_offset)
         binding = self.table.get(chunk_hash)
         content, offset, holds, accesses, reported = binding if binding is not None else (
             None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES, None)
         # Blend lookup off: no content is recorded (or hashed).
         stamped = None if self.writer is None else self._stamped_tokens(entry)
         guarded = what_stands(self, chunk_hash, binding, key_no, place_no, stamped,
-                              entry.token_offset)
+                              new_offset)
         if guarded is None:
             return
         keep_place, stamped = guarded
@@ -178,7 +179,7 @@ class Bindings:
         if self.writer is not None:
             namespace = self._placements.key_ns[key_no]
             if type(content) is OwnContent:
-                self._store_own(chunk_hash, content, namespace, stamped, entry.token_offset)
+                self._store_own(chunk_hash, content, namespace, stamped, new_offset)
             elif (self.trust_shared_hashes or content is None and stamped is None
                   or self._placements.alone(holds, namespace)):
                 # One namespace on the chunk (or LMCache's shared rules): the chunk's
@@ -186,12 +187,12 @@ class Bindings:
                 claimant = namespace if new_claim else None
                 if stamped is not None:
                     content, offset = self._stamp(chunk_hash, content, offset, holds,
-                                                  stamped, entry.token_offset, claimant)
+                                                  stamped, new_offset, claimant)
                 elif claimant is not None and indexed(content, offset):
                     # STORE without tokens, content known: claim it for the key's namespace.
                     self._claim_for(chunk_hash, content, offset, claimant)
             elif (stamped is None and not new_claim) or (
-                    stamped is not None and content is not None and offset == entry.token_offset
+                    stamped is not None and content is not None and offset == new_offset
                     and self._same_content(chunk_hash, content, stamped, None)):
                 # Nothing new, or what every namespace here already holds.
                 if new_claim and indexed(content, offset):
@@ -204,7 +205,7 @@ class Bindings:
                 content = self._own_content(holds, content, offset,
                                             namespace if new_claim else None)
                 offset = UNKNOWN_TOKEN_OFFSET
-                self._store_own(chunk_hash, content, namespace, stamped, entry.token_offset)
+                self._store_own(chunk_hash, content, namespace, stamped, new_offset)
         if type(content) is OwnContent:
             if stamped is not None:  # displayed: the latest STORE's tokens, as LMCache
                 reported = stamped

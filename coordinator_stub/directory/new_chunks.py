@@ -23,6 +23,27 @@ from coordinator_stub.directory.placements import Placements
 #: batch's digests are taken without a Python call each.
 digest = hash
 
+#: Token offsets, each value kept once: a binding's offset is then a reference to a shared
+#: int (offsets are mostly a few hundred multiples of the chunk size), not an int object
+#: of its own (28 B a chunk). Bounded: emptied past `_MAX_SHARED_OFFSETS` values.
+_SHARED_OFFSETS: dict[int, int] = {}
+_MAX_SHARED_OFFSETS = 1 << 16
+
+
+def shared_offsets(offsets: list[int]) -> list[int]:
+    """`offsets`, each the shared int of its value (`_SHARED_OFFSETS`)."""
+    if len(_SHARED_OFFSETS) > _MAX_SHARED_OFFSETS:
+        _SHARED_OFFSETS.clear()
+    return list(map(_SHARED_OFFSETS.setdefault, offsets, offsets))
+
+
+def shared_offset(offset: int) -> int:
+    """`shared_offsets` of one."""
+    if len(_SHARED_OFFSETS) > _MAX_SHARED_OFFSETS:
+        _SHARED_OFFSETS.clear()
+    return _SHARED_OFFSETS.setdefault(offset, offset)
+
+
 _KEY, _SIZE, _TOKENS, _OFFSET = (attrgetter(name) for name in (
     "key", "size_bytes", "token_ids", "token_offset"))
 _HEX = attrgetter("chunk_hash_hex")
@@ -143,7 +164,7 @@ class RunTokens:
             np.dtype((np.void, self.rows.shape[1] * self.rows.itemsize))).ravel().tolist()
         self.offsets = self.positions = self.contents = None
         if indexed:
-            self.offsets = list(map(_OFFSET, entries))
+            self.offsets = shared_offsets(list(map(_OFFSET, entries)))
             self.positions = np.array(self.offsets, dtype=np.int64)
             self.contents = (list(map(digest, self.row_bytes)) if min(self.offsets) >= 0
                              else [digest(row) if offset >= 0 else row

@@ -189,6 +189,25 @@ def test_indexed_tokens_are_kept_once_and_fetched_back_when_claiming():
     assert [(m.chunk_hash, m.old_st) for m in found] == [(bytes.fromhex("a1"), 0)]
 
 
+def test_bindings_share_one_int_per_offset_value_and_the_sharing_is_bounded(monkeypatch):
+    # A decoded offset is an int object of its own (28 B a chunk past 256); bindings keep
+    # the one shared int of its value instead, within a bound.
+    from coordinator_stub.directory import new_chunks
+
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    offset = 1000
+    for seq, tokens in enumerate(CONTENTS[:2], start=1):
+        entries = [_entry(f"b{seq}", SPACES[0], tokens, offset + 0)]
+        directory.ingest([_batch("i0", 0, seq, "store", TIERS[0], entries)])
+    offsets = [binding[1] for binding in directory._bindings.table.values()]
+    assert offsets == [1000, 1000] and offsets[0] is offsets[1]
+    monkeypatch.setattr(new_chunks, "_MAX_SHARED_OFFSETS", 8)
+    for value in range(100):
+        new_chunks.shared_offset(10**6 + value)
+        new_chunks.shared_offsets([2 * 10**6 + value])
+    assert len(new_chunks._SHARED_OFFSETS) <= 9
+
+
 # --- one chunk hash, many keys ---------------------------------------------------------------
 
 
