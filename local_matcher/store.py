@@ -44,6 +44,11 @@ def _grown(array_: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+#: The per-content columns kept as int32, and the last epoch `_seen` holds before it wraps.
+_PER_CONTENT_INT32 = ("_first", "_cursor", "_seen", "_free_ids")
+_MAX_EPOCH = np.iinfo(np.int32).max
+
+
 class ContentStore:
     _warmed = False
 
@@ -86,10 +91,12 @@ class ContentStore:
         self._block_arrays: list[np.ndarray] = []
         self._blocks = None
         self.ns_mask = np.zeros(0, dtype=np.uint64)
-        self._first = np.zeros(0, dtype=np.int64)
-        self._cursor = np.zeros(0, dtype=np.int64)
-        self._seen = np.zeros(0, dtype=np.int64)
-        self._free_ids = np.zeros(0, dtype=np.int64)
+        # Per content id, 4 bytes each: slot numbers (the claim lists' are int32), an
+        # epoch (`_next_epoch` wraps it) and the free ids.
+        self._first = np.zeros(0, dtype=np.int32)
+        self._cursor = np.zeros(0, dtype=np.int32)
+        self._seen = np.zeros(0, dtype=np.int32)
+        self._free_ids = np.zeros(0, dtype=np.int32)
         self._free_top = np.zeros(1, dtype=np.int64)
         self._drop_buffers()
         self._allocate_table(4)
@@ -104,6 +111,8 @@ class ContentStore:
 
     def __setstate__(self, state: dict) -> None:
         vars(self).update(state)
+        for name in _PER_CONTENT_INT32:  # a snapshot of a build that kept them as int64
+            setattr(self, name, getattr(self, name).astype(np.int32, copy=False))
         self._drop_buffers()
         blocks = self._block_arrays
         self._blocks = kernels.new_blocks(blocks[0])
@@ -197,7 +206,7 @@ class ContentStore:
         candidates, not yet verified (`occurrences`). Both ascending by position;
         views of the store's buffers, valid until its next `probe` or `match_occupants`."""
         self._probe_buffers(query.size)
-        self._epoch += 1
+        self._next_epoch()
         self._probed = kernels.probe(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
             self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
@@ -214,7 +223,7 @@ class ContentStore:
         the first list on a content, its namespace `slot_ns[head[cid]]`; the heads of the
         others in `other_heads`."""
         self._probe_buffers(query.size)
-        self._epoch += 1
+        self._next_epoch()
         firsts, repeats, matches = kernels.match_occupants(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
             self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
@@ -223,6 +232,14 @@ class ContentStore:
             slot_offset, self._cursor, self._first, self._out)
         self._probed = firsts, repeats
         return self._out[:, :matches]
+
+    def _next_epoch(self) -> None:
+        """A new probe's mark in `_seen`; past int32's range every mark is cleared and
+        counting starts again (once per two billion probes)."""
+        if self._epoch >= _MAX_EPOCH:
+            self._seen[:] = 0
+            self._epoch = 0
+        self._epoch += 1
 
     def probed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What the last `probe` or `match_occupants` found, as `probe` returns it."""

@@ -237,6 +237,35 @@ def test_two_contents_with_the_same_fingerprint_are_both_matchable():
     assert index.match(reverse + X, B) == [BlendMatch(b"r", 4, 0)]
 
 
+def test_the_probe_epoch_wraps_without_hiding_a_content(index):
+    # `_seen` holds int32 epochs: past the range every mark is cleared. A mark left from
+    # long ago (here 1, every content) must not make the first probe after the wrap, at
+    # epoch 1, take each content for one already found.
+    from local_matcher.store import _MAX_EPOCH
+
+    index.add(X, b"x", 0, A)
+    index.add(Y, b"y", 4, A)
+    store = index._store
+    store._epoch = _MAX_EPOCH - 1
+    assert len(index.match(X + Y, A)) == 2  # epoch _MAX_EPOCH
+    store._seen[:] = 1
+    assert index.match(X + Y, A) == [BlendMatch(b"x", 0, 0), BlendMatch(b"y", 4, 4)]
+    assert store._epoch == 1
+
+
+def test_a_snapshot_with_int64_content_columns_loads_as_int32(index):
+    import pickle
+
+    index.add(X, b"x", 0, A)
+    store = index._store
+    for name in ("_first", "_cursor", "_seen", "_free_ids"):  # as an older build kept them
+        setattr(store, name, getattr(store, name).astype(np.int64))
+    loaded = pickle.loads(pickle.dumps(index))
+    assert {getattr(loaded._store, name).dtype
+            for name in ("_first", "_cursor", "_seen", "_free_ids")} == {np.dtype(np.int32)}
+    assert loaded.match(Y + X, A) == [BlendMatch(b"x", 0, 4)]
+
+
 def test_fingerprint_key_is_random_per_instance():
     keys = {(int(ContentIndex(C)._store._salt), int(ContentIndex(C)._store._base))
             for _ in range(3)}
