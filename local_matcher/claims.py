@@ -75,10 +75,23 @@ class ClaimLists:
         # Per content id (grown with the store).
         self.head = array("i")
         self.num_chunks = array("i")
-        self.other_heads = HeadTable()
+        self._more_heads = HeadTable()  # named as when it was a dict: snapshots load
         self.num_occupants = 0
         self._namespaces = _NamespaceIds()
         self.num_claims = 0
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        if type(self._more_heads) is dict:  # a snapshot of a build that kept a dict here
+            heads = HeadTable()
+            for key, slot in self._more_heads.items():
+                heads.set(key, slot)
+            self._more_heads = heads
+
+    @property
+    def other_heads(self) -> HeadTable:
+        """The heads of the lists that are not their content's first (module doc)."""
+        return self._more_heads
 
     # --- adding -------------------------------------------------------------------------
 
@@ -220,14 +233,14 @@ class ClaimLists:
 
     def heads_of(self, cids: np.ndarray, ns_id: int) -> np.ndarray:
         """Per content, the head slot of `ns_id`'s list (-1: none)."""
-        return heads_of(cids, ns_id, self.head, self.slot_ns, *self.other_heads.for_kernels)
+        return heads_of(cids, ns_id, self.head, self.slot_ns, *self._more_heads.for_kernels)
 
     def python_bytes(self) -> int:
         """Memory held beyond the content store: the arrays and the Python records."""
         arrays = (self.slot_ns, self.slot_cid, self.slot_offset, self._slot_order,
                   self.next_slot, self._prev, self.head, self.num_chunks, self._free_slots)
         return (sys.getsizeof(self.chunks) + len(self.chunks) * _RECORD_BYTES
-                + sys.getsizeof(self.slot_chunk) + self.other_heads.nbytes()
+                + sys.getsizeof(self.slot_chunk) + self._more_heads.nbytes()
                 + sum(len(a) * a.itemsize for a in arrays))
 
     # --- a chunk's claims: one slot (int), a tuple of slots, or a _ManyClaims ----------
@@ -315,7 +328,7 @@ class ClaimLists:
         head = self.head[cid]
         if head != NONE and self.slot_ns[head] == ns_id:
             return head
-        return self.other_heads.get(ns_id << _NS_SHIFT | cid) if self.other_heads.size \
+        return self._more_heads.get(ns_id << _NS_SHIFT | cid) if self._more_heads.size \
             else NONE
 
     def _set_head(self, cid: int, ns_id: int, old: int, new: int) -> None:
@@ -324,9 +337,9 @@ class ClaimLists:
         if self.head[cid] == old:
             self.head[cid] = new
         elif new == NONE:
-            self.other_heads.delete(ns_id << _NS_SHIFT | cid)
+            self._more_heads.delete(ns_id << _NS_SHIFT | cid)
         else:
-            self.other_heads.set(ns_id << _NS_SHIFT | cid, new)
+            self._more_heads.set(ns_id << _NS_SHIFT | cid, new)
 
     def _claim(self, chunk_hash: Hashable, cid: int, ns_id: int, offset: int, claim) -> int:
         """A new slot: `ns_id`'s claim on `chunk_hash` (whose claims so far are `claim`,
@@ -372,7 +385,7 @@ class ClaimLists:
             if self.head[cid] == NONE:
                 self.head[cid] = slot
             else:
-                self.other_heads.set(ns_id << _NS_SHIFT | cid, slot)
+                self._more_heads.set(ns_id << _NS_SHIFT | cid, slot)
             return
         order, after = slot_order[slot], prev_slot[head]  # the tail
         while slot_order[after] > order:

@@ -152,3 +152,26 @@ def test_a_snapshot_from_before_the_ingest_pipeline_still_ingests():
     loaded.drop_instance("s")
     assert loaded.stats()["capacity"] == []
 
+
+
+def test_a_snapshot_from_before_the_head_table_still_matches_shared_contents():
+    # Until issue 30's head table, the heads of a content's further claim lists were a
+    # dict under the same attribute: same layout, so such a snapshot loads, converted.
+    import pickle
+
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    tokens = list(range(1, C + 1))
+    entries = [{"key": {"chunk_hash_hex": "ab", "model_name": "m", "kv_rank": pack_kv_rank(1),
+                        "cache_salt": salt}, "token_ids": tokens, "token_offset": 0}
+               for salt in ("t0", "t1")]
+    batch = {"instance_id": "i", "seq": 1, "event_type": "store", "tier": "l1",
+             "backend": "dram", "entries": entries}
+    directory.ingest(decode(encode({"batches": [batch]}), EventsRequest).batches)
+    claims = directory._index._claims  # noqa: SLF001 - an old state
+    assert len(claims.other_heads) == 1
+    claims._more_heads = dict(claims.other_heads.items())  # noqa: SLF001
+    loaded = pickle.loads(pickle.dumps(directory))
+    query = np.array([0] + tokens, dtype=np.uint32)
+    for salt in ("t0", "t1"):
+        found = loaded.match(query, BlendNamespace("m", salt, 1))
+        assert [(m.chunk_hash, m.cur_st) for m in found] == [(bytes.fromhex("ab"), 1)]
