@@ -36,7 +36,7 @@ from benchmarks.common import machine_description
 
 #: (file suffix, words in the allocating line, group); the first that fits wins.
 _GROUPS = (
-    ("local_matcher/store.py", "BLOCK_ROWS, self.chunk_size", "tokens"),
+    ("local_matcher/store.py", "np.empty((kernels.BLOCK_ROWS", "tokens"),
     ("local_matcher/store.py", "", "content index: table, filter, columns"),
     ("local_matcher/claims.py", "self.chunks", "claims: dict by chunk hash"),
     ("local_matcher/claims.py", "", "claims: columns"),

@@ -126,16 +126,52 @@ def _prefetch(typingctx, array_, index):
 
 @njit(cache=True, inline="always")
 def _prefetch_row(row):
-    for j in range(0, row.shape[0], 16):  # 16 tokens: one 64-byte cache line
+    for j in range(0, row.shape[0], 64 // row.itemsize):  # one 64-byte cache line each
         _prefetch(row, j)
     _prefetch(row, row.shape[0] - 1)  # the last line, should the row not start a line
+
+
+# A row of tokens is uint32 (a query, rows to insert, a wide store's blocks) or packed:
+# three little-endian bytes per token (a store's blocks while every id is below
+# PACKED_TOKEN_LIMIT). `row.itemsize` is a constant of each compiled specialisation, so
+# each compiles to one branch.
+PACKED_TOKEN_LIMIT = 1 << 24
+
+
+@njit(cache=True, inline="always")
+def _width(row):
+    """Tokens in a row."""
+    return row.shape[0] // 3 if row.itemsize == 1 else row.shape[0]
+
+
+@njit(cache=True, inline="always")
+def _token(row, j):
+    if row.itemsize == 1:
+        k = 3 * j
+        return (np.uint32(row[k]) | (np.uint32(row[k + 1]) << np.uint32(8))
+                | (np.uint32(row[k + 2]) << np.uint32(16)))
+    return np.uint32(row[j])
+
+
+@njit(cache=True, inline="always")
+def _put_row(stored, tokens):
+    """Store a uint32 row into a block's row (packed or not)."""
+    if stored.itemsize == 1:
+        for j in range(tokens.shape[0]):
+            t = tokens[j]
+            stored[3 * j] = t & 0xFF
+            stored[3 * j + 1] = (t >> 8) & 0xFF
+            stored[3 * j + 2] = (t >> 16) & 0xFF
+    else:
+        for j in range(tokens.shape[0]):
+            stored[j] = tokens[j]
 
 
 @njit(cache=True, inline="always")
 def _fingerprint(row, salt, base):
     h = np.uint64(0)
-    for j in range(row.shape[0]):
-        h = h * base + _scramble(row[j], salt)
+    for j in range(_width(row)):
+        h = h * base + _scramble(_token(row, j), salt)
     return _finish(h, salt)
 
 
@@ -155,8 +191,8 @@ def _filter_test(filter_words, filter_shift, fp):
 
 @njit(cache=True, inline="always")
 def _same_tokens(query, start, stored):
-    for j in range(stored.shape[0]):
-        if query[start + j] != stored[j]:
+    for j in range(_width(stored)):
+        if query[start + j] != _token(stored, j):
             return False
     return True
 
@@ -456,7 +492,7 @@ def insert_rows(rows, salt, base, blocks, table, table_shift, filter_words, filt
         if cid == -1:
             free_top[0] -= 1
             cid = free_ids[free_top[0]]
-            _row(blocks, cid)[:] = rows[i]
+            _put_row(_row(blocks, cid), rows[i])
             _place(fp, cid, table, table_shift, filter_words, filter_shift)
             fresh[i] = 1
         cids[i] = cid

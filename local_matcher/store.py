@@ -8,7 +8,10 @@ Not thread-safe: `ContentIndex` serialises every call under its lock.
 
 Sizing invariants:
 - Tokens live in blocks of `kernels.BLOCK_ROWS` contents; growing adds a block and
-  never copies stored tokens. Ids of unused slots sit on a free stack and are reused,
+  never copies stored tokens. A block row holds each token in three bytes while every
+  stored id is below `kernels.PACKED_TOKEN_LIMIT` (2^24; real vocabularies are below
+  2^18), so tokens cost 3 B each; the first content with a larger id widens the whole
+  store to four bytes a token, once (`_widen`): what is found never depends on it. Ids of unused slots sit on a free stack and are reused,
   so any number of insert/remove cycles never exhausts the store. The arrays indexed by
   content id are at least `capacity` long and grow by doubling.
 - The table has at least `2 * capacity` slots (never more than half full) and the
@@ -35,6 +38,12 @@ _MASK64 = 2**64 - 1
 
 def _as_u64(value: int) -> np.uint64:
     return np.uint64(value & _MASK64)
+
+
+def _unpacked(rows: np.ndarray) -> np.ndarray:
+    """Packed rows (three little-endian bytes a token) as uint32 tokens."""
+    triples = rows.reshape(*rows.shape[:-1], -1, 3).astype(np.uint32)
+    return triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
 
 
 def _grown(array_: np.ndarray, size: int) -> np.ndarray:
@@ -122,6 +131,11 @@ class ContentStore:
     # --- sizing ---------------------------------------------------------------------
 
     @property
+    def packed(self) -> bool:
+        """Whether the blocks hold three bytes a token (else four; module doc)."""
+        return not self._block_arrays or self._block_arrays[0].dtype == np.uint8
+
+    @property
     def capacity(self) -> int:
         return len(self._block_arrays) * kernels.BLOCK_ROWS
 
@@ -153,7 +167,10 @@ class ContentStore:
             old = self.capacity
             new = old + kernels.BLOCK_ROWS
             # Rows are written before any read; fresh pages are mapped lazily on first write.
-            block = np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32)
+            if self.packed:
+                block = np.empty((kernels.BLOCK_ROWS, 3 * self.chunk_size), dtype=np.uint8)
+            else:
+                block = np.empty((kernels.BLOCK_ROWS, self.chunk_size), dtype=np.uint32)
             self._block_arrays.append(block)
             if self._blocks is None:
                 self._blocks = kernels.new_blocks(block)
@@ -184,6 +201,8 @@ class ContentStore:
         Returns the content id of every row and a flag array, 1 where the row's
         content was stored by this call.
         """
+        if self.packed and rows.size and int(rows.max()) >= kernels.PACKED_TOKEN_LIMIT:
+            self._widen()
         self._reserve(rows.shape[0])
         return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
                                    self._table_shift, self._filter, self._filter_shift,
@@ -196,8 +215,17 @@ class ContentStore:
                                 self._free_ids, self._free_top)
 
     def row(self, cid: int) -> np.ndarray:
-        """The stored tokens of content `cid` (a view)."""
-        return self._block_arrays[cid >> kernels.BLOCK_BITS][cid & (kernels.BLOCK_ROWS - 1)]
+        """The stored tokens of content `cid` as uint32 (a view if the store is wide)."""
+        row = self._block_arrays[cid >> kernels.BLOCK_BITS][cid & (kernels.BLOCK_ROWS - 1)]
+        return _unpacked(row) if row.dtype == np.uint8 else row
+
+    def _widen(self) -> None:
+        """Every block to four bytes a token: a content with an id the packed rows cannot
+        hold is about to be stored (once per store; what is found does not change)."""
+        self._block_arrays = [_unpacked(block) for block in self._block_arrays]
+        self._blocks = kernels.new_blocks(self._block_arrays[0])
+        for block in self._block_arrays[1:]:
+            kernels.append_block(self._blocks, block)
 
     def probe(self, query: np.ndarray, stride: int, ns_bit: int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

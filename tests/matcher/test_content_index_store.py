@@ -109,3 +109,30 @@ def test_every_window_fingerprint_equals_its_rows():
         first_pos, first_cid, _, _ = store.probe(query, stride, 1)
         assert first_pos.tolist() == list(range(0, 196, 7))
         assert first_cid.tolist() == cids.tolist()
+
+
+def test_tokens_take_three_bytes_until_an_id_needs_four():
+    """Block rows hold three bytes a token while every id is below 2^24; the first larger
+    id widens the store, and every content is still found and compared exactly."""
+    store = ContentStore(4)
+    small = np.array([[1, 2, 3, 4], [2**24 - 1, 0, 5, 2**16]], dtype=np.uint32)
+    small_cids, _ = store.insert(small)
+    assert store.packed and store._block_arrays[0].shape[1] == 3 * 4
+    assert store._block_arrays[0].dtype == np.uint8
+    # A query token differing from a stored one only above the low 24 bits is no match.
+    store.ns_mask[small_cids] = 1
+    near = small[0].copy()
+    near[3] += 2**24
+    assert store.probe(near, 1, 1)[0].size == 0
+    wide = np.array([[2**24, 7, 8, 9], [2**32 - 1, 1, 2, 3]], dtype=np.uint32)
+    wide_cids, fresh = store.insert(wide)
+    assert not store.packed and fresh.tolist() == [1, 1]
+    cids = small_cids.tolist() + wide_cids.tolist()
+    store.ns_mask[cids] = 1
+    both = np.concatenate([small, wide])
+    for tokens, cid in zip(both.tolist(), cids):
+        assert store.row(cid).tolist() == tokens
+    positions, found, _, _ = store.probe(both.ravel(), 1, 1)
+    assert positions.tolist() == [0, 4, 8, 12] and found.tolist() == cids
+    again, fresh = store.insert(both)
+    assert again.tolist() == cids and not fresh.any()
