@@ -21,6 +21,7 @@ Sizing invariants:
 
 from __future__ import annotations
 
+import logging
 import secrets
 from array import array
 
@@ -28,6 +29,8 @@ import numpy as np
 
 from local_matcher import head_table, kernels
 from local_matcher.head_table import HeadTable
+
+log = logging.getLogger(__name__)
 
 _FILTER_BITS_PER_SLOT_LOG2 = 3
 # Probe buffers are kept for queries up to this many tokens (a few MB); longer ones
@@ -222,6 +225,9 @@ class ContentStore:
     def _widen(self) -> None:
         """Every block to four bytes a token: a content with an id the packed rows cannot
         hold is about to be stored (once per store; what is found does not change)."""
+        log.warning("a content with a token id >= 2^24 is being stored: the store now "
+                    "keeps 4 bytes a token (3 until now) for its %d contents",
+                    self.num_contents)
         self._block_arrays = [_unpacked(block) for block in self._block_arrays]
         self._blocks = kernels.new_blocks(self._block_arrays[0])
         for block in self._block_arrays[1:]:
