@@ -167,8 +167,7 @@ class Bindings:
             None, UNKNOWN_TOKEN_OFFSET, (), _NO_ACCESSES, None)
         # Blend lookup off: no content is recorded (or hashed).
         stamped = None if self.writer is None else self._stamped_tokens(entry)
-        guarded = what_stands(self, chunk_hash, binding, key_no, place_no, stamped,
-                              new_offset)
+        guarded = what_stands(self, chunk_hash, binding, key_no, place_no, stamped, new_offset)
         if guarded is None:
             return
         keep_place, stamped = guarded
