@@ -45,8 +45,10 @@ def _as_u64(value: int) -> np.uint64:
 
 def _unpacked(rows: np.ndarray) -> np.ndarray:
     """Packed rows (three little-endian bytes a token) as uint32 tokens."""
-    triples = rows.reshape(*rows.shape[:-1], -1, 3).astype(np.uint32)
-    return triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+    shape = (*rows.shape[:-1], rows.shape[-1] // 3)
+    quads = np.zeros((*shape, 4), dtype=np.uint8)  # the fourth byte of each token: 0
+    quads[..., :3] = rows.reshape(*shape, 3)
+    return quads.view("<u4").reshape(shape).astype(np.uint32, copy=False)
 
 
 def _grown(array_: np.ndarray, size: int) -> np.ndarray:
