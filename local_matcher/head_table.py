@@ -75,10 +75,13 @@ class HeadTable:
             self._grow()
 
     def delete(self, key: int) -> None:
-        """Remove `key` (it must be there): later entries of its cluster shift back."""
+        """Remove `key` (KeyError if it is not there): later entries of its cluster shift
+        back."""
         keys, slots, mask = self.keys, self.slots, len(self.keys) - 1
         i = self._home(key)
         while keys[i] != key:
+            if keys[i] == NONE:
+                raise KeyError(key)
             i = (i + 1) & mask
         j = i
         while True:

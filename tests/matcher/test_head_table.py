@@ -3,6 +3,7 @@
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,3 +71,11 @@ def test_table_grows_past_half_full_and_keeps_its_entries():
     assert len(table) == 1000 and len(table.keys) >= 2000
     assert _kernel_get(table, 1, list(range(1000))) == list(range(1000))
     assert _kernel_get(table, 2, [0, 5]) == [NONE, NONE]
+
+
+def test_removing_a_key_that_is_not_there_says_so():
+    table = HeadTable()
+    table.set(_key(1, 2), 5)
+    with pytest.raises(KeyError):
+        table.delete(_key(1, 3))
+    assert dict(table.items()) == {_key(1, 2): 5}
