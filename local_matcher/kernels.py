@@ -40,7 +40,8 @@ Table layout (the invariants every kernel keeps):
   live entries whose home is in its run: those sit in the run or in the cluster running on
   from its end, so removal recomputes the word from there.
 - ``blocks[cid >> BLOCK_BITS][cid & BLOCK_MASK]``: the content's tokens, in fixed-size
-  blocks so that growing never copies them; ``free_ids[:free_top[0]]`` the unused ids.
+  blocks so that growing never copies them, three bytes a token or four (`_token` reads
+  either); ``free_ids[:free_top[0]]`` the unused ids.
 """
 
 from __future__ import annotations
