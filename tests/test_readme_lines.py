@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from coordinator_stub.config import parse_args
-from plugin.harness.lmcache_process import free_port, quiet_lmcache_env
+from plugin.harness.lmcache_process import quiet_lmcache_env
 
 LANE = "unit"
 
@@ -142,15 +142,42 @@ def _resolve_venvs(command: str) -> str:
     return re.sub(r"(^|\s)(\.venv[\w.-]*)/", replace, command)
 
 
+def _ports_nobody_else_picks():
+    """Free ports below the kernel's ephemeral range, a block of 1,000 per xdist worker.
+
+    A line's server binds its ports seconds after they are chosen (LMCache imports torch
+    first); a port from bind(0) is in the ephemeral range, where meanwhile any process's
+    bind(0), ZMQ's random ports and outgoing connections take theirs (on CI a ZMQ socket
+    answered an LMCache line's HTTP port). Below the range only this worker chooses."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    first = low - 1000 * (worker + 1)
+    assert first >= 1024, "too many xdist workers for the ports below the ephemeral range"
+    for port in range(first, first + 1000):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        yield port
+
+
+_FREE_PORTS = _ports_nobody_else_picks()  # one per worker process: no port handed out twice
+
+
 class Ports:
     """Documented port -> a free one, the same for every line of the run."""
 
     def __init__(self) -> None:
         self.map: dict[str, str] = {}
 
+    def port(self, documented: str) -> str:
+        if documented not in self.map:
+            self.map[documented] = str(next(_FREE_PORTS))
+        return self.map[documented]
+
     def __call__(self, command: str) -> str:
-        return _PORT.sub(lambda m: m.group(1) + self.map.setdefault(m.group(2),
-                                                                    str(free_port())), command)
+        return _PORT.sub(lambda m: m.group(1) + self.port(m.group(2)), command)
 
 
 def _env(*, telemetry_from_the_line: bool = False) -> dict:
@@ -306,7 +333,7 @@ def _start_coordinator(ports: Ports, tmp_path: Path) -> tuple[subprocess.Popen, 
     run = [c for b in BLOCKS if b.kind == "run" for c in b.commands]
     coordinators = [c for c in run if "-m coordinator_stub" in c]
     assert len(coordinators) == 1, coordinators
-    url = "http://127.0.0.1:" + ports.map.setdefault("9300", str(free_port()))
+    url = "http://127.0.0.1:" + ports.port("9300")
     coordinator = _spawn(ports(_resolve_venvs(coordinators[0])), tmp_path / "coordinator.log")
     try:
         _wait_for(coordinator, tmp_path / "coordinator.log", f"listening on {url}")

@@ -132,16 +132,17 @@ def _catches(pid: int, signum: int) -> bool:
 def test_a_signal_in_the_first_moments_exits_0_without_a_traceback(signum):
     """While the interpreter loads the coordinator's modules (most of a second, before any
     event loop exists) and compiles its kernels, a signal still stops it: exit 0, one line
-    saying so, no traceback. Each delay counts from when the interpreter is up (it catches
-    SIGINT from then on), the earliest a Python program can do anything about a signal.
+    saying so, no traceback. Each delay counts from when `coordinator_stub.__main__` holds
+    the signals (it catches SIGTERM from then on; the interpreter itself never does), its
+    first act: before, only the interpreter's own start-up runs (see the next test).
     On a fast machine with a warm numba cache the last delay may find it serving already:
     then it stops as a serving coordinator does; at least one delay must find it starting."""
     stopped_while_starting = []
-    for delay in (0.15, 0.35, 0.6):
+    for delay in (0.0, 0.15, 0.35, 0.6):
         process = _coordinator()
         try:
             deadline = time.monotonic() + 30
-            while not _catches(process.pid, signal.SIGINT):
+            while not _catches(process.pid, signal.SIGTERM):
                 assert time.monotonic() < deadline and process.poll() is None
                 time.sleep(0.002)
             time.sleep(delay)
@@ -160,3 +161,30 @@ def test_a_signal_in_the_first_moments_exits_0_without_a_traceback(signum):
         assert "stopped by a signal while starting" in err, (delay, err)
         stopped_while_starting.append(delay)
     assert stopped_while_starting, "it was serving before the earliest signal"
+
+
+def test_the_process_holds_signals_before_it_loads_anything():
+    """What runs before the hold is outside the start-up contract (a signal there kills the
+    process with a traceback): `__main__` imports only `signal` and `sys` at its top, and
+    `main` holds the signals before it imports anything else. The package's `__init__`,
+    which runs before `__main__`, imports nothing at run time but `typing`'s flag."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "coordinator_stub"
+    tree = ast.parse((package / "__main__.py").read_text())
+    top = [alias.name for node in tree.body if isinstance(node, ast.Import)
+           for alias in node.names]
+    top += [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
+    assert sorted(top) == ["__future__", "signal", "sys"]
+    main = next(node for node in tree.body
+                if isinstance(node, ast.FunctionDef) and node.name == "main")
+    first_import = next(i for i, node in enumerate(main.body)
+                        if isinstance(node, (ast.Import, ast.ImportFrom)))
+    hold = next(i for i, node in enumerate(main.body)
+                if "signal.signal" in ast.unparse(node))
+    assert hold < first_import
+    init = ast.parse((package / "__init__.py").read_text())
+    assert [ast.unparse(node) for node in init.body
+            if isinstance(node, (ast.Import, ast.ImportFrom))] == \
+        ["from __future__ import annotations", "from typing import TYPE_CHECKING"]
