@@ -163,6 +163,9 @@ def store_price(work: Workload, chunk: int) -> StorePrice:
         if indexed() != before + chunks:
             raise RuntimeError(f"the coordinator indexed {indexed() - before} of {chunks} chunks")
         price.ingest_us = (cpu_seconds(process.pid) - cpu) / price.stored_tokens * 1e6
+        # Its RSS as an operator reads it after a store: once a burst is over, the
+        # coordinator hands back what its bodies used, off its loop (http/budget.py).
+        time.sleep(0.25)
         price.coordinator_bytes = (process.memory_info().rss - rss) / price.stored_tokens
         relay = CountingRelay(coordinator.port)
         try:  # the same stores again from other instances, through the relay

@@ -66,7 +66,7 @@ from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import BadRequest, Forbidden, Refusal, ServiceUnavailable, TooLarge
 from coordinator_stub.http.access import (ANYONE, Route, access_middleware, add_routes,
                                           caller_of, lists_instances, scope_of)
-from coordinator_stub.http.budget import ByteBudget, give_back_memory
+from coordinator_stub.http.budget import TRIM_DELAY_S, ByteBudget, give_back_memory
 from coordinator_stub.http.connections import ConnectionGuard, connection_cap
 from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator_stub.scopes import ADMIN, EMITTER, READER
@@ -204,9 +204,15 @@ async def _events(request: web.Request) -> web.Response:
     finally:
         release()
         if budget.burst_over():
-            # Once this handler is done (its body freed), off the loop.
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.run_in_executor, None, give_back_memory)
+            asyncio.get_running_loop().call_later(TRIM_DELAY_S, _give_back_if_over, budget)
+
+
+def _give_back_if_over(budget: ByteBudget) -> None:
+    """A while after a burst seemed over (its last bodies freed, a tail that followed
+    included): still nothing in flight, so give memory back, off the loop."""
+    if budget.burst_over():
+        budget.trimmed()
+        asyncio.get_running_loop().run_in_executor(None, give_back_memory)
 
 
 async def _matched(request: web.Request, parse: Callable, answer: Callable,

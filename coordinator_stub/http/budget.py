@@ -1,9 +1,9 @@
 """Request bytes in flight, bounded, for both write paths: the HTTP layer reserves a body's
 bytes before reading it and answers 503 + Retry-After when it cannot (docs/DESIGN.md,
 "Coordinator"). Bodies up to `small_body_bytes` draw on a reserve of their own, so large
-bodies cannot crowd out ordinary batches. When a burst is over (nothing in flight after
-`TRIM_AFTER_BYTES` came and went), the HTTP layer calls `give_back_memory`, so the burst's
-peak does not stay in the RSS.
+bodies cannot crowd out ordinary batches. When a burst is over (nothing in flight
+`TRIM_DELAY_S` after `TRIM_AFTER_BYTES` came and went), the HTTP layer calls
+`give_back_memory`, so the burst's peak does not stay in the RSS.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ class ByteBudget:
     """Request bytes in flight, bounded. Used from the event loop only (no lock).
 
     `try_reserve(size)` returns a release callable, or None when `size` does not fit.
-    `burst_over()` is True once nothing is in flight after at least `TRIM_AFTER_BYTES`
-    came and went since it last said so: the moment to `give_back_memory`.
+    `burst_over()` is True while nothing is in flight after at least `TRIM_AFTER_BYTES`
+    came and went since the last `trimmed()`: the moment to `give_back_memory`.
     """
 
     def __init__(self, limit: int, *, small_body_bytes: int = 1 << 20,
@@ -28,7 +28,7 @@ class ByteBudget:
         self.in_flight = 0
         self.small_in_flight = 0
         self.refused = 0
-        self._released = 0  # bytes released since burst_over() last said True
+        self._released = 0  # bytes released since the last trimmed()
 
     def try_reserve(self, size: int) -> Callable[[], None] | None:
         if self.in_flight + size <= self.limit:
@@ -41,10 +41,12 @@ class ByteBudget:
         return None
 
     def burst_over(self) -> bool:
-        if self.in_flight or self.small_in_flight or self._released < TRIM_AFTER_BYTES:
-            return False
+        return (not self.in_flight and not self.small_in_flight
+                and self._released >= TRIM_AFTER_BYTES)
+
+    def trimmed(self) -> None:
+        """Memory was given back: the next burst counts from here."""
         self._released = 0
-        return True
 
     def _release(self, size: int, *, small: bool) -> None:
         self._released += size
@@ -54,8 +56,14 @@ class ByteBudget:
             self.in_flight -= size
 
 
-#: Request bytes that come and go before an idle coordinator gives memory back.
-TRIM_AFTER_BYTES = 64 << 20
+#: Request bytes that come and go before an idle coordinator gives memory back, and how
+#: long after the last body it looks (a burst's last bodies are in it, theirs freed).
+#: Small enough for a small store (MuSiQue B's 150 prompts post 4.3 MiB of events at chunk
+#: 256: its RSS growth was 14.8 B per stored token, where the directory holds 4.9); a trim
+#: costs ~1 ms on a heap of hundreds of MiB: at most one per MiB of ingest (~10 ms of its
+#: CPU) and per `TRIM_DELAY_S`.
+TRIM_AFTER_BYTES = 1 << 20
+TRIM_DELAY_S = 0.05
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -71,7 +79,7 @@ _MALLOC_TRIM = _malloc_trim()
 def give_back_memory() -> None:
     """Hand the C heap's free pages back to the OS. glibc keeps freed blocks of up to
     32 MiB (request bodies) in its heap for reuse, so without this a burst's peak could
-    stay in the RSS for good. `malloc_trim(0)` (it takes a few ms; run it off the event
-    loop); nothing without glibc."""
+    stay in the RSS for good. `malloc_trim(0)` (about a millisecond on a heap of hundreds
+    of MiB; run it off the event loop); nothing without glibc."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)

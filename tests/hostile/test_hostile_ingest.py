@@ -63,7 +63,7 @@ async def test_flood_of_large_bodies_does_not_stall_a_small_one(start):
     assert await coord.lookup(A) == [("aa01", 0, 0)]
 
 
-def test_byte_budget_says_once_when_a_burst_is_over():
+def test_byte_budget_says_when_a_burst_is_over_until_memory_is_given_back():
     budget = ByteBudget(TRIM_AFTER_BYTES)
     first = budget.try_reserve(TRIM_AFTER_BYTES // 2)
     second = budget.try_reserve(TRIM_AFTER_BYTES // 2)
@@ -71,10 +71,44 @@ def test_byte_budget_says_once_when_a_burst_is_over():
     assert not budget.burst_over()  # still one in flight
     second()
     assert budget.burst_over()  # all of it came and went: give memory back now
-    assert not budget.burst_over()  # once
+    late = budget.try_reserve(1000)  # the burst's tail
+    assert not budget.burst_over()
+    late()
+    assert budget.burst_over()
+    budget.trimmed()
+    assert not budget.burst_over()  # once per burst
     small = budget.try_reserve(1000)
     small()
     assert not budget.burst_over()  # not a burst
+
+
+async def test_memory_is_given_back_once_a_burst_is_over(start, monkeypatch):
+    """Bodies of TRIM_AFTER_BYTES and more, one after another: memory is given back once,
+    TRIM_DELAY_S after the last (not per body, not mid-burst), and not after a small body
+    alone. (What it gives back is measured: `make bench-granularity`, bench_memory_burst.)"""
+    from coordinator_stub.http import app as http_app
+    from coordinator_stub.http.budget import TRIM_DELAY_S
+
+    given: list[float] = []
+    monkeypatch.setattr(http_app, "give_back_memory", lambda: given.append(1.0))
+    coord = await start()
+    body = flood_body(1, 2000, instance="burst")
+    count = -(-TRIM_AFTER_BYTES // len(body)) + 1
+    for seq in range(count):
+        reply = await coord.client.post(EVENTS_PATH, data=flood_body(1, 2000, instance="burst",
+                                                                     seq0=1 + seq))
+        assert reply.status == 200
+    for _ in range(200):
+        if given:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(5 * TRIM_DELAY_S)
+    assert len(given) == 1, "once the burst is over, and once"
+    reply = await coord.client.post(EVENTS_PATH, data=flood_body(1, 10, instance="burst",
+                                                                 seq0=1 + count))
+    assert reply.status == 200
+    await asyncio.sleep(5 * TRIM_DELAY_S)
+    assert len(given) == 1, "a small body is not a burst"
 
 
 def test_byte_budget_reserve_for_small_bodies():
