@@ -5,15 +5,15 @@ the coordinator through that module): once the coordinator is ready (every numba
 it uses compiled, see `coordinator_stub.service.coordinator`) and the socket is bound, exactly one
 line ``listening on http://HOST:PORT`` (``https://`` with `--tls-cert`) is written to
 stdout and flushed, with the real port when `--port 0` asked for a free one. Logs go to
-stderr. On SIGINT or SIGTERM the server
-stops accepting, finishes in-flight requests, stops its worker threads and exits 0; a
-signal during start-up (modules loading, kernels compiling, a replica waiting for its event
-log or replaying it) stops it too, exit 0, no traceback, nothing left open: this module holds
-SIGINT/SIGTERM before it loads anything else (`coordinator_stub.run` does the rest), so
-only a signal while the interpreter itself starts (tens of milliseconds) is fatal. Exit 1
-with one CRITICAL line naming the reason: the port cannot be bound (in use), the event log stayed unreachable
-for `--event-log-connect-timeout` s, or a replica (`--event-log`) stopped itself because
-it can no longer apply the log without missing records.
+stderr. On SIGINT or SIGTERM the server stops accepting, finishes in-flight requests, stops
+its worker threads and exits 0; a signal during start-up (modules loading, kernels
+compiling, a replica waiting for its event log or replaying it) stops it too, exit 0, no
+traceback, nothing left open: this module holds SIGINT/SIGTERM before it loads anything
+else (`coordinator_stub.run` does the rest), so only a signal while the interpreter itself
+starts (tens of milliseconds) is fatal. Exit 1 with one CRITICAL line naming the reason:
+the port cannot be bound (in use), the event log stayed unreachable for
+`--event-log-connect-timeout` s, or a replica (`--event-log`) stopped itself because it
+can no longer apply the log without missing records.
 
 Connection hygiene (a client may hold sockets and send nothing): the listening socket
 is served through the app's `ConnectionGuard` (at most `--max-connections` open; the

@@ -2,8 +2,9 @@
 
 `python -m coordinator_stub` and `fleet-blend-coordinator` (`coordinator_stub.__main__`,
 whose docstring is the process's contract) hold SIGINT/SIGTERM before anything loads, then
-call `main` here with what they held. Loading this module takes tens of milliseconds (asyncio, ssl) and `serve` loads the
-rest (most of a second): a signal meanwhile stops the start-up, exit 0.
+call `main` here with what they held. Loading this module takes tens of milliseconds
+(asyncio, ssl) and `serve` loads the rest (most of a second): a signal meanwhile stops the
+start-up, exit 0.
 """
 
 from __future__ import annotations
