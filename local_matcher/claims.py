@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from itertools import groupby
+from itertools import groupby, repeat
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -230,6 +230,12 @@ class ClaimLists:
             return NONE
         slot = self._slots_in(claim)[0] if ns_id is None else self._slot_of(claim, ns_id)
         return NONE if slot == NONE else self.slot_cid[slot]
+
+    def only_slots(self, chunk_hashes: Sequence[Hashable]) -> list[int]:
+        """Per chunk, the slot of its claim if exactly one namespace claims it, else NONE
+        (one dict read each: safe without the index lock)."""
+        return [slot if type(slot) is int else NONE
+                for slot in map(self.chunks.get, chunk_hashes, repeat(NONE))]
 
     def heads_of(self, cids: np.ndarray, ns_id: int) -> np.ndarray:
         """Per content, the head slot of `ns_id`'s list (-1: none)."""

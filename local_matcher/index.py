@@ -331,6 +331,15 @@ class ContentIndex:
             cid = self._claims.content_of(chunk_hash, ns_id)
             return None if cid == NONE else self._store.row(cid).copy()
 
+    def only_claim_slots(self, chunk_hashes: Sequence[Hashable]) -> list[int]:
+        """Per chunk, a number for its claim if exactly one namespace claims it (a slot,
+        >= 0), else -1. The number is the claim's while the claim stands (it moves with
+        the claim's content and offset; it goes to another chunk's claim once removed),
+        so a caller that keys data by it must rewrite that data before it asks for any
+        change to the chunk's claims (the coordinator's directory does). Read without the
+        lock: one dict read per chunk."""
+        return self._claims.only_slots(chunk_hashes)
+
     def __getstate__(self) -> dict:
         """Pickled without its lock (a snapshot is taken while nothing writes)."""
         state = dict(vars(self))

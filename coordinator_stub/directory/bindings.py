@@ -24,6 +24,7 @@ from blend_wire import (
     EncodedObjectKey,
     TokenIds,
 )
+from coordinator_stub.directory.binding_table import BindingTable
 from coordinator_stub.directory.guard import foreign_place, what_stands
 from coordinator_stub.directory.journal import Journal, JournaledDict
 from coordinator_stub.directory.new_chunks import digest, shared_offset, store_batch
@@ -81,11 +82,23 @@ class Bindings:
         self._placements = placements
         self._counters = counters  # the directory's: shared, restored by it on rollback
         # Journaled: what a batch changed here is undone if the batch fails.
-        self.table: dict[bytes, tuple] = JournaledDict(journal)
+        self.table = BindingTable(journal)
         self.held_by: dict[str, set[bytes]] = JournaledDict(journal)
-        self.writer: IndexWriter | None = None  # blend lookup on: the index's one writer
+        self._writer: IndexWriter | None = None  # blend lookup on: the index's one writer
         self.emitter = ""  # the instance whose batch is being applied
         self.size_warned: set[str] = set()  # emitters warned of a chunk-size mismatch
+
+    @property
+    def writer(self) -> IndexWriter | None:
+        return self._writer
+
+    @writer.setter
+    def writer(self, writer: IndexWriter | None) -> None:
+        """A new index (blend lookup turned on, or a new chunk size): the frozen bindings,
+        keyed by the old one's claim slots, go back to the table's dict first."""
+        self.table.thaw_all()
+        self.table.index = None if writer is None else writer.index
+        self._writer = writer
 
     # --- the ingest pipeline's consumer (pipeline.py): admitted, journaled --------------
 

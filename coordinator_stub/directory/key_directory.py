@@ -159,7 +159,7 @@ class KeyDirectory:
             if bindings.writer is not None:
                 bindings.writer.flush()
         except BaseException:
-            touched = self._journal.keys_changed(bindings.table)  # chunks the batch changed
+            touched = self._journal.keys_changed(bindings.table.hot)  # the batch changed
             self._journal.rollback()
             self._counters.update(counters)
             self._placements.restore(totals)
@@ -170,8 +170,10 @@ class KeyDirectory:
                           "of it is applied", batch.seq, batch.instance_id)
             self._placements.free_unused()
             raise
+        written = self._journal.keys_changed(bindings.table.hot)
         self._journal.commit()
         self._placements.free_unused()
+        bindings.table.freeze(written)  # its common bindings into columns
 
     def _settle(self) -> None:
         """After a departure (not journaled): the index writer sends what it staged."""
@@ -294,7 +296,7 @@ class KeyDirectory:
         """The objects whose fields make up a snapshot's layout (`snapshot.layout_of`),
         but the index's (the index writer's with blend lookup on)."""
         writer = self._bindings.writer
-        return (self, self._placements, self._bindings, self._gate,
+        return (self, self._placements, self._bindings, self._bindings.table, self._gate,
                 *(() if writer is None else (writer,)))
 
     # --- inspection ---------------------------------------------------------------------

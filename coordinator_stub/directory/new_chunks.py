@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import attrgetter, ne
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from blend_wire import UNKNOWN_TOKEN_OFFSET, CacheEventBatch, CacheEventEntry
-from coordinator_stub.directory.journal import JournaledDict, JournaledSet
+from coordinator_stub.directory.journal import JournaledSet
 from coordinator_stub.directory.placements import Placements
+
+if TYPE_CHECKING:
+    from coordinator_stub.directory.binding_table import BindingTable
 
 #: The digest of indexed tokens (native uint32 bytes) a binding keeps. Only ever compared
 #: within this process: the per-process randomised `hash` is right, and a builtin, so a
@@ -60,7 +64,7 @@ def chunk_hashes(entries: list[CacheEventEntry]) -> list[bytes]:
                          dtype=np.dtype((np.void, len(hexes[0]) // 2))).tolist()
 
 
-def store_batch(batch: CacheEventBatch, table: JournaledDict, held: JournaledSet,
+def store_batch(batch: CacheEventBatch, table: "BindingTable", held: JournaledSet,
                 placements: Placements, writer, store_one) -> None:
     """A STORE batch's entries in order: the runs `store_runs` finds in bulk, the entries
     between them one by one (`store_one(entry, chunk_hash, place_no, held)`:
@@ -79,7 +83,7 @@ def store_batch(batch: CacheEventBatch, table: JournaledDict, held: JournaledSet
             store_one(entry, hashes[i], placements.place_no(batch, entry.size_bytes), held)
 
 
-def store_runs(entries: list[CacheEventEntry], hashes: list[bytes], table: dict,
+def store_runs(entries: list[CacheEventEntry], hashes: list[bytes], table: "BindingTable",
                writer) -> list[tuple[int, int, bool]]:
     """A STORE batch's entries as maximal runs `(start, stop, True)` the bulk path can take
     and the entries between them `(start, stop, False)`, in order. A bulk run's entries
@@ -110,11 +114,11 @@ def store_runs(entries: list[CacheEventEntry], hashes: list[bytes], table: dict,
     return runs
 
 
-def _one_by_one(hashes: list[bytes], tokens: list, lengths: list[int], table: dict,
+def _one_by_one(hashes: list[bytes], tokens: list, lengths: list[int], table: "BindingTable",
                 writer) -> set[int]:
     """The entries `store_runs` leaves to the entry-by-entry path (by position)."""
     alone: set[int] = set()
-    if not table.keys().isdisjoint(hashes):
+    if not table.isdisjoint(hashes):
         alone.update(i for i, chunk_hash in enumerate(hashes) if chunk_hash in table)
     if len(set(hashes)) != len(hashes):  # a hash again: known by then
         seen: set[bytes] = set()
@@ -181,7 +185,7 @@ class RunTokens:
 
 
 def store_new_chunks(batch: CacheEventBatch, entries: list[CacheEventEntry],
-                     hashes: list[bytes], tokens: RunTokens | None, table: JournaledDict,
+                     hashes: list[bytes], tokens: RunTokens | None, table: "BindingTable",
                      held: JournaledSet, placements: Placements, writer) -> None:
     """Record a bulk run of `store_runs` (`hashes`: its entries' chunk hashes, `tokens`
     theirs from `run_tokens`): their bindings, their placements, `held` (the emitter's

@@ -7,13 +7,14 @@ listing's copied rows and tables.
 
 from __future__ import annotations
 
-from itertools import count, repeat
+from itertools import count
 from operator import itemgetter
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from blend_wire import BlendNamespace
+from coordinator_stub.directory.binding_table import BindingTable
 from coordinator_stub.directory.bindings import OwnContent, access_count
 from coordinator_stub.directory.placements import (
     BACKEND,
@@ -41,7 +42,7 @@ class PlaceColumns(NamedTuple):
                 self.holders[self.holder_start[chunk]:self.holder_start[chunk + 1]].tolist()]
 
 
-def place_columns(table: dict, placements: Placements, chunk_hashes: Sequence[bytes],
+def place_columns(table: BindingTable, placements: Placements, chunk_hashes: Sequence[bytes],
                   namespace: BlendNamespace) -> PlaceColumns:
     """Where `namespace`'s keys of each chunk are held (`PlaceColumns`).
 
@@ -56,7 +57,7 @@ def place_columns(table: dict, placements: Placements, chunk_hashes: Sequence[by
     `(key_no, place_no)` pairs, and keys and places are few), so no Python runs per
     chunk. Instances are numbered in order of first mention, as a pass over the chunks
     would."""
-    holds = list(map(_HOLDS, map(table.get, chunk_hashes, repeat(_NOWHERE))))
+    holds = table.holds_of(chunk_hashes, _NOWHERE)
     # Each chunk's record by the first chunk naming it (one hash per chunk: tuples by
     # value, a many-keys record by identity), then numbered densely in that order.
     first_of: dict = {}
@@ -87,7 +88,6 @@ def place_columns(table: dict, placements: Placements, chunk_hashes: Sequence[by
 
 #: A chunk the directory does not hold reads as a binding holding nothing.
 _NOWHERE = (None, None, None, None, None)
-_HOLDS = itemgetter(2)
 
 
 def _where(holds, placements: Placements, namespace: BlendNamespace
@@ -114,14 +114,14 @@ def _where(holds, placements: Placements, namespace: BlendNamespace
     return sorted(l1), is_shared
 
 
-def places_of(table: dict, placements: Placements, chunk_hashes: Sequence[bytes],
+def places_of(table: BindingTable, placements: Placements, chunk_hashes: Sequence[bytes],
               namespace: BlendNamespace) -> list[tuple[list[str], bool]]:
     """`place_columns` as one (L1 holders, sorted; shared?) per chunk (plain data)."""
     columns = place_columns(table, placements, chunk_hashes, namespace)
     return [(columns.l1_of(i), bool(columns.shared[i])) for i in range(len(chunk_hashes))]
 
 
-def placements_of(table: dict, placements: Placements, writer: IndexWriter | None,
+def placements_of(table: BindingTable, placements: Placements, writer: IndexWriter | None,
                   keys: list[tuple[bytes, tuple]]) -> list[tuple[list, list, int]]:
     """`KeyDirectory.placements_of`, under the directory lock."""
     results = []
@@ -147,7 +147,7 @@ def placements_of(table: dict, placements: Placements, writer: IndexWriter | Non
     return results
 
 
-def with_other_groups(table: dict, placements: Placements,
+def with_other_groups(table: BindingTable, placements: Placements,
                       keys: list[tuple[bytes, tuple]]) -> list[tuple[bytes, tuple]]:
     """`KeyDirectory.with_other_groups`, under the directory lock."""
     expanded: list[tuple[bytes, tuple]] = []
@@ -170,7 +170,7 @@ def with_other_groups(table: dict, placements: Placements,
     return expanded
 
 
-def key_rows(table: dict, chunk_size: int) -> list[tuple]:
+def key_rows(table: BindingTable, chunk_size: int) -> list[tuple]:
     """A copy of the bindings for a listing, `(chunk_hash, num_tokens, holds, accesses)`
     (under the directory lock: flat records are immutable tuples, the others copied)."""
     return [(chunk_hash,

@@ -1,0 +1,145 @@
+"""The directory's frozen bindings (coordinator_stub/directory/binding_table.py): the common
+binding costs no Python object per chunk, yet the table answers as the dict it replaces,
+in the same order, through thaws, rollbacks, reused index slots and snapshots."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+from blend_wire import BlendNamespace, CacheEventBatch, CacheEventEntry, EncodedObjectKey, \
+    pack_kv_rank
+from coordinator_stub.directory import KeyDirectory
+
+LANE = "unit"
+
+C = 4
+NS = BlendNamespace("m", "", 1)
+
+
+def _entry(hex_hash: str, tokens, offset: int = 0, salt: str = "") -> CacheEventEntry:
+    key = EncodedObjectKey(chunk_hash_hex=hex_hash, model_name="m", cache_salt=salt,
+                           kv_rank=pack_kv_rank(1, 0, 0), object_group_id=0)
+    return CacheEventEntry(key=key, token_ids=list(tokens), token_offset=offset,
+                           size_bytes=0)
+
+
+def _store(directory: KeyDirectory, seq: int, entries, instance: str = "i0", kind="store",
+           tier: str = "l1"):
+    batch = CacheEventBatch(instance_id=instance, incarnation=0, seq=seq, event_type=kind,
+                            tier=tier, backend="dram", entries=entries)
+    return directory.ingest([batch])
+
+
+def _chunks(count: int, first: int = 0) -> list[CacheEventEntry]:
+    return [_entry(f"{i:064x}", range(C * i + 1, C * i + C + 1), offset=C * (i % 8))
+            for i in range(first, first + count)]
+
+
+def _as_dict(directory: KeyDirectory) -> list:
+    return [(h, directory._bindings.table[h]) for h in directory._bindings.table]
+
+
+def test_a_stored_run_leaves_no_python_record_per_chunk_and_reads_as_before():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(1000))
+    table = directory._bindings.table
+    assert len(table.hot) == 0 and len(table.order) == 0 and table.num_frozen == 1000
+    assert len(table) == 1000
+    binding = table[bytes.fromhex(f"{7:064x}")]
+    assert binding[1:] == (C * 7, (0, 0), (), None) and type(binding[0]) is int
+    query = np.arange(1, C * 5 + 1, dtype=np.uint32)
+    assert [m.chunk_hash for m in directory.match(query, NS)] == [
+        bytes.fromhex(f"{i:064x}") for i in range(5)]
+    assert directory.places_of([bytes.fromhex(f"{3:064x}")], NS) == [(["i0"], False)]
+
+
+def test_order_is_creation_order_through_freezes_thaws_and_deletes():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(6))
+    # A second key on chunk 2 thaws it (two placements); chunk 4 is deleted and stored
+    # again: it goes last, as in a dict.
+    _store(directory, 2, [_chunks(6)[2]], tier="l2")
+    _store(directory, 3, [_chunks(6)[4]], kind="delete")
+    _store(directory, 4, [_chunks(6)[4]])
+    order = [h for h, _ in _as_dict(directory)]
+    assert order == [bytes.fromhex(f"{i:064x}") for i in (0, 1, 2, 3, 5, 4)]
+    total, page = directory.list_keys("all", "", "", 0, 100)
+    assert [row[0] for row in page] == order and len(page[2][2]) == 2
+
+
+def test_a_failed_batch_leaves_the_bindings_it_thawed_as_they_were(monkeypatch):
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(20))
+    before = _as_dict(directory)
+    writer = directory._bindings.writer
+
+    def fail():
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(writer, "flush", fail)
+    # Moves five chunks elsewhere (thawing them), then fails: nothing of it stays.
+    moved = [_entry(f"{i:064x}", range(C * i + 1, C * i + C + 1), offset=999)
+             for i in range(5)]
+    with pytest.raises(RuntimeError):
+        _store(directory, 2, moved)
+    monkeypatch.undo()
+    assert _as_dict(directory) == before
+    _store(directory, 2, moved)  # and the batch applies when it works
+    assert directory._bindings.table[bytes.fromhex(f"{0:064x}")][1] == 999
+
+
+def test_a_slot_the_index_gave_to_another_chunk_is_not_read_as_frozen():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(3))
+    table = directory._bindings.table
+    gone = bytes.fromhex(f"{1:064x}")
+    slot = directory._index.only_claim_slots([gone])[0]
+    _store(directory, 2, [_chunks(3)[1]], kind="delete")
+    assert gone not in table and table.num_frozen == 2
+    # The freed slot goes to the next new claim, which is not frozen until its batch
+    # commits; what the old chunk left in the columns is never its.
+    _store(directory, 3, _chunks(1, first=10))
+    new = bytes.fromhex(f"{10:064x}")
+    assert directory._index.only_claim_slots([new])[0] == slot
+    assert gone not in table and table[new][1] == C * 2
+
+
+def test_readers_without_the_lock_never_miss_a_binding_moving_between_places():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    entries = _chunks(200)
+    _store(directory, 1, entries)
+    hashes = [bytes.fromhex(e.key.chunk_hash_hex) for e in entries]
+    misses, stop = [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            misses.extend(h for h, (l1, _) in zip(hashes, directory.places_of(hashes, NS))
+                          if not l1)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:  # each batch thaws what it re-stores; each commit freezes it again
+        for seq in range(2, 40):
+            _store(directory, seq, entries[seq % 5::5])
+    finally:
+        stop.set()
+        reader.join()
+    assert misses == []
+
+
+def test_a_snapshot_keeps_frozen_bindings_and_a_new_index_thaws_them():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(50))
+    loaded = pickle.loads(pickle.dumps(directory))
+    assert loaded._bindings.table.num_frozen == 50
+    assert _as_dict(loaded) == _as_dict(directory)
+    assert loaded._bindings.table.index is loaded._index
+    # Another chunk size: every binding leaves the index (and the columns keyed by it).
+    assert loaded.bind_chunk_size(2 * C)
+    table = loaded._bindings.table
+    assert table.num_frozen == 0 and len(table) == 50
+    assert all(binding[0] is None for _, binding in _as_dict(loaded))
