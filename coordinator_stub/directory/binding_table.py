@@ -239,10 +239,12 @@ class BindingTable:
             new[:grown] = old
             setattr(self, name, new)
 
-    def thaw_all(self) -> None:
-        """Every frozen binding back to `hot` (the index is about to be replaced)."""
+    def use_index(self, index) -> None:
+        """Key the columns by `index`'s claim slots from now on (blend lookup turned on,
+        another chunk size): every binding frozen by the old one's goes back to `hot`."""
         for chunk_hash in self.f_chunk[self._frozen_slots()].tolist():
             self._thaw(chunk_hash)
+        self.index = index
 
 
 def _common(binding) -> bool:

@@ -94,10 +94,7 @@ class Bindings:
 
     @writer.setter
     def writer(self, writer: IndexWriter | None) -> None:
-        """A new index (blend lookup turned on, or a new chunk size): the frozen bindings,
-        keyed by the old one's claim slots, go back to the table's dict first."""
-        self.table.thaw_all()
-        self.table.index = None if writer is None else writer.index
+        self.table.use_index(None if writer is None else writer.index)
         self._writer = writer
 
     # --- the ingest pipeline's consumer (pipeline.py): admitted, journaled --------------
@@ -281,24 +278,12 @@ class Bindings:
             return None
         if len(token_ids) != self.writer.chunk_size:  # not indexable at this chunk size
             self._counters["token_lists_wrong_length"] += 1
-            self._warn_chunk_size(len(token_ids))
+            _warn_chunk_size(self, len(token_ids))
             return None
         if type(token_ids) is list:  # an id outside uint32: a miss, not a failed batch
             self._counters["token_lists_out_of_range"] += 1
             return None
         return token_ids.tobytes()
-
-    def _warn_chunk_size(self, length: int) -> None:
-        """Once per emitter (until it leaves): its STOREs are not indexed, say why."""
-        emitter, chunk_size = self.emitter, self.writer.chunk_size
-        if emitter in self.size_warned or len(self.size_warned) >= _MAX_SIZE_WARNED:
-            return
-        self.size_warned.add(emitter)
-        self._counters["chunk_size_mismatched_emitters"] += 1
-        log.warning("instance %s stores chunks of %d tokens but this coordinator's chunk "
-                    "size is %d: its STOREs are not indexed and blend lookups find none of "
-                    "them. Run the coordinator with --chunk-size %d (or the server with "
-                    "--chunk-size %d)", emitter, length, chunk_size, length, chunk_size)
 
     def _stamp(self, chunk_hash: bytes, content: Content, offset: int, holds,
                tokens: bytes, new_offset: int, claimant: BlendNamespace | None
@@ -473,6 +458,19 @@ class Bindings:
             self.table[chunk_hash] = (content, offset, holds, accesses, reported)
         else:
             del self.table[chunk_hash]
+
+
+def _warn_chunk_size(bindings: Bindings, length: int) -> None:
+    """Once per emitter (until it leaves): its STOREs are not indexed, say why."""
+    emitter, chunk_size = bindings.emitter, bindings.writer.chunk_size
+    if emitter in bindings.size_warned or len(bindings.size_warned) >= _MAX_SIZE_WARNED:
+        return
+    bindings.size_warned.add(emitter)
+    bindings._counters["chunk_size_mismatched_emitters"] += 1
+    log.warning("instance %s stores chunks of %d tokens but this coordinator's chunk "
+                "size is %d: its STOREs are not indexed and blend lookups find none of "
+                "them. Run the coordinator with --chunk-size %d (or the server with "
+                "--chunk-size %d)", emitter, length, chunk_size, length, chunk_size)
 
 
 def _indexed_claims(placements: Placements, binding: tuple
