@@ -231,11 +231,18 @@ class ClaimLists:
         slot = self._slots_in(claim)[0] if ns_id is None else self._slot_of(claim, ns_id)
         return NONE if slot == NONE else self.slot_cid[slot]
 
+    def only_slot(self, chunk_hash: Hashable) -> int:
+        """`only_slots` of one chunk."""
+        slot = self.chunks.get(chunk_hash, NONE)
+        return slot if type(slot) is int else NONE
+
     def only_slots(self, chunk_hashes: Sequence[Hashable]) -> list[int]:
         """Per chunk, the slot of its claim if exactly one namespace claims it, else NONE
         (one dict read each: safe without the index lock)."""
-        return [slot if type(slot) is int else NONE
-                for slot in map(self.chunks.get, chunk_hashes, repeat(NONE))]
+        slots = list(map(self.chunks.get, chunk_hashes, repeat(NONE)))
+        if set(map(type, slots)) == {int}:
+            return slots
+        return [slot if type(slot) is int else NONE for slot in slots]
 
     def heads_of(self, cids: np.ndarray, ns_id: int) -> np.ndarray:
         """Per content, the head slot of `ns_id`'s list (-1: none)."""

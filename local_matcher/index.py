@@ -310,7 +310,7 @@ class ContentIndex:
             offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots]
             hashes = list(map(claims.slot_chunk.__getitem__, slots.tolist()))
         return CandidateColumns(_starts(sizes), positions, _starts(counts), offsets, hashes,
-                                cut)
+                                cut, slots)
 
     def _query_tokens(self, query) -> np.ndarray | None:
         """A query's tokens as uint32, or None when shorter than one chunk (nothing found)."""
@@ -339,6 +339,14 @@ class ContentIndex:
         change to the chunk's claims (the coordinator's directory does). Read without the
         lock: one dict read per chunk."""
         return self._claims.only_slots(chunk_hashes)
+
+    def only_claim_slot(self, chunk_hash: Hashable) -> int:
+        """`only_claim_slots` of one chunk."""
+        return self._claims.only_slot(chunk_hash)
+
+    def chunks_at(self, slots: Iterable[int]) -> list[Hashable]:
+        """The chunk of each claim slot (of a claim that stands; read without the lock)."""
+        return list(map(self._claims.slot_chunk.__getitem__, slots))
 
     def __getstate__(self) -> dict:
         """Pickled without its lock (a snapshot is taken while nothing writes)."""

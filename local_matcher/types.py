@@ -56,7 +56,9 @@ class CandidateColumns(NamedTuple):
     Content i's positions are ``positions[position_start[i]:position_start[i + 1]]``
     (ascending) and its chunks ``chunk_start[i]:chunk_start[i + 1]`` of the per-chunk
     columns: `old_st` and `chunk_hashes` (the index's own hash objects, first indexed
-    first). `truncated`: a limit cut positions or contents (WIRE.md, "Limits")."""
+    first). `truncated`: a limit cut positions or contents (WIRE.md, "Limits"). `slots`:
+    each chunk's claim slot (`ContentIndex.only_claim_slots`) as of the lookup, for a
+    caller that keeps data by slot (None where not known)."""
 
     position_start: np.ndarray
     positions: np.ndarray
@@ -64,6 +66,7 @@ class CandidateColumns(NamedTuple):
     old_st: np.ndarray
     chunk_hashes: Sequence[Hashable]
     truncated: bool = False
+    slots: np.ndarray | None = None
 
     @property
     def num_contents(self) -> int:

@@ -29,7 +29,8 @@ moving between the two is found in one of them.
 from __future__ import annotations
 
 from collections import deque
-from itertools import compress, repeat
+from itertools import chain, compress, count, repeat
+from operator import itemgetter
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -54,13 +55,14 @@ class BindingTable:
         self.order: JournaledDict = JournaledDict(journal)
         self.next_order = 0
         self.index = None  # the blend index whose claim slots key the columns
-        self.f_chunk = np.empty(0, dtype=object)  # None: the slot holds no frozen binding
+        self.f_frozen = np.empty(0, dtype=np.uint8)  # 1: the slot's binding is frozen
         self.f_digest = np.empty(0, dtype=np.int64)
         self.f_offset = np.empty(0, dtype=np.int32)
         self.f_key = np.empty(0, dtype=np.int32)
         self.f_place = np.empty(0, dtype=np.int32)
         self.f_order = np.empty(0, dtype=np.int64)
         self.num_frozen = 0
+        self._runs: list[tuple] = []  # the bulk runs of the batch being applied
 
     # --- reads ------------------------------------------------------------------------
 
@@ -96,9 +98,10 @@ class BindingTable:
     def items(self) -> list[tuple[bytes, tuple]]:
         """Every (chunk hash, binding), in the order the bindings were created."""
         slots = self._frozen_slots()
-        rows = list(self.hot.items()) + list(zip(self.f_chunk[slots].tolist(),
-                                                 map(self._frozen_binding, slots.tolist())))
-        orders = np.concatenate([np.fromiter(map(self.order.__getitem__, self.hot),
+        rows = list(self.hot.items()) + list(zip(self.index.chunks_at(slots) if slots else (),
+                                                 map(self._frozen_binding, slots)))
+        orders = np.concatenate([np.fromiter(map(self.order.get, self.hot,
+                                                 repeat(self.next_order)),
                                              dtype=np.int64, count=len(self.hot)),
                                  self.f_order[slots]])
         return [rows[i] for i in np.argsort(orders, kind="stable").tolist()]
@@ -106,51 +109,73 @@ class BindingTable:
     def values(self) -> list[tuple]:
         return [binding for _, binding in self.items()]
 
-    def isdisjoint(self, chunk_hashes: Sequence[bytes]) -> bool:
-        """Whether none of `chunk_hashes` has a binding (a few C passes when none has)."""
-        if not self.hot.keys().isdisjoint(chunk_hashes):
-            return False
-        if not self.num_frozen:
-            return True
-        return not any(slot >= 0 for slot in self._frozen_slots_of(chunk_hashes))
+    def present(self, chunk_hashes: Sequence[bytes]) -> list[int]:
+        """The positions of the chunks that have a binding (C passes over `hot`, then
+        one bulk read of the columns)."""
+        hot = self.hot
+        found = []
+        if not hot.keys().isdisjoint(chunk_hashes):
+            found = list(compress(count(), map(hot.__contains__, chunk_hashes)))
+        if self.num_frozen:
+            slots = self._frozen_slots_of(chunk_hashes)
+            if max(slots, default=-1) >= 0:
+                found = sorted(set(found).union(compress(count(), map((-1).__lt__, slots))))
+        return found
 
-    def holds_of(self, chunk_hashes: Sequence[bytes], default: tuple) -> list:
+    def holds_of(self, chunk_hashes: Sequence[bytes], default: tuple,
+                 slots: np.ndarray | None = None) -> list:
         """Each chunk's `holds` (its binding's third field; `default[2]` for a chunk with
-        none), read without the directory lock: C maps over `hot`, then the frozen
-        columns for the chunks `hot` lacks, in bulk."""
-        bindings = list(map(self.hot.get, chunk_hashes, repeat(default)))
-        holds = [binding[2] for binding in bindings]
+        none), read without the directory lock: a C map over `hot`, the columns for the
+        chunks `hot` lacks. `slots`: the chunks' claim slots as a lookup found them
+        (`CandidateColumns.slots`), which spares reading the index's dict per chunk."""
         if not self.num_frozen:
-            return holds
-        missing = [i for i, binding in enumerate(bindings) if binding is default]
-        if not missing:
-            return holds
-        slots = self._frozen_slots_of([chunk_hashes[i] for i in missing])
-        keys, places = self.f_key, self.f_place
-        for i, slot in zip(missing, slots):
-            if slot >= 0:
-                holds[i] = (int(keys[slot]), int(places[slot]))
-            else:  # thawed meanwhile, or held nowhere
-                holds[i] = self.hot.get(chunk_hashes[i], default)[2]
+            return list(map(_HOLDS, map(self.hot.get, chunk_hashes, repeat(default))))
+        if slots is None:
+            slots = np.array(self._index_slots(chunk_hashes), dtype=np.int64)
+        frozen = self._frozen_at(slots)
+        if not frozen.any():
+            return list(map(_HOLDS, map(self.hot.get, chunk_hashes, repeat(default))))
+        holds = list(zip(self.f_key[slots].tolist(), self.f_place[slots].tolist()))
+        for i in compress(count(), (frozen == 0).tolist()):
+            binding = self.hot.get(chunk_hashes[i], default)
+            if binding is default and self._frozen_slot(chunk_hashes[i]) >= 0:
+                slot = self._frozen_slot(chunk_hashes[i])  # frozen meanwhile
+                binding = (None, None, (int(self.f_key[slot]), int(self.f_place[slot])))
+            holds[i] = binding[2]
         return holds
 
+    def _index_slots(self, chunk_hashes: Sequence[bytes]) -> list[int]:
+        index = self.index
+        return [-1] * len(chunk_hashes) if index is None else index.only_claim_slots(
+            chunk_hashes)
+
+    def _frozen_at(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot (-1: none), 1 if a frozen binding is there."""
+        flags = self.f_frozen
+        inside = (slots >= 0) & (slots < len(flags))
+        if inside.all():
+            return flags[slots]
+        frozen = np.zeros(len(slots), dtype=np.uint8)
+        frozen[inside] = flags[slots[inside]]
+        return frozen
+
     def _frozen_slot(self, chunk_hash: bytes) -> int:
-        return self._frozen_slots_of((chunk_hash,))[0]
+        """The chunk's frozen slot, or -1."""
+        index = self.index
+        if index is None:
+            return -1
+        slot = index.only_claim_slot(chunk_hash)
+        return slot if 0 <= slot < len(self.f_frozen) and self.f_frozen[slot] else -1
 
     def _frozen_slots_of(self, chunk_hashes: Sequence[bytes]) -> list[int]:
         """Each chunk's frozen slot, or -1."""
-        index = self.index
-        if index is None:
-            return [-1] * len(chunk_hashes)
-        slots = index.only_claim_slots(chunk_hashes)
-        f_chunk, size = self.f_chunk, len(self.f_chunk)
-        return [slot if 0 <= slot < size and f_chunk[slot] == chunk_hash else -1
-                for slot, chunk_hash in zip(slots, chunk_hashes)]
+        slots = np.array(self._index_slots(chunk_hashes), dtype=np.int64)
+        return np.where(self._frozen_at(slots) == 1, slots, -1).tolist()
 
-    def _frozen_slots(self) -> np.ndarray:
+    def _frozen_slots(self) -> list[int]:
         if not self.num_frozen:
-            return np.empty(0, dtype=np.int64)
-        return np.flatnonzero(self.f_chunk != None)  # noqa: E711 - elementwise
+            return []
+        return np.flatnonzero(self.f_frozen).tolist()
 
     def _frozen_binding(self, slot: int) -> tuple:
         return (int(self.f_digest[slot]), shared_offset(int(self.f_offset[slot])),
@@ -160,21 +185,29 @@ class BindingTable:
 
     def __setitem__(self, chunk_hash: bytes, binding: tuple) -> None:
         hot = self.hot
-        if chunk_hash not in hot and not (self.num_frozen and self._thaw(chunk_hash)):
-            self._journal.note(self, "next_order")
-            self.order[chunk_hash] = self.next_order
-            self.next_order += 1
+        if chunk_hash not in hot:
+            slot = self._frozen_slot(chunk_hash) if self.num_frozen else -1
+            if slot >= 0:
+                if binding == self._frozen_binding(slot):
+                    return  # the same again (a chunk re-stored where it was): stays frozen
+                self._thaw_slot(chunk_hash, slot)
+            else:
+                self._journal.note(self, "next_order")
+                self.order[chunk_hash] = self.next_order
+                self.next_order += 1
         hot[chunk_hash] = binding
 
     def __delitem__(self, chunk_hash: bytes) -> None:
         if self.num_frozen and chunk_hash not in self.hot:
             self._thaw(chunk_hash)
         del self.hot[chunk_hash]
-        del self.order[chunk_hash]
+        self.order.pop(chunk_hash, None)  # a run's chunk has no number there yet
 
-    def insert_absent(self, chunk_hashes: list[bytes], bindings: Iterable[tuple]) -> None:
-        """`JournaledDict.insert_absent`: ValueError, nothing changed, if any is here."""
-        if self.num_frozen and not self.isdisjoint(chunk_hashes):
+    def insert_absent(self, chunk_hashes: list[bytes], bindings: Iterable[tuple],
+                      checked: bool = False) -> None:
+        """`JournaledDict.insert_absent`: ValueError, nothing changed, if any is here
+        (`checked`: the caller found none frozen, `present`; `hot` is checked anyway)."""
+        if self.num_frozen and not checked and self.present(chunk_hashes):
             raise ValueError("insert_absent: some keys are present")
         self.hot.insert_absent(chunk_hashes, bindings)
         first = self.next_order
@@ -188,70 +221,160 @@ class BindingTable:
         slot = self._frozen_slot(chunk_hash)
         if slot < 0:
             return False
+        self._thaw_slot(chunk_hash, slot)
+        return True
+
+    def _thaw_slot(self, chunk_hash: bytes, slot: int) -> None:
         dict.__setitem__(self.hot, chunk_hash, self._frozen_binding(slot))
         dict.__setitem__(self.order, chunk_hash, int(self.f_order[slot]))
-        self.f_chunk[slot] = None
+        self.f_frozen[slot] = 0
         self.num_frozen -= 1
-        return True
 
     # --- moving common bindings to the columns ----------------------------------------
 
-    def freeze(self, chunk_hashes: Iterable[bytes]) -> None:
-        """Move the common bindings among `chunk_hashes` (module doc) from `hot` to the
-        columns. Call outside a batch (after it commits and its index updates are sent):
-        not journaled. Bindings kept in other shapes stay where they are."""
-        if self.index is None:
-            return
+    def begin(self) -> None:
+        """A batch starts: the runs it inserts are remembered for `freeze`."""
+        self._runs = []
+
+    def insert_run(self, chunk_hashes: list[bytes], contents: list, offsets: list[int],
+                   positions: np.ndarray, holds: tuple) -> None:
+        """`insert_absent` of a bulk run's bindings `(content, offset, holds, (), None)`
+        (`positions`: the offsets as an int64 array), remembered so that `freeze` takes
+        them in bulk; their creation numbers are kept with the run, not in `order`, until
+        then. The caller (`new_chunks.store_runs`) found none of them here."""
+        self.hot.insert_absent(chunk_hashes, zip(contents, offsets, repeat(holds),
+                                                 repeat(()), repeat(None)))
+        first = self.next_order
+        self._journal.note(self, "next_order")
+        self.next_order = first + len(chunk_hashes)
+        self._runs.append((chunk_hashes, contents, positions, holds, first))
+
+    def freeze(self, written: set[bytes]) -> None:
+        """After a batch committed (and its index updates were sent): move the common
+        bindings it wrote (module doc) from `hot` to the columns, its runs (`insert_run`)
+        in bulk, what it wrote one by one (`written`) tested each. Not journaled."""
+        runs, self._runs = self._runs, []
+        if not all(map(written.isdisjoint, map(_HASHES, runs))):  # changed again: rare
+            for run in runs:
+                if not written.isdisjoint(run[0]):
+                    self._number(run)
+                    written.update(run[0])
+            runs = [run for run in runs if written.isdisjoint(run[0])]
+        if runs and self.index is not None:
+            self._freeze_runs(runs)
+        else:
+            deque(map(self._number, runs), maxlen=0)
+        if written and self.index is not None:
+            self._freeze_each(written)
+
+    def _number(self, run: tuple) -> None:
+        """A run's chunks still in `hot` take their creation numbers into `order` (but a
+        chunk the batch deleted and stored again, numbered then)."""
+        hashes, first, order = run[0], run[4], self.order
+        dict.update(order, ((chunk_hash, first + i) for i, chunk_hash in enumerate(hashes)
+                            if chunk_hash in self.hot and chunk_hash not in order))
+
+    def _freeze_runs(self, runs: list[tuple]) -> None:
+        """`freeze` of bulk runs, all at once: the columns come from what `insert_run`
+        was given (one key, one place, consecutive creation numbers per run)."""
+        hashes = list(chain.from_iterable(map(_HASHES, runs)))
+        sizes = np.array([len(run[0]) for run in runs], dtype=np.int64)
+        slots = np.array(self.index.only_claim_slots(hashes), dtype=np.int64)
+        offsets = np.concatenate([run[2] for run in runs])
+        kept = (slots >= 0) & (offsets <= _MAX_FROZEN_OFFSET)  # indexed: offset >= 0
+        firsts = np.array([run[4] for run in runs], dtype=np.int64)
+        orders = np.repeat(firsts - np.cumsum(sizes) + sizes, sizes) + np.arange(len(kept))
+        contents = list(chain.from_iterable(run[1] for run in runs))
+        if not kept.all():  # these stay in `hot`
+            left = ~kept
+            dict.update(self.order, zip(compress(hashes, left), orders[left].tolist()))
+            hashes, contents = list(compress(hashes, kept)), list(compress(contents, kept))
+        keys, places = (np.repeat(np.array([run[3][k] for run in runs], dtype=np.int32),
+                                  sizes)[kept] for k in (0, 1))
+        self._put(slots[kept], hashes, np.array(contents, dtype=np.int64), offsets[kept],
+                  keys, places, orders[kept], numbered=False)
+
+    def _freeze_each(self, chunk_hashes: set[bytes]) -> None:
+        """`freeze` of bindings written one by one: their shapes tested."""
         hot = self.hot
-        hashes = [chunk_hash for chunk_hash in chunk_hashes
-                  if _common(hot.get(chunk_hash))]
-        if not hashes:
-            return
-        slots = self.index.only_claim_slots(hashes)
-        kept = [slot >= 0 for slot in slots]
-        hashes, slots = list(compress(hashes, kept)), list(compress(slots, kept))
-        if not slots:
-            return
+        hashes = list(filter(hot.__contains__, chunk_hashes))
         bindings = list(map(hot.__getitem__, hashes))
-        self._make_room(max(slots) + 1)
-        at = np.array(slots, dtype=np.int64)
-        self.f_digest[at] = [binding[0] for binding in bindings]
-        self.f_offset[at] = [binding[1] for binding in bindings]
-        self.f_key[at] = [binding[2][0] for binding in bindings]
-        self.f_place[at] = [binding[2][1] for binding in bindings]
-        self.f_order[at] = list(map(self.order.__getitem__, hashes))
-        chunks = np.empty(len(hashes), dtype=object)
-        chunks[:] = hashes
-        self.f_chunk[at] = chunks  # last: the slots are readable as frozen from now on
-        deque(map(dict.__delitem__, repeat(hot), hashes), maxlen=0)
-        deque(map(dict.__delitem__, repeat(self.order), hashes), maxlen=0)
+        if not bindings:
+            return
+        common = _common(bindings)
+        hashes, bindings = list(compress(hashes, common)), list(compress(bindings, common))
+        slots = np.array(self.index.only_claim_slots(hashes), dtype=np.int64)
+        kept = slots >= 0
+        hashes, bindings = list(compress(hashes, kept)), list(compress(bindings, kept))
+        n = len(hashes)
+        holds = np.fromiter(chain.from_iterable(map(_HOLDS, bindings)), dtype=np.int32,
+                            count=2 * n)
+        self._put(slots[kept], hashes, np.fromiter(map(_CONTENT, bindings), np.int64, n),
+                  np.fromiter(map(_OFFSET, bindings), np.int64, n), holds[0::2], holds[1::2],
+                  np.fromiter(map(self.order.__getitem__, hashes), np.int64, n))
+
+    def _put(self, slots: np.ndarray, hashes: list[bytes], digests: np.ndarray,
+             offsets: np.ndarray, keys: np.ndarray, places: np.ndarray, orders: np.ndarray,
+             numbered: bool = True) -> None:
+        """Bindings (all in `hot`) into the columns at their slots, and out of `hot` (and
+        out of `order`, unless a run's, which were never `numbered` there)."""
+        if not len(hashes):
+            return
+        self._make_room(int(slots.max()) + 1)
+        self.f_digest[slots], self.f_offset[slots] = digests, offsets
+        self.f_key[slots], self.f_place[slots], self.f_order[slots] = keys, places, orders
+        self.f_frozen[slots] = 1  # last: the slots are readable as frozen from now on
+        deque(map(dict.__delitem__, repeat(self.hot), hashes), maxlen=0)
+        if numbered:
+            deque(map(dict.__delitem__, repeat(self.order), hashes), maxlen=0)
         self.num_frozen += len(hashes)
 
     def _make_room(self, size: int) -> None:
-        if size <= len(self.f_chunk):
+        grown = len(self.f_frozen)
+        if size <= grown:
             return
-        size = max(size, len(self.f_chunk) * 5 // 4, 1024)  # copies: O(1) a chunk
-        grown = len(self.f_chunk)
-        for name in ("f_digest", "f_offset", "f_key", "f_place", "f_order", "f_chunk"):
-            old = getattr(self, name)
-            new = np.zeros(size, dtype=old.dtype) if name != "f_chunk" else np.full(
-                size, None, dtype=object)
+        size = max(size, grown * 5 // 4, 1024)  # copies: O(1) a chunk
+        for name in ("f_digest", "f_offset", "f_key", "f_place", "f_order", "f_frozen"):
+            old = getattr(self, name)  # the flags last: the columns are there before
+            new = np.zeros(size, dtype=old.dtype)
             new[:grown] = old
             setattr(self, name, new)
 
     def use_index(self, index) -> None:
         """Key the columns by `index`'s claim slots from now on (blend lookup turned on,
         another chunk size): every binding frozen by the old one's goes back to `hot`."""
-        for chunk_hash in self.f_chunk[self._frozen_slots()].tolist():
+        slots = self._frozen_slots()
+        for chunk_hash in (self.index.chunks_at(slots) if slots else ()):
             self._thaw(chunk_hash)
         self.index = index
 
 
-def _common(binding) -> bool:
-    """Whether a binding has the shape the columns keep (module doc)."""
-    return (binding is not None and type(binding[0]) is int
-            and 0 <= binding[1] <= _MAX_FROZEN_OFFSET and type(binding[2]) is tuple
-            and len(binding[2]) == 2 and binding[3] == () and binding[4] is None)
+_CONTENT, _OFFSET, _HOLDS, _ACCESSES, _REPORTED = map(itemgetter, range(5))
+_HASHES = itemgetter(0)  # of a run
+
+
+def _common(bindings: list[tuple]) -> list[bool]:
+    """Per binding, whether it has the shape the columns keep (module doc): C passes, and
+    a Python test each only for a field some binding has in another shape."""
+    n = len(bindings)
+    holds = list(map(_HOLDS, bindings))
+    if set(map(type, holds)) != {tuple}:  # a chunk with many keys: rare
+        return [type(b[0]) is int and 0 <= b[1] <= _MAX_FROZEN_OFFSET
+                and type(b[2]) is tuple and len(b[2]) == 2 and b[3] == () and b[4] is None
+                for b in bindings]
+    offsets = np.fromiter(map(_OFFSET, bindings), dtype=np.int64, count=n)
+    common = ((offsets >= 0) & (offsets <= _MAX_FROZEN_OFFSET)
+              & (np.fromiter(map(len, holds), dtype=np.int64, count=n) == 2))
+    contents = list(map(_CONTENT, bindings))
+    if set(map(type, contents)) != {int}:
+        common &= np.array([type(content) is int for content in contents], dtype=bool)
+    accesses = list(map(_ACCESSES, bindings))
+    if set(map(type, accesses)) != {tuple} or set(accesses) != {()}:
+        common &= np.array([type(a) is tuple and not a for a in accesses], dtype=bool)
+    reported = list(map(_REPORTED, bindings))
+    if set(map(type, reported)) != {type(None)}:
+        common &= np.array([value is None for value in reported], dtype=bool)
+    return common.tolist()
 
 
 __all__ = ["BindingTable"]

@@ -56,15 +56,16 @@ class Journal:
         for undo, target, key, old in reversed(records or ()):
             undo(target, key, old)
 
-    def keys_changed(self, target: dict) -> set:
-        """The keys of `target` (a `JournaledDict`) changed since `begin()`."""
+    def keys_changed(self, target: dict, singly: bool = False) -> set:
+        """The keys of `target` (a `JournaledDict`) changed since `begin()`; `singly`:
+        only those changed one by one (not by `insert_absent`)."""
         changed = set()
         for undo, obj, key, _ in self.records or ():
             if obj is target:
-                if undo is _undo_absent:
-                    changed.update(key)
-                else:
+                if undo is not _undo_absent:
                     changed.add(key)
+                elif not singly:
+                    changed.update(key)
         return changed
 
 

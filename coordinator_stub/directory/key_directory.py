@@ -110,11 +110,12 @@ class KeyDirectory:
             return EMPTY_COLUMNS
         return index.candidate_columns(tokens, namespace, wait=wait)
 
-    def place_columns(self, chunk_hashes: Sequence[bytes], namespace: BlendNamespace
-                      ) -> queries.PlaceColumns:
-        """`places_of` as columns (`queries.place_columns`), without the directory lock."""
+    def place_columns(self, chunk_hashes: Sequence[bytes], namespace: BlendNamespace,
+                      slots: np.ndarray | None = None) -> queries.PlaceColumns:
+        """`places_of` as columns (`queries.place_columns`), without the directory lock;
+        `slots`: the chunks' claim slots, if a lookup found them (`CandidateColumns`)."""
         return queries.place_columns(self._bindings.table, self._placements, chunk_hashes,
-                                     namespace)
+                                     namespace, slots)
 
     def places_of(self, chunk_hashes: list[bytes], namespace: BlendNamespace
                   ) -> list[tuple[list[str], bool]]:
@@ -154,6 +155,7 @@ class KeyDirectory:
         totals = self._placements.checkpoint()
         bindings = self._bindings
         self._journal.begin()
+        bindings.table.begin()
         try:
             yield
             if bindings.writer is not None:
@@ -170,7 +172,7 @@ class KeyDirectory:
                           "of it is applied", batch.seq, batch.instance_id)
             self._placements.free_unused()
             raise
-        written = self._journal.keys_changed(bindings.table.hot)
+        written = self._journal.keys_changed(bindings.table.hot, singly=True)
         self._journal.commit()
         self._placements.free_unused()
         bindings.table.freeze(written)  # its common bindings into columns

@@ -118,8 +118,7 @@ def _one_by_one(hashes: list[bytes], tokens: list, lengths: list[int], table: "B
                 writer) -> set[int]:
     """The entries `store_runs` leaves to the entry-by-entry path (by position)."""
     alone: set[int] = set()
-    if not table.isdisjoint(hashes):
-        alone.update(i for i, chunk_hash in enumerate(hashes) if chunk_hash in table)
+    alone.update(table.present(hashes))
     if len(set(hashes)) != len(hashes):  # a hash again: known by then
         seen: set[bytes] = set()
         for i, chunk_hash in enumerate(hashes):
@@ -199,8 +198,7 @@ def store_new_chunks(batch: CacheEventBatch, entries: list[CacheEventEntry],
         table.insert_absent(hashes, zip(repeat(None), repeat(UNKNOWN_TOKEN_OFFSET),
                                         repeat(holds), repeat(()), tokens.row_bytes))
     else:
-        table.insert_absent(hashes, zip(tokens.contents, tokens.offsets, repeat(holds),
-                                        repeat(()), repeat(None)))
+        table.insert_run(hashes, tokens.contents, tokens.offsets, tokens.positions, holds)
         _add_rows(writer, tokens, hashes, placements.key_ns[key_no])
     held.add_all(hashes)
 

@@ -43,7 +43,8 @@ class PlaceColumns(NamedTuple):
 
 
 def place_columns(table: BindingTable, placements: Placements, chunk_hashes: Sequence[bytes],
-                  namespace: BlendNamespace) -> PlaceColumns:
+                  namespace: BlendNamespace, slots: np.ndarray | None = None
+                  ) -> PlaceColumns:
     """Where `namespace`'s keys of each chunk are held (`PlaceColumns`).
 
     A hint for the requester's choice among chunks of one content, read without the
@@ -51,13 +52,14 @@ def place_columns(table: BindingTable, placements: Placements, chunk_hashes: Seq
     moment while batches apply (tuples are replaced whole; a many-keys record changed
     under the read answers "nowhere known", which only makes a chunk look remote).
 
-    One dictionary read per chunk, the directory's (its bindings are per chunk), done by
-    C maps; the placement records are read once per distinct record (`_where`): a lookup
+    Per chunk, a read of the binding table's columns, or of its dict for a chunk not
+    frozen there, done by C maps and numpy (`BindingTable.holds_of`; `slots`, the claim
+    slots a lookup found, spare it the index's dict); the placement records are read once per distinct record (`_where`): a lookup
     names hundreds of chunks but a handful of distinct records (a record is its
     `(key_no, place_no)` pairs, and keys and places are few), so no Python runs per
     chunk. Instances are numbered in order of first mention, as a pass over the chunks
     would."""
-    holds = table.holds_of(chunk_hashes, _NOWHERE)
+    holds = table.holds_of(chunk_hashes, _NOWHERE, slots)
     # Each chunk's record by the first chunk naming it (one hash per chunk: tuples by
     # value, a many-keys record by identity), then numbered densely in that order.
     first_of: dict = {}

@@ -174,7 +174,7 @@ class Coordinator:
         """The contents found in `tokens` (columns) and where each of their chunks is held
         in `namespace`: what the candidates form and the score are both built from."""
         found = self.directory.candidate_columns(tokens, namespace, wait=wait)
-        return found, self.directory.place_columns(found.chunk_hashes, namespace)
+        return found, self.directory.place_columns(found.chunk_hashes, namespace, found.slots)
 
     def score(self, body: bytes, scope: Scope = ANY, *, everyone: bool = True
               ) -> BlendScoreReply:

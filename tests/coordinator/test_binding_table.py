@@ -143,3 +143,18 @@ def test_a_snapshot_keeps_frozen_bindings_and_a_new_index_thaws_them():
     table = loaded._bindings.table
     assert table.num_frozen == 0 and len(table) == 50
     assert all(binding[0] is None for _, binding in _as_dict(loaded))
+
+
+def test_a_run_chunk_left_in_the_dict_keeps_its_place_and_one_stored_again_goes_last():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(2))
+    # One batch: chunks 2..4 as a run; chunk 5 without a position (stays in the dict).
+    entries = _chunks(3, first=2) + [_entry(f"{5:064x}", range(100, 100 + C), offset=-1)]
+    _store(directory, 2, entries)
+    _store(directory, 3, [_chunks(1, first=3)[0]], kind="delete")
+    _store(directory, 4, _chunks(1, first=3))
+    table = directory._bindings.table
+    assert table.num_frozen == 5 and len(table.hot) == 1
+    assert [h for h, _ in _as_dict(directory)] == [
+        bytes.fromhex(f"{i:064x}") for i in (0, 1, 2, 4, 5, 3)]
+    assert table[bytes.fromhex(f"{5:064x}")][1] == -1
