@@ -1,29 +1,31 @@
 """`BindingTable`: the directory's chunk hash -> binding map, with the common binding kept
-in columns instead of a Python object per chunk (docs/DESIGN.md, "Key directory
+in columns instead of Python objects per chunk (docs/DESIGN.md, "Key directory
 internals": "Frozen bindings").
 
 Contract: a mapping from chunk hash to binding tuple `(content, offset, holds, accesses,
-reported)` (bindings.py) whose writes are journaled like a `JournaledDict`'s. Inside, a
-binding lives in one of two places:
+reported)` (bindings.py), iterated in creation order, whose writes are journaled like a
+`JournaledDict`'s. Inside, a binding lives in one of two places:
 - `hot`, a `JournaledDict`: every binding a batch writes, and every shape but the common
   one;
-- frozen columns indexed by the blend index's claim slot of the chunk (`ContentIndex.
+- columns indexed by the blend index's claim slot of the chunk (`ContentIndex.
   only_claim_slots`): a chunk stored once, indexed (a digest, an offset below 2^31), one
   key in one place, never accessed, nothing else reported. That is most of a directory,
-  and costs 20 B a chunk there instead of ~170 B of dict entry, tuple and digest.
-After a batch commits, `freeze` moves the common bindings it wrote to the columns; any
-write to a frozen binding first moves it back to `hot` (`_thaw`). Both moves are not
-journaled: they never change what the table says, so a rollback has nothing to undo.
+  and costs ~30 B a chunk there instead of ~170 B of dict entry, tuple and digest.
+After a batch commits, `freeze` moves the common bindings it wrote to the columns (a bulk
+run's straight from what `insert_run` was given); a write that changes a frozen binding
+first moves it back to `hot` (`_thaw`), one that writes it unchanged leaves it frozen.
+Neither move changes what the table says, so neither is journaled: a rollback has
+nothing to undo.
 
 Why slots are safe keys: the index changes a chunk's claims only when the directory tells
 it to, and the directory rewrites a chunk's binding (thawing it) before it queues any
-index update of that chunk, so a frozen binding's slot is its chunk's as long as it is
-frozen. `f_chunk` names the chunk each frozen slot holds, so a slot the index freed and
-gave to another chunk is never read as that chunk's.
+index update of that chunk, so a frozen binding's slot is its chunk's only claim as long
+as it is frozen, and a slot's flag is cleared before the index can free the slot.
 
-Readers that skip the directory lock (`holds_of`, for lookups) read `hot` first, then the
-columns, then `hot` again: a thaw writes `hot` before it clears the slot, so a binding
-moving between the two is found in one of them.
+Readers that skip the directory lock (`holds_of`, for lookups) read the flags and columns,
+then `hot`, then the flags again: a thaw writes `hot` before it clears the flag, and a
+freeze sets the flag before it leaves `hot`, so a binding moving between the two is found
+in one of them. A lookup's slots may be stale by the time it reads (a hint, as before).
 """
 
 from __future__ import annotations
