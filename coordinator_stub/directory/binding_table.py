@@ -9,11 +9,13 @@ reported)` (bindings.py), iterated in creation order, whose writes are journaled
   one;
 - columns indexed by the blend index's claim slot of the chunk (`ContentIndex.
   only_claim_slots`): a chunk stored once, indexed (a digest, an offset below 2^31), one
-  key in one place, never accessed, nothing else reported. That is most of a directory,
-  and costs ~30 B a chunk there instead of ~170 B of dict entry, tuple and digest.
+  key in one place and that key's access count, nothing else reported. That is most of a
+  directory, and costs ~40 B a chunk there instead of ~170 B of dict entry, tuple and
+  digest.
 After a batch commits, `freeze` moves the common bindings it wrote to the columns (a bulk
 run's straight from what `insert_run` was given); a write that changes a frozen binding
-first moves it back to `hot` (`_thaw`), one that writes it unchanged leaves it frozen.
+first moves it back to `hot` (`_thaw`), one that writes it unchanged leaves it frozen,
+and an ACCESS changes its count in the column (journaled).
 Neither move changes what the table says, so neither is journaled: a rollback has
 nothing to undo.
 
@@ -63,6 +65,7 @@ class BindingTable:
         self.f_key = np.empty(0, dtype=np.int32)
         self.f_place = np.empty(0, dtype=np.int32)
         self.f_order = np.empty(0, dtype=np.int64)
+        self.f_accesses = np.empty(0, dtype=np.int64)  # the one key's access count
         self.num_frozen = 0
         self._runs: list[tuple] = []  # the bulk runs of the batch being applied
 
@@ -180,8 +183,10 @@ class BindingTable:
         return np.flatnonzero(self.f_frozen).tolist()
 
     def _frozen_binding(self, slot: int) -> tuple:
+        key, accesses = int(self.f_key[slot]), int(self.f_accesses[slot])
         return (int(self.f_digest[slot]), shared_offset(int(self.f_offset[slot])),
-                (int(self.f_key[slot]), int(self.f_place[slot])), _NOTHING, None)
+                (key, int(self.f_place[slot])), (key, accesses) if accesses else _NOTHING,
+                None)
 
     # --- writes (journaled, as a JournaledDict's) -------------------------------------
 
@@ -190,14 +195,24 @@ class BindingTable:
         if chunk_hash not in hot:
             slot = self._frozen_slot(chunk_hash) if self.num_frozen else -1
             if slot >= 0:
-                if binding == self._frozen_binding(slot):
+                frozen = self._frozen_binding(slot)
+                if binding == frozen:
                     return  # the same again (a chunk re-stored where it was): stays frozen
+                if binding[:3] == frozen[:3] and binding[4] is None and _counted(binding):
+                    self._count_accesses(slot, binding[3][1] if binding[3] else 0)
+                    return  # an ACCESS: stays frozen
                 self._thaw_slot(chunk_hash, slot)
             else:
                 self._journal.note(self, "next_order")
                 self.order[chunk_hash] = self.next_order
                 self.next_order += 1
         hot[chunk_hash] = binding
+
+    def _count_accesses(self, slot: int, accesses: int) -> None:
+        """A frozen binding's access count changes, journaled (its slot stays its own
+        until the batch is done: nothing else of the chunk changed)."""
+        self._journal.record(_undo_accesses, self, slot, int(self.f_accesses[slot]))
+        self.f_accesses[slot] = accesses
 
     def __delitem__(self, chunk_hash: bytes) -> None:
         if self.num_frozen and chunk_hash not in self.hot:
@@ -313,11 +328,12 @@ class BindingTable:
                             count=2 * n)
         self._put(slots[kept], hashes, np.fromiter(map(_CONTENT, bindings), np.int64, n),
                   np.fromiter(map(_OFFSET, bindings), np.int64, n), holds[0::2], holds[1::2],
-                  np.fromiter(map(self.order.__getitem__, hashes), np.int64, n))
+                  np.fromiter(map(self.order.__getitem__, hashes), np.int64, n),
+                  np.array([b[3][1] if b[3] else 0 for b in bindings], dtype=np.int64))
 
     def _put(self, slots: np.ndarray, hashes: list[bytes], digests: np.ndarray,
              offsets: np.ndarray, keys: np.ndarray, places: np.ndarray, orders: np.ndarray,
-             numbered: bool = True) -> None:
+             accesses: np.ndarray | int = 0, numbered: bool = True) -> None:
         """Bindings (all in `hot`) into the columns at their slots, and out of `hot` (and
         out of `order`, unless a run's, which were never `numbered` there)."""
         if not len(hashes):
@@ -325,6 +341,7 @@ class BindingTable:
         self._make_room(int(slots.max()) + 1)
         self.f_digest[slots], self.f_offset[slots] = digests, offsets
         self.f_key[slots], self.f_place[slots], self.f_order[slots] = keys, places, orders
+        self.f_accesses[slots] = accesses
         self.f_frozen[slots] = 1  # last: the slots are readable as frozen from now on
         deque(map(dict.__delitem__, repeat(self.hot), hashes), maxlen=0)
         if numbered:
@@ -336,7 +353,8 @@ class BindingTable:
         if size <= grown:
             return
         size = max(size, grown * 5 // 4, 1024)  # copies: O(1) a chunk
-        for name in ("f_digest", "f_offset", "f_key", "f_place", "f_order", "f_frozen"):
+        for name in ("f_digest", "f_offset", "f_key", "f_place", "f_order", "f_accesses",
+                     "f_frozen"):
             old = getattr(self, name)  # the flags last: the columns are there before
             new = np.zeros(size, dtype=old.dtype)
             new[:grown] = old
@@ -362,7 +380,7 @@ def _common(bindings: list[tuple]) -> list[bool]:
     holds = list(map(_HOLDS, bindings))
     if set(map(type, holds)) != {tuple}:  # a chunk with many keys: rare
         return [type(b[0]) is int and 0 <= b[1] <= _MAX_FROZEN_OFFSET
-                and type(b[2]) is tuple and len(b[2]) == 2 and b[3] == () and b[4] is None
+                and type(b[2]) is tuple and len(b[2]) == 2 and _counted(b) and b[4] is None
                 for b in bindings]
     offsets = np.fromiter(map(_OFFSET, bindings), dtype=np.int64, count=n)
     common = ((offsets >= 0) & (offsets <= _MAX_FROZEN_OFFSET)
@@ -372,11 +390,22 @@ def _common(bindings: list[tuple]) -> list[bool]:
         common &= np.array([type(content) is int for content in contents], dtype=bool)
     accesses = list(map(_ACCESSES, bindings))
     if set(map(type, accesses)) != {tuple} or set(accesses) != {()}:
-        common &= np.array([type(a) is tuple and not a for a in accesses], dtype=bool)
+        common &= np.array(list(map(_counted, bindings)), dtype=bool)
     reported = list(map(_REPORTED, bindings))
     if set(map(type, reported)) != {type(None)}:
         common &= np.array([value is None for value in reported], dtype=bool)
     return common.tolist()
+
+
+def _counted(binding: tuple) -> bool:
+    """Whether a binding's access counts fit the columns: none, or its one key's."""
+    accesses = binding[3]
+    return accesses == () or (type(accesses) is tuple and len(accesses) == 2
+                              and type(binding[2]) is tuple and accesses[0] == binding[2][0])
+
+
+def _undo_accesses(table: BindingTable, slot: int, old: int) -> None:
+    table.f_accesses[slot] = old
 
 
 __all__ = ["BindingTable"]

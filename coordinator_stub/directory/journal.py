@@ -15,7 +15,7 @@ Contract:
   rather than mutate silently. `insert_absent(keys, values)` and `add_all(elements)` are
   one record however many they add (`insert_absent` refuses, changing nothing, if any key
   is present); `journal.keys_changed(target)` names the keys of a dict changed since
-  `begin()`.
+  `begin()`; `record(undo, target, key, old)` journals a change of any other kind.
 
 Picklable (a replica's snapshot holds the directory): each structure travels with its
 journal and its plain contents.
@@ -50,6 +50,11 @@ class Journal:
         """Record `obj.attr` (about to change) so a rollback restores it."""
         if self.records is not None:
             self.records.append((_undo_attr, obj, attr, getattr(obj, attr)))
+
+    def record(self, undo, target: object, key: object, old: object) -> None:
+        """Record how to undo a change of any other kind: `undo(target, key, old)`."""
+        if self.records is not None:
+            self.records.append((undo, target, key, old))
 
     def rollback(self) -> None:
         records, self.records = self.records, None

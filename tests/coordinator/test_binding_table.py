@@ -158,3 +158,26 @@ def test_a_run_chunk_left_in_the_dict_keeps_its_place_and_one_stored_again_goes_
     assert [h for h, _ in _as_dict(directory)] == [
         bytes.fromhex(f"{i:064x}") for i in (0, 1, 2, 4, 5, 3)]
     assert table[bytes.fromhex(f"{5:064x}")][1] == -1
+
+
+def test_accesses_count_in_the_columns_and_a_failed_batch_takes_its_counts_back(monkeypatch):
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(10))
+    table = directory._bindings.table
+    for seq in (2, 3):
+        _store(directory, seq, _chunks(10)[:4], kind="access")
+    assert table.num_frozen == 10 and len(table.hot) == 0  # counted where they are
+    assert table[bytes.fromhex(f"{1:064x}")][3] == (0, 2)
+    assert table[bytes.fromhex(f"{7:064x}")][3] == ()
+    keys = [(bytes.fromhex(f"{i:064x}"), ("m", "", pack_kv_rank(1, 0, 0), 0)) for i in (1, 7)]
+    assert [count for _, _, count in directory.placements_of(keys)] == [2, 0]
+    before = _as_dict(directory)
+
+    def fail():
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(directory._bindings.writer, "flush", fail)
+    with pytest.raises(RuntimeError):
+        _store(directory, 4, _chunks(10), kind="access")
+    monkeypatch.undo()
+    assert _as_dict(directory) == before
