@@ -44,7 +44,7 @@ from coordinator_stub.directory.new_chunks import shared_offset
 
 _MISSING = object()
 _NOTHING = ()
-_MAX_FROZEN_OFFSET = 2**31 - 1
+_MAX_FROZEN_OFFSET = _MAX_FROZEN_COUNT = 2**31 - 1
 
 
 class BindingTable:
@@ -65,7 +65,7 @@ class BindingTable:
         self.f_key = np.empty(0, dtype=np.int32)
         self.f_place = np.empty(0, dtype=np.int32)
         self.f_order = np.empty(0, dtype=np.int64)
-        self.f_accesses = np.empty(0, dtype=np.int64)  # the one key's access count
+        self.f_accesses = np.empty(0, dtype=np.int32)  # the one key's access count
         self.num_frozen = 0
         self._runs: list[tuple] = []  # the bulk runs of the batch being applied
 
@@ -329,7 +329,7 @@ class BindingTable:
         self._put(slots[kept], hashes, np.fromiter(map(_CONTENT, bindings), np.int64, n),
                   np.fromiter(map(_OFFSET, bindings), np.int64, n), holds[0::2], holds[1::2],
                   np.fromiter(map(self.order.__getitem__, hashes), np.int64, n),
-                  np.array([b[3][1] if b[3] else 0 for b in bindings], dtype=np.int64))
+                  np.array([b[3][1] if b[3] else 0 for b in bindings], dtype=np.int32))
 
     def _put(self, slots: np.ndarray, hashes: list[bytes], digests: np.ndarray,
              offsets: np.ndarray, keys: np.ndarray, places: np.ndarray, orders: np.ndarray,
@@ -401,7 +401,8 @@ def _counted(binding: tuple) -> bool:
     """Whether a binding's access counts fit the columns: none, or its one key's."""
     accesses = binding[3]
     return accesses == () or (type(accesses) is tuple and len(accesses) == 2
-                              and type(binding[2]) is tuple and accesses[0] == binding[2][0])
+                              and type(binding[2]) is tuple and accesses[0] == binding[2][0]
+                              and accesses[1] <= _MAX_FROZEN_COUNT)
 
 
 def _undo_accesses(table: BindingTable, slot: int, old: int) -> None:
