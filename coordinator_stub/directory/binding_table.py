@@ -140,7 +140,8 @@ class BindingTable:
         frozen = self._frozen_at(slots)
         if not frozen.any():
             return list(map(_HOLDS, map(self.hot.get, chunk_hashes, repeat(default))))
-        holds = list(zip(self.f_key[slots].tolist(), self.f_place[slots].tolist()))
+        at = np.where(frozen == 1, slots, 0)  # within the flags, so within the columns
+        holds = list(zip(self.f_key[at].tolist(), self.f_place[at].tolist()))
         for i in compress(count(), (frozen == 0).tolist()):
             binding = self.hot.get(chunk_hashes[i], default)
             if binding is default and self._frozen_slot(chunk_hashes[i]) >= 0:

@@ -181,3 +181,27 @@ def test_accesses_count_in_the_columns_and_a_failed_batch_takes_its_counts_back(
         _store(directory, 4, _chunks(10), kind="access")
     monkeypatch.undo()
     assert _as_dict(directory) == before
+
+
+def test_a_lookup_naming_slots_past_the_columns_reads_the_dict():
+    # Frozen bindings size the columns; chunks two tenants claim stay in the dict, at
+    # claim slots past the columns' end: a lookup finding both kinds reads each right.
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    tenant = BlendNamespace("m", "t", 1)
+    own = [_entry(e.key.chunk_hash_hex, e.token_ids, e.token_offset, salt="t")
+           for e in _chunks(10)]
+    _store(directory, 1, own)
+    shared = _chunks(1200, first=100)
+    _store(directory, 2, shared)
+    _store(directory, 3, [_entry(e.key.chunk_hash_hex, e.token_ids, e.token_offset, salt="t")
+                          for e in shared])
+    table = directory._bindings.table
+    assert table.num_frozen == 10
+    query = np.array([t for e in own[:5] + shared[-20:] for t in e.token_ids],
+                     dtype=np.uint32)
+    found = directory.candidate_columns(query, tenant)
+    assert len(found.chunk_hashes) == 25
+    assert int(found.slots.max()) >= len(table.f_frozen)  # the tenant's later claims
+    places = directory.place_columns(found.chunk_hashes, tenant, found.slots)
+    assert all(places.l1_of(i) == ["i0"] for i in range(25))
+    assert directory.places_of(list(found.chunk_hashes), tenant) == [(["i0"], False)] * 25
