@@ -43,12 +43,12 @@ def _tune_runtime() -> None:
     - Objects alive after start-up (modules, compiled kernels, the index, a loaded
       snapshot) are frozen out of every later collection pass, and the memory start-up
       used and freed (a replayed log's records) goes back to the OS
-      (`coordinator_stub.http.budget.give_back_memory`).
+      (`coordinator_stub.memory.give_back_memory`).
     - A shorter GIL switch interval (default 5 ms) lets a match worker finishing its
       kernel, or the loop answering a health check, get the GIL back sooner while another
       thread runs Python: it bounds tail latency, at a small cost in throughput.
     """
-    from coordinator_stub.http.budget import give_back_memory
+    from coordinator_stub.memory import give_back_memory
 
     gc.collect()
     gc.freeze()

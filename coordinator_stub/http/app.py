@@ -66,7 +66,8 @@ from coordinator_stub.config import CoordinatorConfig
 from coordinator_stub.errors import BadRequest, Forbidden, Refusal, ServiceUnavailable, TooLarge
 from coordinator_stub.http.access import (ANYONE, Route, access_middleware, add_routes,
                                           caller_of, lists_instances, scope_of)
-from coordinator_stub.http.budget import TRIM_DELAY_S, ByteBudget, give_back_memory
+from coordinator_stub.http.budget import ByteBudget
+from coordinator_stub.memory import TRIM_DELAY_S, give_back_memory
 from coordinator_stub.http.connections import ConnectionGuard, connection_cap
 from coordinator_stub.http.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator_stub.scopes import ADMIN, EMITTER, READER

@@ -3,13 +3,14 @@ bytes before reading it and answers 503 + Retry-After when it cannot (docs/DESIG
 "Coordinator"). Bodies up to `small_body_bytes` draw on a reserve of their own, so large
 bodies cannot crowd out ordinary batches. When a burst is over (nothing in flight
 `TRIM_DELAY_S` after `TRIM_AFTER_BYTES` came and went), the HTTP layer calls
-`give_back_memory`, so the burst's peak does not stay in the RSS.
+`coordinator_stub.memory.give_back_memory`, so the burst's peak does not stay in the RSS.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Callable
+
+from coordinator_stub.memory import TRIM_AFTER_BYTES
 
 
 class ByteBudget:
@@ -54,32 +55,3 @@ class ByteBudget:
             self.small_in_flight -= size
         else:
             self.in_flight -= size
-
-
-#: Request bytes that come and go before an idle coordinator gives memory back, and how
-#: long after the last body it looks (a burst's last bodies are in it, theirs freed).
-#: Small enough for a small store (MuSiQue B's 150 prompts post 4.3 MiB of events at chunk
-#: 256: its RSS growth was 14.8 B per stored token, where the directory holds 4.9); a trim
-#: costs ~1 ms on a heap of hundreds of MiB: at most one per MiB of ingest (~10 ms of its
-#: CPU) and per `TRIM_DELAY_S`.
-TRIM_AFTER_BYTES = 1 << 20
-TRIM_DELAY_S = 0.05
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc's, in this process
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def give_back_memory() -> None:
-    """Hand the C heap's free pages back to the OS. glibc keeps freed blocks of up to
-    32 MiB (request bodies) in its heap for reuse, so without this a burst's peak could
-    stay in the RSS for good. `malloc_trim(0)` (about a millisecond on a heap of hundreds
-    of MiB; run it off the event loop); nothing without glibc."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)

@@ -33,6 +33,7 @@ from blend_wire import RegisterRequest, encode
 from coordinator_stub.config import ClusterConfig
 from coordinator_stub.directory import KeyDirectory, Tally
 from coordinator_stub.errors import ServiceUnavailable
+from coordinator_stub.memory import AfterBurst
 from coordinator_stub.durability.eventlog import EventLog, LogGap, LogSettings, LogUnavailable
 from coordinator_stub.writes.validation import validated_batches
 from coordinator_stub.service.instances import InstanceRegistry, with_instance_id
@@ -79,6 +80,7 @@ class LogReplica:
         self._progress = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._broken = False  # missed records: never snapshot this state
+        self.after_burst = AfterBurst()  # gives the applied records' memory back
         #: Why this replica stopped on its own (records it can no longer apply), or None.
         self.failure: str | None = None
 
@@ -124,6 +126,7 @@ class LogReplica:
         during start-up, or it failed): its state is partial, nothing is written."""
         for task in self._tasks:
             task.cancel()
+        self.after_burst.cancel()
         for task in self._tasks:
             try:
                 await task
@@ -227,6 +230,8 @@ class LogReplica:
                                 waiter.set_result(reply)
                     self.applied = records[-1].seq
                     self._progress.set()
+                    # A peer's burst is held here as the bodies were where they came in.
+                    self.after_burst.came(loop, sum(len(record.payload) for record in records))
             except LogGap as gap:
                 log.error("replica %s fell behind the log: %s; reloading a snapshot",
                           self.name, gap)
@@ -428,7 +433,8 @@ class LogReplica:
                 "records_rejected": self.applier.records_rejected,
                 "log_time": self.applier.log_time,
                 "snapshot_write_s": self.snapshot_write_s,
-                "snapshot_bytes": self.snapshot_bytes}
+                "snapshot_bytes": self.snapshot_bytes,
+                "memory_given_back": self.after_burst.count}
 
 
 _layouts: dict[tuple, str] = {}

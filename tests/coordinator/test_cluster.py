@@ -43,6 +43,7 @@ from blend_wire import (
 )
 from coordinator_stub.launch.nats_process import NatsCluster, launch_nats_cluster
 from coordinator_stub.launch.process import launch_coordinator, start_coordinator
+from coordinator_stub.memory import TRIM_AFTER_BYTES
 from helpers import wait_until
 
 LANE = "nats"
@@ -251,6 +252,30 @@ def test_events_posted_to_one_replica_are_found_by_lookups_on_another(nats):
         assert_same_as(reference.url, [a.url, b.url], workload.queries())
     finally:
         for running in (a, b, reference):
+            running.stop()
+
+
+def test_a_replica_gives_back_the_memory_of_a_burst_of_records_it_applied(nats):
+    # A burst posted to one replica: the other applies the same records from the log, and
+    # gives their memory back once the burst is over, as the first does after the bodies.
+    workload = Workload(seed=2, chunks=8000)
+    entries = [workload._entry(i, MODELS[0]) for i in range(8000)]
+    bodies = [encode({"batches": [workload._batch("server-0", "store",
+                                                  entries[i:i + 500])]})
+              for i in range(0, 8000, 500)]
+    assert sum(map(len, bodies)) >= 1.5 * TRIM_AFTER_BYTES
+    a, b = start_replicas(replica_flags(nats, "--replica-name", "a"),
+                          replica_flags(nats, "--replica-name", "b"))
+    try:
+        assert replica_stats(b.url)["memory_given_back"] == 0
+        for body in bodies:
+            post(a.url, body)
+        wait_applied(b.url, len(bodies))
+        wait_until(lambda: replica_stats(b.url)["memory_given_back"] == 1, timeout=10)
+        time.sleep(0.3)  # once per burst
+        assert replica_stats(b.url)["memory_given_back"] == 1
+    finally:
+        for running in (a, b):
             running.stop()
 
 

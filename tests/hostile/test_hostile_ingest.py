@@ -20,7 +20,8 @@ import pytest
 
 from blend_wire import EVENTS_PATH, BlendNamespace
 from coordinator_stub.http.app import WRITES
-from coordinator_stub.http.budget import TRIM_AFTER_BYTES, ByteBudget
+from coordinator_stub.http.budget import ByteBudget
+from coordinator_stub.memory import TRIM_AFTER_BYTES
 from coordinator_stub.launch.process import launch_coordinator
 from helpers import wait_until
 from coordinator_client import flood_body
@@ -87,7 +88,7 @@ async def test_memory_is_given_back_once_a_burst_is_over(start, monkeypatch):
     TRIM_DELAY_S after the last (not per body, not mid-burst), and not after a small body
     alone. (What it gives back is measured: `make bench-granularity`, bench_memory_burst.)"""
     from coordinator_stub.http import app as http_app
-    from coordinator_stub.http.budget import TRIM_DELAY_S
+    from coordinator_stub.memory import TRIM_DELAY_S
 
     given: list[float] = []
     monkeypatch.setattr(http_app, "give_back_memory", lambda: given.append(1.0))
