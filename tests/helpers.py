@@ -367,3 +367,12 @@ def tokens(n: int) -> list[int]:
 
 def found(result) -> list[tuple[int, int]]:
     return [(s.old_st, s.cur_st) for s in result.non_prefix_segments]
+
+
+def held_view(directory) -> dict:
+    """The chunks each instance holds a placement of in a `KeyDirectory`: its `held_by` set
+    (hot bindings) and its frozen bindings' chunks (the binding table's)."""
+    bindings = directory._bindings
+    instances = set(bindings.held_by) | set(bindings.table.frozen_of)
+    return {i: frozenset(bindings.held_by.get(i, ())) | frozenset(
+        bindings.table.frozen_chunks_of(i)) for i in instances}

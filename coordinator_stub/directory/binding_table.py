@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from coordinator_stub.directory.journal import Journal, JournaledDict
+from coordinator_stub.directory.journal import Journal, JournaledDict, JournaledSet
 from coordinator_stub.directory.new_chunks import shared_offset
 
 _MISSING = object()
@@ -68,6 +68,11 @@ class BindingTable:
         self.f_accesses = np.empty(0, dtype=np.int32)  # the one key's access count
         self.num_frozen = 0
         self._runs: list[tuple] = []  # the bulk runs of the batch being applied
+        # The chunks each instance holds (the directory's `held_by`) list hot bindings
+        # only: a frozen one is counted per instance of its place (`instance_of`).
+        self.held_by: dict[str, set[bytes]] = {}
+        self.instance_of = None  # place number -> instance id (the directory's)
+        self.frozen_of: dict[str, int] = {}
 
     # --- reads ------------------------------------------------------------------------
 
@@ -110,6 +115,12 @@ class BindingTable:
                                              dtype=np.int64, count=len(self.hot)),
                                  self.f_order[slots]])
         return [rows[i] for i in np.argsort(orders, kind="stable").tolist()]
+
+    def in_creation_order(self, chunk_hashes: Iterable[bytes]) -> list[bytes]:
+        """`chunk_hashes` of hot bindings in the order the bindings were created (any
+        without one last)."""
+        order, last = self.order, self.next_order
+        return sorted(chunk_hashes, key=lambda chunk_hash: order.get(chunk_hash, last))
 
     def values(self) -> list[tuple]:
         return [binding for _, binding in self.items()]
@@ -245,8 +256,52 @@ class BindingTable:
     def _thaw_slot(self, chunk_hash: bytes, slot: int) -> None:
         dict.__setitem__(self.hot, chunk_hash, self._frozen_binding(slot))
         dict.__setitem__(self.order, chunk_hash, int(self.f_order[slot]))
+        instance = self.instance_of(int(self.f_place[slot]))
+        set.add(self._held(instance), chunk_hash)
+        self._count_frozen(instance, -1)
         self.f_frozen[slot] = 0
         self.num_frozen -= 1
+
+    def thaw(self, chunk_hash: bytes) -> None:
+        """The binding back to `hot` (and its chunk to its instance's `held_by`), if
+        frozen: before a step that reads `held_by` for it (a DELETE)."""
+        if self.num_frozen and chunk_hash not in self.hot:
+            self._thaw(chunk_hash)
+
+    def thaw_instance(self, instance_id: str) -> None:
+        """Every frozen binding placed at `instance_id` back to `hot` (before a fence):
+        one pass over the place column, O(frozen bindings)."""
+        if not self.frozen_of.get(instance_id):
+            return
+        slots = np.flatnonzero(self.f_frozen)
+        places = self.f_place[slots]
+        mine = [p for p in np.unique(places).tolist() if self.instance_of(p) == instance_id]
+        slots = slots[np.isin(places, mine)].tolist()
+        for chunk_hash, slot in zip(self.index.chunks_at(slots), slots):
+            self._thaw_slot(chunk_hash, slot)
+
+    def frozen_chunks_of(self, instance_id: str) -> list[bytes]:
+        """The chunks of the frozen bindings placed at `instance_id` (inspection)."""
+        if not self.frozen_of.get(instance_id):
+            return []
+        slots = np.flatnonzero(self.f_frozen)
+        places = self.f_place[slots]
+        mine = [p for p in np.unique(places).tolist() if self.instance_of(p) == instance_id]
+        return self.index.chunks_at(slots[np.isin(places, mine)].tolist())
+
+    def _held(self, instance_id: str) -> set[bytes]:
+        held = self.held_by.get(instance_id)
+        if held is None:  # not journaled: a thaw changes nothing a rollback should undo
+            held = JournaledSet(self._journal)
+            dict.__setitem__(self.held_by, instance_id, held)
+        return held
+
+    def _count_frozen(self, instance_id: str, delta: int) -> None:
+        count = self.frozen_of.get(instance_id, 0) + delta
+        if count:
+            self.frozen_of[instance_id] = count
+        else:
+            del self.frozen_of[instance_id]
 
     # --- moving common bindings to the columns ----------------------------------------
 
@@ -287,10 +342,13 @@ class BindingTable:
 
     def _number(self, run: tuple) -> None:
         """A run's chunks still in `hot` take their creation numbers into `order` (but a
-        chunk the batch deleted and stored again, numbered then)."""
+        chunk the batch deleted and stored again, numbered then) and join their
+        instance's `held_by` (`insert_run` left both to `freeze`)."""
         hashes, first, order = run[0], run[4], self.order
-        dict.update(order, ((chunk_hash, first + i) for i, chunk_hash in enumerate(hashes)
-                            if chunk_hash in self.hot and chunk_hash not in order))
+        left = [i for i, chunk_hash in enumerate(hashes) if chunk_hash in self.hot]
+        dict.update(order, ((hashes[i], first + i) for i in left if hashes[i] not in order))
+        if left:
+            set.update(self._held(self.instance_of(run[3][1])), [hashes[i] for i in left])
 
     def _freeze_runs(self, runs: list[tuple]) -> None:
         """`freeze` of bulk runs, all at once: the columns come from what `insert_run`
@@ -306,6 +364,9 @@ class BindingTable:
         if not kept.all():  # these stay in `hot`
             left = ~kept
             dict.update(self.order, zip(compress(hashes, left), orders[left].tolist()))
+            places = np.repeat(np.array([run[3][1] for run in runs], dtype=np.int64), sizes)
+            for place, chunk_hash in zip(places[left].tolist(), compress(hashes, left)):
+                set.add(self._held(self.instance_of(place)), chunk_hash)
             hashes, contents = list(compress(hashes, kept)), list(compress(contents, kept))
         keys, places = (np.repeat(np.array([run[3][k] for run in runs], dtype=np.int32),
                                   sizes)[kept] for k in (0, 1))
@@ -348,6 +409,15 @@ class BindingTable:
         if numbered:
             deque(map(dict.__delitem__, repeat(self.order), hashes), maxlen=0)
         self.num_frozen += len(hashes)
+        # Counted per instance; a run's chunks were never in its `held_by`, others leave.
+        distinct, counts = np.unique(places, return_counts=True)
+        for place, count in zip(distinct.tolist(), counts.tolist()):
+            self._count_frozen(self.instance_of(place), count)
+        if numbered:
+            for place, chunk_hash in zip(places.tolist(), hashes):
+                held = self.held_by.get(self.instance_of(place))
+                if held is not None:
+                    set.discard(held, chunk_hash)
 
     def _make_room(self, size: int) -> None:
         grown = len(self.f_frozen)

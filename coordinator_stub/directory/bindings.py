@@ -83,7 +83,10 @@ class Bindings:
         self._counters = counters  # the directory's: shared, restored by it on rollback
         # Journaled: what a batch changed here is undone if the batch fails.
         self.table = BindingTable(journal)
+        # Per instance, the chunks of hot bindings it holds a placement of; the frozen
+        # ones' are the table's to find (`BindingTable.thaw_instance`).
         self.held_by: dict[str, set[bytes]] = JournaledDict(journal)
+        self.table.held_by, self.table.instance_of = self.held_by, placements.instance_of
         self._writer: IndexWriter | None = None  # blend lookup on: the index's one writer
         self.emitter = ""  # the instance whose batch is being applied
         self.size_warned: set[str] = set()  # emitters warned of a chunk-size mismatch
@@ -124,32 +127,7 @@ class Bindings:
     def reindex(self, chunk_hashes: set[bytes]) -> None:
         """The index failed part-way through a batch: put back what the restored bindings
         say about the chunks it touched (best effort; logged if even that fails)."""
-        index, replaced = self.writer.index, self.writer.replaced
-        try:
-            for chunk_hash in chunk_hashes:
-                binding = self.table.get(chunk_hash)
-                claims = [] if binding is None else _indexed_claims(self._placements, binding)
-                restore = []
-                for namespace, content, offset in claims:
-                    if type(content) is bytes:
-                        tokens = np.frombuffer(content, dtype=np.uint32)
-                    elif (chunk_hash, namespace) in replaced:
-                        tokens = replaced[chunk_hash, namespace]
-                    elif chunk_hash in replaced:
-                        tokens = replaced[chunk_hash]
-                    else:
-                        tokens = index.tokens_of(chunk_hash, namespace)
-                    restore.append((namespace, tokens, offset))
-                index.remove_chunk(chunk_hash)
-                for namespace, tokens, offset in restore:
-                    if tokens is None:
-                        log.error("chunk %s cannot be re-indexed: its tokens are gone",
-                                  chunk_hash.hex())
-                        continue
-                    index.add(tokens, chunk_hash, offset, namespace)
-        except Exception:
-            log.exception("re-indexing after a failed batch failed too; lookups may miss "
-                          "chunks until they are stored again")
+        _reindex(self.writer, self.table, self._placements, chunk_hashes)
 
     def unindex_all(self) -> None:
         """Every binding's content leaves the index (the chunk size changes); the tokens
@@ -181,10 +159,8 @@ class Bindings:
         if guarded is None:
             return
         keep_place, stamped = guarded
-        new_claim = False
-        if not keep_place:
-            holds, new_claim = self._placements.add(holds, key_no, place_no)
-            held.add(chunk_hash)
+        holds, new_claim = ((holds, False) if keep_place
+                            else self._placements.add(holds, key_no, place_no))
         if self.writer is not None:
             namespace = self._placements.key_ns[key_no]
             if type(content) is OwnContent:
@@ -225,6 +201,8 @@ class Bindings:
         elif len(entry.token_ids):
             reported = _packed(entry.token_ids, reported)
         self.table[chunk_hash] = (content, offset, holds, accesses, reported)
+        if not keep_place and chunk_hash in self.table.hot:  # (the table counts frozen ones)
+            held.add(chunk_hash)  # after the write: it thaws a frozen binding into `held`
 
     def _same_content(self, chunk_hash: bytes, content: Content, tokens: bytes,
                       namespace: BlendNamespace | None) -> bool:
@@ -377,6 +355,7 @@ class Bindings:
         placements = self._placements
         key_no = placements.known_key_no(key)
         chunk_hash = bytes.fromhex(key.chunk_hash_hex)
+        self.table.thaw(chunk_hash)  # into its instance's `held_by`, which this updates
         binding = self.table.get(chunk_hash)
         removed = place_no = None
         if binding is not None and key_no is not None:
@@ -400,6 +379,10 @@ class Bindings:
                       [placements.key_ns[key_no]] if claim_gone else [],
                       [key_no] if key_gone else [])
 
+    def holds_any(self, instance_id: str) -> bool:
+        """Whether the instance holds a placement here (two dict reads: no lock needed)."""
+        return instance_id in self.held_by or instance_id in self.table.frozen_of
+
     def fence(self, instance_id: str, departed: bool) -> None:
         """The instance restarted: drop its placements (and what they held); it `departed`:
         its L1 ones, and its chunk-size warning is forgotten."""
@@ -409,7 +392,10 @@ class Bindings:
             self._counters["instances_fenced"] += 1
         placements = self._placements
         places = placements.places
-        for chunk_hash in self.held_by.pop(instance_id, ()):
+        self.table.thaw_instance(instance_id)
+        # In creation order: index slots are freed in an order that does not depend on
+        # how the set was filled (frozen chunks join it only now).
+        for chunk_hash in self.table.in_creation_order(self.held_by.pop(instance_id, ())):
             binding = self.table.get(chunk_hash)
             if binding is None:  # its shared-pool placement went on with another reporter
                 continue
@@ -458,6 +444,37 @@ class Bindings:
             self.table[chunk_hash] = (content, offset, holds, accesses, reported)
         else:
             del self.table[chunk_hash]
+
+
+def _reindex(writer: IndexWriter, table: BindingTable, placements: Placements,
+             chunk_hashes: set[bytes]) -> None:
+    """`Bindings.reindex`."""
+    index, replaced = writer.index, writer.replaced
+    try:
+        for chunk_hash in chunk_hashes:
+            binding = table.get(chunk_hash)
+            claims = [] if binding is None else _indexed_claims(placements, binding)
+            restore = []
+            for namespace, content, offset in claims:
+                if type(content) is bytes:
+                    tokens = np.frombuffer(content, dtype=np.uint32)
+                elif (chunk_hash, namespace) in replaced:
+                    tokens = replaced[chunk_hash, namespace]
+                elif chunk_hash in replaced:
+                    tokens = replaced[chunk_hash]
+                else:
+                    tokens = index.tokens_of(chunk_hash, namespace)
+                restore.append((namespace, tokens, offset))
+            index.remove_chunk(chunk_hash)
+            for namespace, tokens, offset in restore:
+                if tokens is None:
+                    log.error("chunk %s cannot be re-indexed: its tokens are gone",
+                              chunk_hash.hex())
+                    continue
+                index.add(tokens, chunk_hash, offset, namespace)
+    except Exception:
+        log.exception("re-indexing after a failed batch failed too; lookups may miss "
+                      "chunks until they are stored again")
 
 
 def _warn_chunk_size(bindings: Bindings, length: int) -> None:

@@ -233,13 +233,13 @@ class KeyDirectory:
         """Whether the id has a gate cursor or holds a placement (read without the lock:
         two dict lookups)."""
         return (self._gate.position(instance_id) is not None
-                or instance_id in self._bindings.held_by)
+                or self._bindings.holds_any(instance_id))
 
     def has_ghosts(self, registered: Callable[[str], bool]) -> bool:
         """Whether some id with a gate cursor is not `registered` and holds nothing."""
         with self._lock:
-            held_by = self._bindings.held_by
-            return any(not registered(instance_id) and instance_id not in held_by
+            holds_any = self._bindings.holds_any
+            return any(not registered(instance_id) and not holds_any(instance_id)
                        for instance_id in self._gate.instances())
 
     def release_ghosts(self, registered: Callable[[str], bool], now: float,
@@ -252,10 +252,10 @@ class KeyDirectory:
         (a ZMQ-only server reports without registering) keeps its cursor. Returns the ids
         released. O(ids with a cursor), under the directory lock."""
         with self._lock:
-            gate, held = self._gate, self._bindings.held_by
+            gate, holds_any = self._gate, self._bindings.holds_any
             released = []
             for instance_id in gate.instances():
-                if registered(instance_id) or instance_id in held:
+                if registered(instance_id) or holds_any(instance_id):
                     gate.not_idle(instance_id)
                 elif gate.idle_for(instance_id, now) > timeout:
                     released.append(instance_id)

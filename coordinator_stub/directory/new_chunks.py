@@ -198,8 +198,10 @@ def store_new_chunks(batch: CacheEventBatch, entries: list[CacheEventEntry],
         table.insert_absent(hashes, zip(repeat(None), repeat(UNKNOWN_TOKEN_OFFSET),
                                         repeat(holds), repeat(()), tokens.row_bytes))
     else:
+        # Not in `held` yet: most will be frozen, which lists them no more (binding_table).
         table.insert_run(hashes, tokens.contents, tokens.offsets, tokens.positions, holds)
         _add_rows(writer, tokens, hashes, placements.key_ns[key_no])
+        return
     held.add_all(hashes)
 
 

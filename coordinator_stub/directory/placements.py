@@ -378,6 +378,10 @@ class Placements:
         many.count = len(flat) // 2
         return many
 
+    def instance_of(self, place_no: int) -> str:
+        """The instance a place names (its latest reporter, for a shared pool)."""
+        return self.places[place_no][INSTANCE]
+
     def namespaces_of(self, holds) -> list[BlendNamespace]:
         if type(holds) is not tuple:
             return list(holds.keys_in)

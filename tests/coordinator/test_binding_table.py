@@ -205,3 +205,22 @@ def test_a_lookup_naming_slots_past_the_columns_reads_the_dict():
     places = directory.place_columns(found.chunk_hashes, tenant, found.slots)
     assert all(places.l1_of(i) == ["i0"] for i in range(25))
     assert directory.places_of(list(found.chunk_hashes), tenant) == [(["i0"], False)] * 25
+
+
+def test_frozen_chunks_cost_their_instance_no_set_entry_and_a_fence_still_drops_them():
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    _store(directory, 1, _chunks(300))
+    bindings = directory._bindings
+    assert bindings.held_by["i0"] == set() and bindings.table.frozen_of == {"i0": 300}
+    assert directory.tracks("i0")
+    _store(directory, 2, [_chunks(300)[5]], kind="delete")  # a frozen chunk's DELETE
+    assert bytes.fromhex(f"{5:064x}") not in bindings.table
+    assert bindings.table.frozen_of == {"i0": 299} and not bindings.held_by.get("i0")
+    assert directory.tracks("i0")  # it holds frozen ones
+    # A restart (the next incarnation's first batch) fences everything the last one held.
+    batch = CacheEventBatch(instance_id="i0", incarnation=1, seq=1, event_type="store",
+                            tier="l1", backend="dram", entries=_chunks(1, first=1000))
+    directory.ingest([batch])
+    assert len(bindings.table) == 1 and bindings.table.frozen_of == {"i0": 1}
+    query = np.arange(1, C * 5 + 1, dtype=np.uint32)
+    assert directory.match(query, NS) == []

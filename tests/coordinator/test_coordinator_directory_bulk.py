@@ -29,7 +29,7 @@ from blend_wire import (
 from coordinator_stub.directory import KeyDirectory, bindings, new_chunks
 from coordinator_stub.directory.writer import IndexWriter
 from local_matcher import ContentIndex
-from helpers import claim_one_by_one
+from helpers import claim_one_by_one, held_view
 from local_matcher.claims import ClaimLists
 
 LANE = "unit"
@@ -207,7 +207,7 @@ def _state(directory: KeyDirectory, ordered: bool = True) -> dict:
                             directory.places_of(list(table), namespace))
     state = {"stats": stats, "placements": held, "found": found,
              "bindings": {h: _plain(b) for h, b in table.items()},
-             "held_by": {i: frozenset(s) for i, s in directory._bindings.held_by.items()},
+             "held_by": held_view(directory),
              "placements_of": directory.placements_of(keys),
              "list_keys": directory.list_keys("all", "", "", 0, 10_000)}
     if not ordered:

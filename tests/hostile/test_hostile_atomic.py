@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from blend_wire import BlendNamespace, CacheEventBatch, CacheEventEntry, EncodedObjectKey, pack_kv_rank
+from helpers import held_view
 from coordinator_stub.directory import KeyDirectory
 from coordinator_stub.directory import bindings
 from coordinator_stub.directory.bindings import Bindings
@@ -57,7 +58,7 @@ def _state(directory: KeyDirectory, contents: dict[str, list[int]]) -> dict:
     return {"stats": stats, "found": found,
             "cursor": directory._gate.position("i0"),
             "bindings": {h: _plain(b) for h, b in directory._bindings.table.items()},
-            "held": {i: frozenset(s) for i, s in directory._bindings.held_by.items()}}
+            "held": held_view(directory)}
 
 
 def _plain(binding: tuple) -> tuple:
@@ -183,15 +184,17 @@ def test_a_batch_failing_before_its_flush_leaves_the_index_in_order(monkeypatch)
 def test_an_instance_without_placements_costs_nothing(seeded):
     directory, contents = seeded
     directory.ingest([_batch(_entry("ff", _tokens(), offset=0), seq=1, instance="brief")])
-    assert "brief" in directory._bindings.held_by
+    assert directory._bindings.holds_any("brief")
     directory.ingest([_batch(_entry("ff"), seq=2, instance="brief", event_type="delete")])
+    assert not directory._bindings.holds_any("brief")
     assert "brief" not in directory._bindings.held_by
 
 
 def _tables(directory: KeyDirectory) -> tuple[int, ...]:
     placements = directory._placements
     return (len(placements._place_nos), len(placements._ident_nos),
-            len(directory._bindings.held_by), len(placements.l1_by_instance),
+            len(directory._bindings.held_by), len(directory._bindings.table.frozen_of),
+            len(placements.l1_by_instance),
             len(directory._gate), len(directory._capacity))
 
 
