@@ -11,7 +11,9 @@ reported)` (bindings.py), iterated in creation order, whose writes are journaled
   only_claim_slots`): a chunk stored once, indexed (a digest, an offset below 2^31), one
   key in one place and that key's access count, nothing else reported. That is most of a
   directory, and costs ~40 B a chunk there instead of ~170 B of dict entry, tuple and
-  digest.
+  digest, and ~40 B of its instance's `held_by` set entry: a frozen binding is counted
+  per instance instead (`frozen_of`), and thawed (into the set) before a step reads the
+  set for it (`thaw` before a DELETE, `thaw_instance` before a fence).
 After a batch commits, `freeze` moves the common bindings it wrote to the columns (a bulk
 run's straight from what `insert_run` was given); a write that changes a frozen binding
 first moves it back to `hot` (`_thaw`), one that writes it unchanged leaves it frozen,
