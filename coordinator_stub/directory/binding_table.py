@@ -1,6 +1,6 @@
 """`BindingTable`: the directory's chunk hash -> binding map, with the common binding kept
 in columns instead of Python objects per chunk (docs/DESIGN.md, "Key directory
-internals": "Frozen bindings").
+internals", its frozen bindings).
 
 Contract: a mapping from chunk hash to binding tuple `(content, offset, holds, accesses,
 reported)` (bindings.py), iterated in creation order, whose writes are journaled like a
