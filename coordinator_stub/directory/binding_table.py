@@ -234,11 +234,9 @@ class BindingTable:
         del self.hot[chunk_hash]
         self.order.pop(chunk_hash, None)  # a run's chunk has no number there yet
 
-    def insert_absent(self, chunk_hashes: list[bytes], bindings: Iterable[tuple],
-                      checked: bool = False) -> None:
-        """`JournaledDict.insert_absent`: ValueError, nothing changed, if any is here
-        (`checked`: the caller found none frozen, `present`; `hot` is checked anyway)."""
-        if self.num_frozen and not checked and self.present(chunk_hashes):
+    def insert_absent(self, chunk_hashes: list[bytes], bindings: Iterable[tuple]) -> None:
+        """`JournaledDict.insert_absent`: ValueError, nothing changed, if any is here."""
+        if self.num_frozen and self.present(chunk_hashes):
             raise ValueError("insert_absent: some keys are present")
         self.hot.insert_absent(chunk_hashes, bindings)
         first = self.next_order
