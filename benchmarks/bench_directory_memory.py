@@ -7,7 +7,8 @@ grouped by the structure that holds them, per chunk and per token:
 
 - tokens: the content store's token rows (what verification needs; they stay);
 - content index: the content store's hash table, filter and per-content columns;
-- claims: the index's claim columns, and its dict from chunk hash to claim;
+- claims: the index's claim columns, and its chunk hashes (a row per claim and a table of
+  slots: `local_matcher.chunk_hashes`);
 - directory: the binding table (its columns, for the common binding, and its dict entry
   and tuple per chunk for the others), the chunks each instance holds (a set entry per
   chunk), the chunk-hash bytes objects, the digests.
@@ -39,7 +40,7 @@ from benchmarks.common import machine_description
 _GROUPS = (
     ("local_matcher/store.py", "np.empty((kernels.BLOCK_ROWS", "tokens"),
     ("local_matcher/store.py", "", "content index: table, filter, columns"),
-    ("local_matcher/claims.py", "self.chunks", "claims: dict by chunk hash"),
+    ("local_matcher/chunk_hashes.py", "", "claims: chunk-hash columns (rows, table)"),
     ("local_matcher/claims.py", "", "claims: columns"),
     ("coordinator_stub/directory/journal.py", "set.", "directory: chunks held per instance"),
     ("coordinator_stub/directory/journal.py", "", "directory: binding table (dict + tuple)"),
@@ -105,7 +106,7 @@ def _report(chunk_size: int, groups: dict[str, float]) -> None:
         if abs(size) >= 0.5:
             print(f"  {size:7.1f} B/chunk  {size / chunk_size:6.2f} B/token  {group}")
     floor = sum(size for group, size in groups.items()
-                if group == "tokens" or group.startswith(("content index", "claims: col"))
+                if group == "tokens" or group.startswith(("content index", "claims: "))
                 or group.endswith("(columns)"))
     print(f"  tokens + the content index's, claims' and bindings' columns (no Python "
           f"object per chunk): {floor / chunk_size:.2f} B/token")

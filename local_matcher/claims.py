@@ -13,11 +13,13 @@ step per newer occupant of its namespace), removing one O(1), a match one step p
 occurrence.
 
 Invariants:
-- `chunks[h]` for chunk `h`: the slot of its only claim (an int); a tuple of slots while
-  a few namespaces claim it; past `_FEW_CLAIMS`, a `_ManyClaims` ({namespace id: slot}
-  and, per content, its occupant's order and claim count). Ints and tuples of ints are
-  untracked by Python's cyclic GC, so a million chunks add no GC pause.
-- slot `s`: `slot_chunk[s]` its chunk, `slot_ns[s]` its namespace id, `slot_cid[s]` its
+- `chunks` (a `local_matcher.chunk_hashes.ChunkHashes`) maps chunk `h` to its claims: the
+  slot of its only claim (an int); a tuple of slots while a few namespaces claim it; past
+  `_FEW_CLAIMS`, a `_ManyClaims` ({namespace id: slot} and, per content, its occupant's
+  order and claim count). It also names each slot's chunk (`chunks.at`). A chunk hash of
+  32 bytes with one claim (the common chunk) costs no Python object there: its bytes are
+  its slot's row in a column and a table of slot numbers finds it.
+- slot `s`: `chunks.at([s])` its chunk, `slot_ns[s]` its namespace id, `slot_cid[s]` its
   content, `slot_offset[s]` its stored offset, `_slot_order[s]` its occupant's order
   number (the same in every slot of one occupant, increasing with the time the occupant
   was first indexed), `next_slot[s]` and `_prev[s]` its neighbours in its circular list
@@ -33,13 +35,13 @@ Invariants:
 
 from __future__ import annotations
 
-import sys
 from array import array
-from itertools import groupby, repeat
+from itertools import groupby
 from typing import Hashable, Sequence
 
 import numpy as np
 
+from local_matcher.chunk_hashes import ChunkHashes
 from local_matcher.head_table import HeadTable, heads_of
 
 NONE = -1  # "no slot" in the slot and head arrays
@@ -61,9 +63,8 @@ class ClaimLists:
     """The slots, lists and namespace ids of a content index (module doc)."""
 
     def __init__(self) -> None:
-        self.chunks: dict[Hashable, object] = {}
+        self.chunks = ChunkHashes()  # {chunk hash: claim} and each slot's chunk hash
         # Claim slots.
-        self.slot_chunk: list[Hashable] = []
         self.slot_ns = array("i")
         self.slot_cid = array("i")
         self.slot_offset = array("q")
@@ -123,7 +124,7 @@ class ClaimLists:
             slot = NONE if claim is None else self._slot_of(claim, ns_id)
             if slot == NONE:  # a new claim: O(1) however many the chunk has
                 slot = self._claim(chunk_hash, cid, ns_id, offset, claim)
-                chunks[chunk_hash] = self._with_slot(claim, slot)
+                chunks.set(chunk_hash, self._with_slot(claim, slot))
                 self._count_claims(ns_id, 1)
             elif slot_cid[slot] == cid:
                 slot_offset[slot] = offset
@@ -153,7 +154,7 @@ class ClaimLists:
             self._next_order, self._next_order + count)
         self._next_order += count
         self.num_occupants += count
-        self.chunks.update(zip(chunk_hashes, slots.tolist()))
+        self.chunks.add_new(chunk_hashes, slots)
         own = fresh.view(bool)
         alone, alone_cids = (slots, cids) if own.all() else (slots[own], cids[own])
         np.frombuffer(self.next_slot, dtype=i32)[alone] = alone  # each its own list
@@ -175,17 +176,16 @@ class ClaimLists:
         if reused:
             slots[:reused] = np.frombuffer(free, dtype=np.int32)[::-1][:reused]
             del free[len(free) - reused:]
-            for slot, chunk_hash in zip(slots[:reused].tolist(), chunk_hashes[:reused]):
-                self.slot_chunk[slot] = chunk_hash
         grown = count - reused
         if grown:
             start = len(self.slot_ns)
             slots[reused:] = np.arange(start, start + grown)
-            self.slot_chunk.extend(chunk_hashes[reused:])
+            self.chunks.reserve(start + grown)
             for ints in (self.slot_ns, self.slot_cid, self.next_slot, self._prev):
                 ints.frombytes(bytes(4 * grown))
             for longs in (self.slot_offset, self._slot_order):
                 longs.frombytes(bytes(8 * grown))
+        self.chunks.name_all(slots, chunk_hashes)
         return slots
 
     # --- removing -----------------------------------------------------------------------
@@ -214,7 +214,7 @@ class ClaimLists:
         for cid in cids:
             self.num_chunks[cid] -= 1
         self.num_occupants -= len(cids)
-        del self.chunks[chunk_hash]
+        self.chunks.delete(chunk_hash)
         return cids
 
     def vacant(self, touched) -> list[int]:
@@ -238,11 +238,8 @@ class ClaimLists:
 
     def only_slots(self, chunk_hashes: Sequence[Hashable]) -> list[int]:
         """Per chunk, the slot of its claim if exactly one namespace claims it, else NONE
-        (one dict read each: safe without the index lock)."""
-        slots = list(map(self.chunks.get, chunk_hashes, repeat(NONE)))
-        if set(map(type, slots)) == {int}:
-            return slots
-        return [slot if type(slot) is int else NONE for slot in slots]
+        (safe without the index lock: `ChunkHashes.slots_of`)."""
+        return self.chunks.slots_of(chunk_hashes)
 
     def heads_of(self, cids: np.ndarray, ns_id: int) -> np.ndarray:
         """Per content, the head slot of `ns_id`'s list (-1: none)."""
@@ -252,8 +249,7 @@ class ClaimLists:
         """Memory held beyond the content store: the arrays and the Python records."""
         arrays = (self.slot_ns, self.slot_cid, self.slot_offset, self._slot_order,
                   self.next_slot, self._prev, self.head, self.num_chunks, self._free_slots)
-        return (sys.getsizeof(self.chunks) + len(self.chunks) * _RECORD_BYTES
-                + sys.getsizeof(self.slot_chunk) + self._more_heads.nbytes()
+        return (self.chunks.nbytes() + self._more_heads.nbytes()
                 + sum(len(a) * a.itemsize for a in arrays))
 
     # --- a chunk's claims: one slot (int), a tuple of slots, or a _ManyClaims ----------
@@ -361,19 +357,19 @@ class ClaimLists:
         namespace's mask bit."""
         if self._free_slots:
             slot = self._free_slots.pop()
-            self.slot_chunk[slot] = chunk_hash
             self.slot_ns[slot] = ns_id
             self.slot_cid[slot] = cid
             self.slot_offset[slot] = offset
         else:
             slot = len(self.slot_ns)
-            self.slot_chunk.append(chunk_hash)
+            self.chunks.reserve(slot + 1)
             self.slot_ns.append(ns_id)
             self.slot_cid.append(cid)
             self.slot_offset.append(offset)
             self._slot_order.append(0)
             self.next_slot.append(slot)
             self._prev.append(slot)
+        self.chunks.name(slot, chunk_hash)
         self._slot_order[slot] = self._join(claim, cid, slot)
         self._link(slot)
         return slot
@@ -434,7 +430,7 @@ class ClaimLists:
 
     def _free(self, slot: int) -> None:
         """Free an unlinked slot (the namespace's id retires with its last claim)."""
-        self.slot_chunk[slot] = None
+        self.chunks.unname(slot)
         self._free_slots.append(slot)
         self._count_claims(self.slot_ns[slot], -1)
 
@@ -452,9 +448,9 @@ class ClaimLists:
             kept = tuple(held for held in claim if held != slot)
             rest = kept[0] if len(kept) == 1 else kept
         if rest is None:
-            del self.chunks[chunk_hash]
+            self.chunks.delete(chunk_hash)
         elif rest is not claim:
-            self.chunks[chunk_hash] = rest
+            self.chunks.set(chunk_hash, rest)
         return rest
 
 
@@ -538,6 +534,3 @@ class _ManyClaims:
     def __setstate__(self, state: tuple) -> None:
         self.slots, self.occupants = state
 
-
-# Python memory of one chunk beyond the arrays: its record (a slot number, usually).
-_RECORD_BYTES = sys.getsizeof(10**6)

@@ -48,6 +48,7 @@ import numpy as np
 
 from blend_wire.tokens import as_tokens
 from local_matcher import kernels
+from local_matcher.chunk_hashes import warm_up as warm_up_hashes
 from local_matcher.claims import NONE, ClaimLists, mask_bit, mask_bits
 from local_matcher.store import ContentStore
 from local_matcher.types import (CANDIDATE_SPARE_CHUNKS, EMPTY_COLUMNS, MAX_CANDIDATE_CHUNKS,
@@ -83,6 +84,7 @@ class ContentIndex:
         self._store = ContentStore(chunk_size, fingerprint_key)
         self._claims = ClaimLists()
         ContentStore.warm_up()
+        warm_up_hashes()
 
     # --- adding ---------------------------------------------------------------------
 
@@ -137,9 +139,9 @@ class ContentIndex:
         Returns the rows' namespace ids (or the one) and the contents claims left."""
         claims, count = self._claims, len(chunk_hashes)
         distinct = len(set(chunk_hashes)) == count
-        if distinct and claims.chunks.keys().isdisjoint(chunk_hashes):  # the common batch
+        known = claims.chunks.known(chunk_hashes)
+        if distinct and not any(known):  # the common batch
             return claims.claim_new(chunk_hashes, cids, offsets, namespace, fresh), []
-        known = list(map(claims.chunks.__contains__, chunk_hashes))
         if not distinct:  # a hash again: known by then
             seen: set = set()
             for i, chunk_hash in enumerate(chunk_hashes):
@@ -252,8 +254,7 @@ class ContentIndex:
                                           claims.head, claims.slot_ns, claims.other_heads,
                                           claims.next_slot, claims.slot_offset)
             positions, slots, offsets = found.tolist()
-            slot_chunk = claims.slot_chunk
-            return [slot_chunk[s] for s in slots], offsets, positions
+            return claims.chunks.at(slots), offsets, positions
 
     def candidates(self, query, namespace: Hashable, *,
                    spare_chunks: int = CANDIDATE_SPARE_CHUNKS, wait: bool = True
@@ -308,7 +309,7 @@ class ContentIndex:
                                                            max_entries)
                 slots, cut = slots[:counts.sum()], True
             offsets = np.frombuffer(claims.slot_offset, dtype=np.int64)[slots]
-            hashes = list(map(claims.slot_chunk.__getitem__, slots.tolist()))
+            hashes = claims.chunks.at(slots)
         return CandidateColumns(_starts(sizes), positions, _starts(counts), offsets, hashes,
                                 cut, slots)
 
@@ -346,7 +347,7 @@ class ContentIndex:
 
     def chunks_at(self, slots: Iterable[int]) -> list[Hashable]:
         """The chunk of each claim slot (of a claim that stands; read without the lock)."""
-        return list(map(self._claims.slot_chunk.__getitem__, slots))
+        return self._claims.chunks.at(slots)
 
     def __getstate__(self) -> dict:
         """Pickled without its lock (a snapshot is taken while nothing writes)."""
@@ -358,6 +359,7 @@ class ContentIndex:
         vars(self).update(state)
         self._lock = threading.Lock()
         ContentStore.warm_up()
+        warm_up_hashes()
 
     def stats(self) -> dict[str, int]:
         """`num_chunks` counts occupants (a chunk on a content: LMCache's count; a chunk

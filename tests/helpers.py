@@ -294,6 +294,13 @@ def python_lines(action: Callable[[], object], *packages: str) -> int:
     return count
 
 
+def slot_chunks(claims) -> list:
+    """Every claim slot's chunk hash, None for a free slot."""
+    free = set(claims._free_slots)
+    named = claims.chunks.at(range(len(claims.slot_ns)))
+    return [None if slot in free else chunk_hash for slot, chunk_hash in enumerate(named)]
+
+
 def claim_one_by_one(claims, hashes, cids, offsets, namespaces, fresh):
     """`ClaimLists.claim_new` by `claim_all`, chunk by chunk (`fresh` unused: it knows)."""
     ids = np.empty(len(hashes), dtype=np.int32)

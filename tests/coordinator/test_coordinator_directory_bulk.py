@@ -29,7 +29,7 @@ from blend_wire import (
 from coordinator_stub.directory import KeyDirectory, bindings, new_chunks
 from coordinator_stub.directory.writer import IndexWriter
 from local_matcher import ContentIndex
-from helpers import claim_one_by_one, held_view
+from helpers import claim_one_by_one, held_view, slot_chunks
 from local_matcher.claims import ClaimLists
 
 LANE = "unit"
@@ -215,7 +215,7 @@ def _state(directory: KeyDirectory, ordered: bool = True) -> dict:
     index = directory._index
     if index is not None:
         claims = index._claims
-        state["claims"] = (dict(claims.chunks), list(claims.slot_chunk),
+        state["claims"] = (claims.chunks.items(), slot_chunks(claims),
                            *(bytes(a) for a in (claims.slot_ns, claims.slot_cid,
                                                 claims.slot_offset, claims._slot_order,
                                                 claims.next_slot, claims._prev, claims.head,

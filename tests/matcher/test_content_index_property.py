@@ -4,7 +4,8 @@ The model states the match rule (and the candidates form) the obvious way: each 
 content and offset; at each probed position, of the chunks the requester's namespace
 claims with the window's content and not named yet in this query, name the one first
 indexed on that content by any namespace (LMCache's order; an occupant that went and came
-back counts from its return). Two pools: a few hashes over
+back counts from its return). Chunk hashes of 32 bytes and of one byte take different
+paths in the index (`local_matcher.chunk_hashes`); every pool mixes them. Two pools: a few hashes over
 random contents (collisions, moves, overlaps), and many hashes over three contents (many
 occupants per content, spread over namespaces)."""
 
@@ -14,7 +15,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import claim_one_by_one, remove_chunk_holding, remove_claim_holding
+from helpers import (claim_one_by_one, remove_chunk_holding, remove_claim_holding,
+                     slot_chunks)
 from local_matcher import ContentIndex
 from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS
 
@@ -22,7 +24,13 @@ LANE = "unit"
 
 C = 3
 NAMESPACES = ("a", "b", "c")
-HASHES = [bytes([i]) for i in range(8)]
+# Chunk hashes of 32 bytes (kept as columns: `local_matcher.chunk_hashes`) and of one byte
+# (kept in a dict), mixed in every pool and batch.
+def _hashes(count: int) -> list[bytes]:
+    return [bytes([i]) * (32 if i % 2 else 1) for i in range(count)]
+
+
+HASHES = _hashes(8)
 
 # A tiny alphabet and a few favourite contents make shared content, repeats and
 # overlapping matches common.
@@ -127,7 +135,7 @@ class Model:
                 len(self.claims), len({ns for _, ns in self.claims}))
 
 
-MANY_HASHES = [bytes([i]) for i in range(40)]
+MANY_HASHES = _hashes(40)
 many_tokens = st.sampled_from(CONTENTS[:3])
 many_query = st.lists(st.sampled_from(CONTENTS[:3] + [[0], [2, 2]]), max_size=12).map(
     lambda parts: [t for part in parts for t in part])
@@ -188,7 +196,7 @@ def run_against_model(operations, stride) -> None:
 
 # --- the bulk claim against the per-chunk one -------------------------------------------------
 
-BULK_HASHES = [bytes([i]) for i in range(24)]
+BULK_HASHES = _hashes(24)
 bulk_operation = st.one_of(
     # A batch of rows, one namespace for all or one per row: new, distinct chunk hashes take
     # `ClaimLists.claim_new` (contents new, held before, or twice in the batch).
@@ -204,7 +212,7 @@ bulk_operation = st.one_of(
 
 def _claims_state(index: ContentIndex) -> tuple:
     claims = index._claims
-    return (dict(claims.chunks), list(claims.slot_chunk),
+    return (claims.chunks.items(), slot_chunks(claims),
             *(bytes(a) for a in (claims.slot_ns, claims.slot_cid, claims.slot_offset,
                                  claims._slot_order, claims.next_slot, claims._prev,
                                  claims.head, claims.num_chunks, claims._free_slots)),
