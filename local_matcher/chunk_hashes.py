@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import secrets
 import sys
+from collections.abc import Sequence
 from itertools import repeat
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Iterator
 
 import numpy as np
 from numba import njit
@@ -175,18 +176,14 @@ class ChunkHashes:
         if self.odd_names:
             self.odd_names.pop(slot, None)
 
-    def at(self, slots: Iterable[int] | np.ndarray) -> list[Hashable]:
-        """The chunk hash of each named slot."""
+    def at(self, slots: Iterable[int] | np.ndarray) -> Sequence[Hashable]:
+        """The chunk hash of each named slot: `HashRows` when all are column hashes."""
         if not isinstance(slots, np.ndarray):
             slots = np.fromiter(slots, dtype=np.int64)
-        block, width = self.keys[slots].tobytes(), self.width
-        hashes = [block[i:i + width] for i in range(0, len(block), width)] if width \
-            else [None] * len(slots)
-        if self.odd_names:
-            odd = self.odd_names
-            hashes = [odd.get(slot, chunk_hash)
-                      for slot, chunk_hash in zip(slots.tolist(), hashes)]
-        return hashes
+        if not self.odd_names:
+            return HashRows(self.keys[slots])
+        odd, keys = self.odd_names, self.keys
+        return [odd[slot] if slot in odd else keys[slot].tobytes() for slot in slots.tolist()]
 
     def nbytes(self) -> int:
         """Memory held: the columns, the dicts and their keys."""
@@ -221,6 +218,46 @@ class ChunkHashes:
             table = _empty_table(size)
             rehash(self.table, table, self.keys, self.salt)
             self.table = table
+
+
+class HashRows(Sequence):
+    """Chunk hashes of one width as the rows of a uint64 array: a sequence of bytes that
+    makes a bytes object only for a hash read (`block` gives them all at once)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return HashRows(self.rows[i])
+        return self.rows[i].tobytes()
+
+    def __iter__(self) -> Iterator[bytes]:
+        block, width = self.rows.tobytes(), self.rows.shape[1] * 8
+        return (block[i:i + width] for i in range(0, len(block), width or 1))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"HashRows({list(self)!r})"
+
+
+def hash_block(chunk_hashes: Sequence[Hashable]) -> tuple[int, bytes] | None:
+    """(width, the hashes concatenated) of chunk hashes that are bytes of one width;
+    None for any other."""
+    if not len(chunk_hashes):
+        return 32, b""
+    if isinstance(chunk_hashes, HashRows):
+        return chunk_hashes.rows.shape[1] * 8, chunk_hashes.rows.tobytes()
+    if set(map(type, chunk_hashes)) != {bytes} or len(set(map(len, chunk_hashes))) != 1:
+        return None
+    return len(chunk_hashes[0]), b"".join(chunk_hashes)
 
 
 def _empty_table(size: int) -> np.ndarray:
@@ -354,4 +391,4 @@ def warm_up() -> None:
     _warmed = True
 
 
-__all__ = ["EMPTY", "ChunkHashes", "warm_up"]
+__all__ = ["EMPTY", "ChunkHashes", "HashRows", "hash_block", "warm_up"]

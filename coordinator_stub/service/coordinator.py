@@ -85,6 +85,7 @@ from coordinator_stub.directory.queries import PlaceColumns
 from coordinator_stub.service.instances import InstanceRegistry
 from coordinator_stub.service.quotas import InstanceQuota, capped
 from coordinator_stub.service.score import prefix_places, score_instances
+from local_matcher.chunk_hashes import hash_block
 from local_matcher.types import CandidateColumns
 
 
@@ -414,16 +415,15 @@ def _wire_columns(found: CandidateColumns, places: PlaceColumns) -> WireCandidat
     index and the placements give: no Python object per content or chunk. None when the
     form cannot say them (hashes of different lengths, an offset never reported): the
     caller answers the objects form, which the client reads as well."""
-    hashes = found.chunk_hashes
-    width = len(hashes[0]) if len(hashes) else 32
-    if len(hashes) and (found.old_st.min() < 0 or set(map(len, hashes)) != {width}):
+    block = hash_block(found.chunk_hashes)
+    if block is None or (found.old_st.size and found.old_st.min() < 0):
         return None
     counts = lambda starts: starts[1:] - starts[:-1]  # noqa: E731
     return WireCandidateColumns(
         position_counts=encode_uints(counts(found.position_start)),
         positions=encode_uints(found.positions),
         chunk_counts=encode_uints(counts(found.chunk_start)),
-        hash_bytes=width, chunk_hashes=encode_b64(b"".join(hashes)),
+        hash_bytes=block[0], chunk_hashes=encode_b64(block[1]),
         old_st=encode_uints(found.old_st),
         holder_counts=encode_uints(counts(places.holder_start)),
         holders=encode_uints(places.holders), instances=places.instances,

@@ -448,7 +448,7 @@ def _layout(config) -> str:
                                enable_blend_lookup=True)
         index = scratch._index  # noqa: SLF001 - same package; fingerprint only
         _layouts[key] = layout_of(*scratch.state_parts(), index, index._store,
-                                  index._claims, InstanceRegistry())
+                                  index._claims, index._claims.chunks, InstanceRegistry())
     return _layouts[key]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from local_matcher.chunk_hashes import EMPTY, ChunkHashes, _home
+from local_matcher.chunk_hashes import EMPTY, ChunkHashes, HashRows, _home, hash_block
 
 LANE = "unit"
 SALT = np.uint64(0x1234_5678_9ABC_DEF1)
@@ -108,3 +108,13 @@ def test_a_million_column_hashes_cost_no_python_object_each():
     assert hashes.nbytes() / count < 48 and len(hashes) == count
     assert hashes.slots_of(names[::1000]) == list(range(0, count, 1000))
     assert hashes.at([5, 77]) == [names[5], names[77]] and hashes.width == 32
+
+
+def test_hash_rows_read_as_the_hashes_they_hold():
+    names = [bytes([i]) * 16 for i in range(5)]
+    rows = HashRows(np.frombuffer(b"".join(names), dtype=np.uint64).reshape(5, 2))
+    assert list(rows) == names and rows == names and rows[1] == names[1]
+    assert list(rows[1:3]) == names[1:3] and len(rows[1:3]) == 2
+    assert hash_block(rows) == (16, b"".join(names)) == hash_block(names)
+    assert hash_block([b"a" * 16, b"b" * 8]) is None and hash_block([7]) is None
+    assert hash_block(rows[:0]) == (32, b"")

@@ -162,6 +162,22 @@ def test_many_occupants_per_content_agree_with_brute_force(operations, stride):
     run_against_model(operations, stride)
 
 
+def _widened(value):
+    """`value` with every one-byte chunk hash made 32 bytes (all in the index's column)."""
+    if type(value) is bytes and len(value) == 1:
+        return value * 32
+    if type(value) in (tuple, list):
+        return type(value)(map(_widened, value))
+    return value
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, max_size=40), st.sampled_from([1, 2]))
+def test_column_hashes_only_agree_with_brute_force(operations, stride):
+    """Every chunk hash of the column's width: lookups name chunks from its rows."""
+    run_against_model(_widened(operations), stride)
+
+
 def run_against_model(operations, stride) -> None:
     index, model = ContentIndex(chunk_size=C, probe_stride=stride), Model()
     for op in operations:
