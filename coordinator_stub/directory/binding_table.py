@@ -26,7 +26,7 @@ it to, and the directory rewrites a chunk's binding (thawing it) before it queue
 index update of that chunk, so a frozen binding's slot is its chunk's only claim as long
 as it is frozen, and a slot's flag is cleared before the index can free the slot.
 
-Readers that skip the directory lock (`holds_of`, for lookups) read the flags and columns,
+Readers that skip the directory lock (`hold_codes`, for lookups) read the flags and columns,
 then `hot`, then the flags again: a thaw writes `hot` before it clears the flag, and a
 freeze sets the flag before it leaves `hot`, so a binding moving between the two is found
 in one of them. A lookup's slots may be stale by the time it reads (a hint, as before).
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import chain, compress, count, repeat
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -51,7 +51,7 @@ _MAX_FROZEN_OFFSET = _MAX_FROZEN_COUNT = 2**31 - 1
 
 class BindingTable:
     """Chunk hash -> binding (module doc). Not thread-safe for writes (the directory
-    lock); `get`, `holds_of` and `in` are safe to call without it."""
+    lock); `get`, `hold_codes` and `in` are safe to call without it."""
 
     def __init__(self, journal: Journal) -> None:
         self._journal = journal
@@ -140,28 +140,46 @@ class BindingTable:
                 found = sorted(set(found).union(compress(count(), map((-1).__lt__, slots))))
         return found
 
-    def holds_of(self, chunk_hashes: Sequence[bytes], default: tuple,
-                 slots: np.ndarray | None = None) -> list:
+    def hold_codes(self, chunk_hashes: Sequence[bytes], default: tuple,
+                   slots: np.ndarray | None = None) -> tuple[np.ndarray, list]:
         """Each chunk's `holds` (its binding's third field; `default[2]` for a chunk with
-        none), read without the directory lock: a C map over `hot`, the columns for the
-        chunks `hot` lacks. `slots`: the chunks' claim slots as a lookup found them
-        (`CandidateColumns.slots`), which spares reading the index's dict per chunk."""
-        if not self.num_frozen:
-            return list(map(_HOLDS, map(self.hot.get, chunk_hashes, repeat(default))))
-        if slots is None:
-            slots = np.array(self._index_slots(chunk_hashes), dtype=np.int64)
-        frozen = self._frozen_at(slots)
-        if not frozen.any():
-            return list(map(_HOLDS, map(self.hot.get, chunk_hashes, repeat(default))))
-        at = np.where(frozen == 1, slots, 0)  # within the flags, so within the columns
-        holds = list(zip(self.f_key[at].tolist(), self.f_place[at].tolist()))
-        for i in compress(count(), (frozen == 0).tolist()):
-            binding = self.hot.get(chunk_hashes[i], default)
-            if binding is default and self._frozen_slot(chunk_hashes[i]) >= 0:
-                slot = self._frozen_slot(chunk_hashes[i])  # frozen meanwhile
-                binding = (None, None, (int(self.f_key[slot]), int(self.f_place[slot])))
-            holds[i] = binding[2]
-        return holds
+        none) as a number, read without the directory lock: ``key << 32 | place`` for one
+        key held in one place (every frozen binding: read from the columns), else
+        ``-1 - i`` for `records[i]`, the other records in order of first mention (tuples
+        by value, a many-keys record by identity). Returns (codes, records). `slots`: the
+        chunks' claim slots as a lookup found them (`CandidateColumns.slots`), which
+        spares reading the index per chunk."""
+        codes = np.empty(len(chunk_hashes), dtype=np.int64)
+        hot = None
+        if self.num_frozen:
+            if slots is None:
+                slots = np.array(self._index_slots(chunk_hashes), dtype=np.int64)
+            frozen = self._frozen_at(slots) == 1
+            at = slots[frozen]
+            codes[frozen] = (self.f_key[at].astype(np.int64) << 32) | self.f_place[at]
+            hot = np.flatnonzero(~frozen)
+            if not hot.size:
+                return codes, []
+        hashes = chunk_hashes if hot is None else [chunk_hashes[i] for i in hot.tolist()]
+        holds = list(map(_HOLDS, map(self.hot.get, hashes, repeat(default))))
+        if hot is not None:
+            for j in compress(count(), map(is_, holds, repeat(default[2]))):  # frozen since?
+                slot = self._frozen_slot(hashes[j])
+                if slot >= 0:
+                    holds[j] = (int(self.f_key[slot]), int(self.f_place[slot]))
+        # Distinct records by a C map, each coded once.
+        first_of: dict = {}
+        first = np.fromiter(map(first_of.setdefault, holds, count()), dtype=np.int64,
+                            count=len(holds))
+        records, coded = [], np.empty(len(holds), dtype=np.int64)
+        for record, at_first in first_of.items():
+            if type(record) is tuple and len(record) == 2 and _codable(*record):
+                coded[at_first] = (record[0] << 32) | record[1]
+            else:
+                coded[at_first] = -1 - len(records)
+                records.append(record)
+        codes[slice(None) if hot is None else hot] = coded[first]
+        return codes, records
 
     def _index_slots(self, chunk_hashes: Sequence[bytes]) -> list[int]:
         index = self.index
@@ -441,6 +459,12 @@ class BindingTable:
 
 
 _CONTENT, _OFFSET, _HOLDS, _ACCESSES, _REPORTED = map(itemgetter, range(5))
+
+
+def _codable(key_no, place_no) -> bool:
+    """Whether `hold_codes` can say (key_no, place_no) as one number."""
+    return type(key_no) is int and type(place_no) is int and 0 <= key_no < 2**31 \
+        and 0 <= place_no < 2**32
 _HASHES = itemgetter(0)  # of a run
 
 

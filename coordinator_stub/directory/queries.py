@@ -53,30 +53,29 @@ def place_columns(table: BindingTable, placements: Placements, chunk_hashes: Seq
     under the read answers "nowhere known", which only makes a chunk look remote).
 
     Per chunk, a read of the binding table's columns, or of its dict for a chunk not
-    frozen there, done by C maps and numpy (`BindingTable.holds_of`; `slots`, the claim
+    frozen there, done by C maps and numpy (`BindingTable.hold_codes`; `slots`, the claim
     slots a lookup found, spare it the index's dict); the placement records are read once per distinct record (`_where`): a lookup
     names hundreds of chunks but a handful of distinct records (a record is its
     `(key_no, place_no)` pairs, and keys and places are few), so no Python runs per
     chunk. Instances are numbered in order of first mention, as a pass over the chunks
     would."""
-    holds = table.holds_of(chunk_hashes, _NOWHERE, slots)
-    # Each chunk's record by the first chunk naming it (one hash per chunk: tuples by
-    # value, a many-keys record by identity), then numbered densely in that order.
-    first_of: dict = {}
-    first = np.fromiter(map(first_of.setdefault, holds, count()), dtype=np.int64,
-                        count=len(holds))
-    dense = np.zeros(len(holds), dtype=np.int64)
-    dense[list(first_of.values())] = np.arange(len(first_of))
-    of_chunk = dense[first]
+    codes, records = table.hold_codes(chunk_hashes, _NOWHERE, slots)
+    # Records numbered densely in order of first mention, each read once.
+    distinct, first, of_code = np.unique(codes, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    dense = np.empty(len(order), dtype=np.int64)
+    dense[order] = np.arange(len(order))
+    of_chunk = dense[of_code.reshape(-1)]
     number: dict[str, int] = {}
     shared_of, count_of, held_by = [], [], []
-    for record in first_of:
+    for code in distinct[order].tolist():
+        record = (code >> 32, code & _LOW32) if code >= 0 else records[-1 - code]
         l1, is_shared = _where(record, placements, namespace)
         shared_of.append(is_shared)
         count_of.append(len(l1))
         held_by.extend(number.setdefault(name, len(number)) for name in l1)
     counts = np.array(count_of, dtype=np.int64)[of_chunk]
-    holder_start = np.zeros(len(holds) + 1, dtype=np.int64)
+    holder_start = np.zeros(len(codes) + 1, dtype=np.int64)
     np.cumsum(counts, out=holder_start[1:])
     # Each chunk's holders: its record's run of `held_by`, gathered as one array.
     record_start = np.zeros(len(count_of) + 1, dtype=np.int64)
@@ -90,6 +89,7 @@ def place_columns(table: BindingTable, placements: Placements, chunk_hashes: Seq
 
 #: A chunk the directory does not hold reads as a binding holding nothing.
 _NOWHERE = (None, None, None, None, None)
+_LOW32 = (1 << 32) - 1
 
 
 def _where(holds, placements: Placements, namespace: BlendNamespace
