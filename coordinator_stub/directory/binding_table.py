@@ -167,18 +167,8 @@ class BindingTable:
                 slot = self._frozen_slot(hashes[j])
                 if slot >= 0:
                     holds[j] = (int(self.f_key[slot]), int(self.f_place[slot]))
-        # Distinct records by a C map, each coded once.
-        first_of: dict = {}
-        first = np.fromiter(map(first_of.setdefault, holds, count()), dtype=np.int64,
-                            count=len(holds))
-        records, coded = [], np.empty(len(holds), dtype=np.int64)
-        for record, at_first in first_of.items():
-            if type(record) is tuple and len(record) == 2 and _codable(*record):
-                coded[at_first] = (record[0] << 32) | record[1]
-            else:
-                coded[at_first] = -1 - len(records)
-                records.append(record)
-        codes[slice(None) if hot is None else hot] = coded[first]
+        coded, records = _coded(holds)
+        codes[slice(None) if hot is None else hot] = coded
         return codes, records
 
     def _index_slots(self, chunk_hashes: Sequence[bytes]) -> list[int]:
@@ -459,6 +449,22 @@ class BindingTable:
 
 
 _CONTENT, _OFFSET, _HOLDS, _ACCESSES, _REPORTED = map(itemgetter, range(5))
+
+
+def _coded(holds: list) -> tuple[np.ndarray, list]:
+    """`BindingTable.hold_codes` of records read from `hot`: each distinct record (found
+    by a C map) coded once."""
+    first_of: dict = {}
+    first = np.fromiter(map(first_of.setdefault, holds, count()), dtype=np.int64,
+                        count=len(holds))
+    records, coded = [], np.empty(len(holds), dtype=np.int64)
+    for record, at_first in first_of.items():
+        if type(record) is tuple and len(record) == 2 and _codable(*record):
+            coded[at_first] = (record[0] << 32) | record[1]
+        else:
+            coded[at_first] = -1 - len(records)
+            records.append(record)
+    return coded[first], records
 
 
 def _codable(key_no, place_no) -> bool:
