@@ -345,7 +345,7 @@ class ContentIndex:
         """`only_claim_slots` of one chunk."""
         return self._claims.only_slot(chunk_hash)
 
-    def chunks_at(self, slots: Iterable[int]) -> list[Hashable]:
+    def chunks_at(self, slots: Iterable[int]) -> Sequence[Hashable]:
         """The chunk of each claim slot (of a claim that stands; read without the lock)."""
         return self._claims.chunks.at(slots)
 

@@ -288,7 +288,7 @@ class BindingTable:
         for chunk_hash, slot in zip(self.index.chunks_at(slots), slots):
             self._thaw_slot(chunk_hash, slot)
 
-    def frozen_chunks_of(self, instance_id: str) -> list[bytes]:
+    def frozen_chunks_of(self, instance_id: str) -> Sequence[bytes]:
         """The chunks of the frozen bindings placed at `instance_id` (inspection)."""
         if not self.frozen_of.get(instance_id):
             return []
