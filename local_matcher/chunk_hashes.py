@@ -78,8 +78,7 @@ class ChunkHashes:
     def get(self, chunk_hash: Hashable, default=None):
         """The chunk's claim (a slot, or what `set` was given), or `default`."""
         if self._is_column_hash(chunk_hash):
-            slot = find_one(self.table, self.keys, self.salt,
-                            np.frombuffer(chunk_hash, dtype=np.uint64))
+            slot = find_one(self.table, self.keys, self.salt, chunk_hash)
             if slot != EMPTY:
                 return slot
         return self.others.get(chunk_hash, default) if self.others else default
@@ -204,8 +203,7 @@ class ChunkHashes:
         return find_many(table, self.keys, self.salt, self._words(chunk_hashes))
 
     def _remove_from_table(self, chunk_hash: bytes) -> bool:
-        removed = remove_key(self.table, self.keys, self.salt,
-                             np.frombuffer(chunk_hash, dtype=np.uint64)) != EMPTY
+        removed = remove_key(self.table, self.keys, self.salt, chunk_hash) != EMPTY
         self.in_table -= removed
         return removed
 
@@ -302,10 +300,24 @@ def _probe(table, keys, salt, words):
         i = (i + 1) & mask
 
 
+@njit(cache=True, inline="always")
+def _words_of(key, count):
+    """A chunk hash's bytes as `count` little-endian uint64 words (passing the bytes
+    object itself spares the caller making an array: single-key calls are most of their
+    cost in the call)."""
+    words = np.empty(count, dtype=np.uint64)
+    for j in range(count):
+        word = np.uint64(0)
+        for b in range(8):
+            word |= np.uint64(key[8 * j + b]) << np.uint64(8 * b)
+        words[j] = word
+    return words
+
+
 @njit(cache=True)
-def find_one(table, keys, salt, words):
-    """The slot whose row is `words`, or -1."""
-    i = _probe(table, keys, salt, words)
+def find_one(table, keys, salt, key):
+    """The slot whose row is chunk hash `key` (bytes of the column's width), or -1."""
+    i = _probe(table, keys, salt, _words_of(key, keys.shape[1]))
     return np.int64(-1) if i < 0 else np.int64(table[i])
 
 
@@ -334,10 +346,10 @@ def insert_slots(table, keys, salt, slots):
 
 
 @njit(cache=True)
-def remove_key(table, keys, salt, words):
-    """Remove the entry whose row is `words` (later entries of its cluster shift back);
-    returns its slot, or -1 when there is none."""
-    i = _probe(table, keys, salt, words)
+def remove_key(table, keys, salt, key):
+    """Remove the entry whose row is chunk hash `key` (later entries of its cluster
+    shift back); returns its slot, or -1 when there is none."""
+    i = _probe(table, keys, salt, _words_of(key, keys.shape[1]))
     if i < 0:
         return np.int64(-1)
     removed = np.int64(table[i])
