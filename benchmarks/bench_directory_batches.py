@@ -10,11 +10,14 @@ tenants share: WIRE.md), and `--shared-text` of the new ones carry an earlier se
 text behind a new first chunk (RAG: the same passage behind another prefix, so known
 content under new hashes).
 
+`--deletes` then DELETEs every stored key, batch by batch (an instance evicting what it
+stored), and gives the CPU per deleted entry too.
+
 `--against REV` measures the code of git revision REV too: each round runs this script on
 both trees (`git archive`), alternating, one process each, and the table gives the medians
 (the machine is shared: read the ratio, with the load printed beside it).
 
-    python -m benchmarks.bench_directory_batches [--chunks 40000] [--against main]
+    python -m benchmarks.bench_directory_batches [--chunks 40000] [--deletes] [--against main]
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="share of new sequences carrying an earlier one's text")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deletes", action="store_true",
+                        help="then DELETE every stored key, batch by batch, and measure that "
+                             "too (CPU us per deleted entry)")
     parser.add_argument("--against", metavar="REV", help="also measure git revision REV")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -118,9 +124,36 @@ def measure(args: argparse.Namespace) -> dict:
         cpu += time.thread_time() - started
         entries += len(batch.entries)
     stats = directory.stats()
-    return {"us_per_chunk": cpu / entries * 1e6, "bindings": stats["num_bindings"],
-            "placements": stats["num_placements"], "claims": stats["blend"]["num_claims"],
-            "contents": stats["blend"]["num_contents"]}
+    figures = {"us_per_chunk": cpu / entries * 1e6, "bindings": stats["num_bindings"],
+               "placements": stats["num_placements"], "claims": stats["blend"]["num_claims"],
+               "contents": stats["blend"]["num_contents"]}
+    if args.deletes:
+        cpu = 0.0
+        for batch in [decode(body, CacheEventBatch) for body in _deletes_of(bodies)]:
+            started = time.thread_time()
+            directory.ingest([batch])
+            cpu += time.thread_time() - started
+        figures["us_per_deleted"] = cpu / entries * 1e6
+        figures["left"] = directory.stats()["num_bindings"]
+    return figures
+
+
+def _deletes_of(bodies: list[bytes]) -> list[bytes]:
+    """A DELETE of every key the STORE `bodies` stored, one batch per body, each
+    instance's sequence numbers going on from its stores'."""
+    import msgspec
+
+    parsed = [msgspec.json.decode(body) for body in bodies]
+    last = {}
+    for batch in parsed:
+        last[batch["instance_id"]] = max(last.get(batch["instance_id"], 0), batch["seq"])
+    deletes = []
+    for batch in parsed:
+        last[batch["instance_id"]] += 1
+        entries = [{**entry, "token_ids": []} for entry in batch["entries"]]
+        deletes.append(msgspec.json.encode({**batch, "event_type": "delete", "entries": entries,
+                                            "seq": last[batch["instance_id"]]}))
+    return deletes
 
 
 def run_round(tree: Path, argv: list[str]) -> dict:
@@ -159,16 +192,19 @@ def main(argv=None) -> int:
           f"{args.chunks_per_sequence}, {args.restored:.0%} re-stored sequences "
           f"({args.cross_tenant:.0%} by another tenant), {args.shared_text:.0%} shared text; "
           f"load {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
-    medians = {}
-    for name, rounds in figures.items():
-        values = [r["us_per_chunk"] for r in rounds]
-        medians[name] = statistics.median(values)
-        state = {k: v for k, v in rounds[0].items() if k != "us_per_chunk"}
-        print(f"  {name:<12} {medians[name]:6.2f} us/chunk (median of "
-              f"{', '.join(f'{v:.2f}' for v in values)})  {state}")
-    if len(medians) == 2:
-        old, new = medians.values()
-        print(f"  ratio {old / new:.2f}x less CPU per chunk")
+    for figure, what in (("us_per_chunk", "stored"), ("us_per_deleted", "deleted")):
+        if figure not in figures[next(iter(figures))][0]:
+            continue
+        medians = {}
+        for name, rounds in figures.items():
+            values = [r[figure] for r in rounds]
+            medians[name] = statistics.median(values)
+            state = {k: v for k, v in rounds[0].items() if not k.startswith("us_per")}
+            print(f"  {name:<12} {medians[name]:6.2f} us per {what} entry (median of "
+                  f"{', '.join(f'{v:.2f}' for v in values)})  {state}")
+        if len(medians) == 2:
+            old, new = medians.values()
+            print(f"  ratio {old / new:.2f}x less CPU per {what} entry")
     return 0
 
 
