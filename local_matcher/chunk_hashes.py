@@ -11,7 +11,7 @@ A chunk hash of that width:
 - its bytes are row `slot` of `keys`, a (slots, width / 8) uint64 array (a row per slot);
 - `table`, open addressing with linear probing over int32 slot numbers (-1: empty), finds
   a chunk's only claim slot from its hash: the entry's key is the slot's row. A key's home
-  is a mix of its four words with a random per-process salt, so no chunk hash a tenant
+  is a mix of all its words with a random per-process salt, so no chunk hash a tenant
   chooses can pile its entries onto another's (as a dict's salted hash). Removal shifts
   later entries back (no tombstones); the table doubles past half full.
 
