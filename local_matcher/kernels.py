@@ -28,18 +28,14 @@ stored row, which a fourth compares.
 
 Table layout (the invariants every kernel keeps):
 
-- ``table[s]``: slot s's entry, one 64-bit word: the top 32 bits of its fingerprint (its
-  *tag*) above content id + 1 (0: empty), 8 bytes a slot. Open addressing with linear
-  probing; an entry's home slot is the top ``table_bits`` bits of its fingerprint (so of
-  its tag: tables stay below 2^32 slots). Several entries may share a tag (different
-  contents, or a collision of 32 bits): it is a multimap, and every candidate is compared
-  token by token anyway. Deletion shifts later entries back, so there are no tombstones.
+- ``table[2s]``/``table[2s+1]``: slot s's fingerprint and content id + 1 (0: empty), side
+  by side so that a probe reads one cache line. Open addressing with linear probing; an
+  entry's home slot is the top ``table_bits`` bits of its fingerprint. Several entries may
+  share a fingerprint (different contents): it is a multimap. Deletion shifts later
+  entries back, so there are no tombstones.
 - ``filter_words``: a blocked filter, one 64-bit word per run of ``2**(table_bits -
   word_bits)`` home slots (the top ``word_bits`` bits of a fingerprint pick the word), in
-  which each entry sets three bits picked by the top 18 bits of its tag times an odd
-  constant (the tag is what an entry keeps; the product's top bits mix all of the tag's
-  bits below the word's, so no bit is fixed within a word however large the table); a
-  probe passes
+  which each entry sets three bits picked by its fingerprint's low bits; a probe passes
   when its three bits are set (one memory access). A word holds exactly the bits of the
   live entries whose home is in its run: those sit in the run or in the cluster running on
   from its end, so removal recomputes the word from there.
@@ -66,12 +62,6 @@ _ONE = np.uint64(1)
 _SIX = np.uint64(6)
 _TWELVE = np.uint64(12)
 _LOW6 = np.uint64(63)
-_HIGH32 = np.uint64(0xFFFFFFFF00000000)
-_LOW32 = np.uint64(0xFFFFFFFF)
-_FILTER_FACTOR = np.uint64(0xD6E8FEB86659FD93)
-_FORTY_SIX = np.uint64(46)
-_FIFTY_TWO = np.uint64(52)
-_FIFTY_EIGHT = np.uint64(58)
 
 BLOCK_BITS = 14
 BLOCK_ROWS = 1 << BLOCK_BITS
@@ -188,19 +178,10 @@ def _fingerprint(row, salt, base):
 
 @njit(cache=True, inline="always")
 def _filter_bits(fp):
-    """The three bits of `fp` in its filter word, from its tag (the top 32 bits, what a
-    table entry keeps) multiplied out: the word is chosen by the tag's top bits, and the
-    product's top bits depend on all of the tag's low bits, so that the bits stay apart
-    from the word's choice however large the table (module doc)."""
-    x = (fp >> _S32) * _FILTER_FACTOR
-    return ((_ONE << ((x >> _FORTY_SIX) & _LOW6)) | (_ONE << ((x >> _FIFTY_TWO) & _LOW6))
-            | (_ONE << (x >> _FIFTY_EIGHT)))
-
-
-@njit(cache=True, inline="always")
-def _entry_cid(entry):
-    """The content id of a non-empty table entry."""
-    return np.int64(entry & _LOW32) - 1
+    """The three bits of `fp` in its filter word, from its low bits (the word is chosen
+    by its top bits, so the two are independent)."""
+    return ((_ONE << (fp & _LOW6)) | (_ONE << ((fp >> _SIX) & _LOW6))
+            | (_ONE << ((fp >> _TWELVE) & _LOW6)))
 
 
 @njit(cache=True, inline="always")
@@ -262,7 +243,7 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
     passes = _filter_passes(query, stride, salt, base, base_pow, width, filter_words,
                             filter_shift, scratch, found)
     n = query.shape[0]
-    table_mask = table.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     # Pass 2, for the windows that passed: the table and the namespace pre-test give each
     # its candidate content, written back over found[2:4] (one at most per window read),
     # whose row is prefetched: the rows arrive together instead of one after another.
@@ -270,15 +251,13 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
     for i in range(passes):
         p = found[2, i]
         fp = np.uint64(found[3, i])
-        tag = fp & _HIGH32
         cid = -1
         s = np.int64(fp >> table_shift)
-        while table[s] != 0:
-            entry = table[s]
-            if (entry & _HIGH32) == tag and (ns_mask[_entry_cid(entry)] & ns_bit):
-                # Several contents with this tag (a collision): -2 says pass 3 must find
-                # the one holding the window.
-                cid = _entry_cid(entry) if cid == -1 else -2
+        while table[2 * s + 1] != 0:
+            if table[2 * s] == fp and (ns_mask[np.int64(table[2 * s + 1]) - 1] & ns_bit):
+                # Several contents with this fingerprint (a collision): -2 says pass 3
+                # must find the one holding the window.
+                cid = np.int64(table[2 * s + 1]) - 1 if cid == -1 else -2
             s = (s + 1) & table_mask
         if cid != -1:
             found[2, candidates] = p
@@ -476,12 +455,11 @@ def walk_lists(heads, limits, next_slot):
 def _find(tokens, start, fp, blocks, table, table_shift):
     """The id of the stored content equal to the window of `tokens` at `start` (whose
     fingerprint is `fp`), or -1."""
-    table_mask = table.shape[0] - 1
-    tag = fp & _HIGH32
+    table_mask = (table.shape[0] >> 1) - 1
     s = np.int64(fp >> table_shift)
-    while table[s] != 0:
-        cid = _entry_cid(table[s])
-        if (table[s] & _HIGH32) == tag and _same_tokens(tokens, start, _row(blocks, cid)):
+    while table[2 * s + 1] != 0:
+        cid = np.int64(table[2 * s + 1]) - 1
+        if table[2 * s] == fp and _same_tokens(tokens, start, _row(blocks, cid)):
             return cid
         s = (s + 1) & table_mask
     return -1
@@ -489,13 +467,12 @@ def _find(tokens, start, fp, blocks, table, table_shift):
 
 @njit(cache=True, inline="always")
 def _place(fp, cid, table, table_shift, filter_words, filter_shift):
-    """Content `cid` into the table under fingerprint `fp` (or a tag: only its top 32
-    bits are read)."""
-    table_mask = table.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     s = np.int64(fp >> table_shift)
-    while table[s] != 0:
+    while table[2 * s + 1] != 0:
         s = (s + 1) & table_mask
-    table[s] = (fp & _HIGH32) | np.uint64(cid + 1)
+    table[2 * s] = fp
+    table[2 * s + 1] = np.uint64(cid + 1)
     filter_words[fp >> filter_shift] |= _filter_bits(fp)
 
 
@@ -528,15 +505,16 @@ def _refill_filter_word(word, table, table_shift, filter_words, filter_shift):
     """Set filter word `word` from the live entries that map to it. Their home slots are
     the word's run of slots (the word's bits are the top bits of a home slot), so each
     sits in that run or in the cluster running on from its end."""
-    table_mask = table.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     run = np.int64(1) << np.int64(filter_shift - table_shift)
     start = np.int64(word) * run
     bits = np.uint64(0)
     i = 0
-    while i < run or table[(start + i) & table_mask] != 0:
-        entry = table[(start + i) & table_mask]
-        if entry != 0 and (entry >> filter_shift) == word:
-            bits |= _filter_bits(entry)
+    while i < run or table[2 * ((start + i) & table_mask) + 1] != 0:
+        s = (start + i) & table_mask
+        fp = table[2 * s]
+        if table[2 * s + 1] != 0 and (fp >> filter_shift) == word:
+            bits |= _filter_bits(fp)
         i += 1
     filter_words[word] = bits
 
@@ -545,14 +523,14 @@ def _refill_filter_word(word, table, table_shift, filter_words, filter_shift):
 def remove_contents(cids, salt, base, blocks, table, table_shift, filter_words, filter_shift,
                     free_ids, free_top):
     """Drop stored contents by id and return their ids to the free list."""
-    table_mask = table.shape[0] - 1
+    table_mask = (table.shape[0] >> 1) - 1
     for k in range(cids.shape[0]):
         cid = cids[k]
         fp = _fingerprint(_row(blocks, cid), salt, base)
         s = np.int64(fp >> table_shift)
-        stored = (fp & _HIGH32) | np.uint64(cid + 1)
-        while table[s] != stored:
-            if table[s] == 0:  # not stored: nothing to do
+        stored = np.uint64(cid + 1)
+        while table[2 * s + 1] != stored:
+            if table[2 * s + 1] == 0:  # not stored: nothing to do
                 s = -1
                 break
             s = (s + 1) & table_mask
@@ -563,17 +541,19 @@ def remove_contents(cids, salt, base, blocks, table, table_shift, filter_words, 
         j = s
         while True:
             j = (j + 1) & table_mask
-            if table[j] == 0:
+            if table[2 * j + 1] == 0:
                 break
-            want = np.int64(table[j] >> table_shift)
+            want = np.int64(table[2 * j] >> table_shift)
             if hole <= j:
                 stays = hole < want <= j
             else:
                 stays = hole < want or want <= j
             if not stays:
-                table[hole] = table[j]
+                table[2 * hole] = table[2 * j]
+                table[2 * hole + 1] = table[2 * j + 1]
                 hole = j
-        table[hole] = 0
+        table[2 * hole] = 0
+        table[2 * hole + 1] = 0
         _refill_filter_word(fp >> filter_shift, table, table_shift, filter_words,
                             filter_shift)
         free_ids[free_top[0]] = cid
@@ -583,7 +563,7 @@ def remove_contents(cids, salt, base, blocks, table, table_shift, filter_words, 
 @njit(cache=True)
 def rebuild_table(old_table, table, table_shift, filter_words, filter_shift):
     """Re-place every live entry of an old table into fresh (zeroed) arrays."""
-    for s in range(old_table.shape[0]):
-        if old_table[s] != 0:
-            _place(old_table[s], _entry_cid(old_table[s]), table, table_shift, filter_words,
-                   filter_shift)
+    for s in range(old_table.shape[0] >> 1):
+        if old_table[2 * s + 1] != 0:
+            _place(old_table[2 * s], np.int64(old_table[2 * s + 1]) - 1, table, table_shift,
+                   filter_words, filter_shift)

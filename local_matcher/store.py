@@ -14,8 +14,7 @@ Sizing invariants:
   store to four bytes a token, once (`_widen`): what is found never depends on it. Ids of unused slots sit on a free stack and are reused,
   so any number of insert/remove cycles never exhausts the store. The arrays indexed by
   content id are at least `capacity` long and grow by doubling.
-- The table (`_tag_table`, 8 bytes a slot: `local_matcher.kernels` states its layout) has
-  at least `2 * capacity` slots (never more than half full) and the
+- The table has at least `2 * capacity` slots (never more than half full) and the
   filter 8 bits per table slot, 3 per content in one 64-bit word: at most about 1 probe
   in 125 passes the filter by chance (1 in 500 at a quarter full).
 """
@@ -151,20 +150,20 @@ class ContentStore:
 
     @property
     def table_size(self) -> int:
-        return self._tag_table.shape[0]
+        return self._table.shape[0] >> 1
 
     @property
     def nbytes(self) -> int:
         arrays = (*self._block_arrays, self.ns_mask, self._first, self._cursor, self._seen,
                   self._free_ids,
-                  self._tag_table, self._filter)
+                  self._table, self._filter)
         return sum(a.nbytes for a in arrays)
 
     def _allocate_table(self, bits: int) -> None:
         word_bits = bits + _FILTER_BITS_PER_SLOT_LOG2 - 6
         self._table_shift = np.uint64(64 - bits)
         self._filter_shift = np.uint64(64 - word_bits)
-        self._tag_table = np.zeros(1 << bits, dtype=np.uint64)
+        self._table = np.zeros(2 << bits, dtype=np.uint64)
         self._filter = np.zeros(1 << word_bits, dtype=np.uint64)
 
     def _reserve(self, extra: int) -> None:
@@ -194,9 +193,9 @@ class ContentStore:
             self._free_top[0] = free + new - old
         bits = max(4, (2 * self.capacity - 1).bit_length())
         if (1 << bits) > self.table_size:
-            old_table = self._tag_table
+            old_table = self._table
             self._allocate_table(bits)
-            kernels.rebuild_table(old_table, self._tag_table, self._table_shift, self._filter,
+            kernels.rebuild_table(old_table, self._table, self._table_shift, self._filter,
                                   self._filter_shift)
 
     # --- operations -------------------------------------------------------------------
@@ -210,13 +209,13 @@ class ContentStore:
         if self.packed and rows.size and int(rows.max()) >= kernels.PACKED_TOKEN_LIMIT:
             self._widen()
         self._reserve(rows.shape[0])
-        return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._tag_table,
+        return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
                                    self._table_shift, self._filter, self._filter_shift,
                                    self._free_ids, self._free_top)
 
     def remove(self, cids: np.ndarray) -> None:
         """Forget stored contents by id (each id once); their slots become reusable."""
-        kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._tag_table,
+        kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._table,
                                 self._table_shift, self._filter, self._filter_shift,
                                 self._free_ids, self._free_top)
 
@@ -246,7 +245,7 @@ class ContentStore:
         self._next_epoch()
         self._probed = kernels.probe(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
-            self._filter_shift, self._tag_table, self._table_shift, self._blocks, self.chunk_size,
+            self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
             self.ns_mask, np.uint64(ns_bit), self._seen, self._epoch, self._scratch,
             self._found)
         return self._probed_views()
@@ -263,7 +262,7 @@ class ContentStore:
         self._next_epoch()
         firsts, repeats, matches = kernels.match_occupants(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
-            self._filter_shift, self._tag_table, self._table_shift, self._blocks, self.chunk_size,
+            self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
             self.ns_mask, np.uint64(ns_bit), self._seen, self._epoch, self._scratch,
             self._found, head, slot_ns, ns_id, *other_heads.for_kernels, next_slot,
             slot_offset, self._cursor, self._first, self._out)

@@ -35,24 +35,20 @@ def fingerprint(tokens, salt: int, base: int) -> int:
 
 
 def _filter_bits(fp: int) -> int:
-    x = ((fp >> 32) * 0xD6E8FEB86659FD93) & MASK
-    return (1 << ((x >> 46) & 63)) | (1 << ((x >> 52) & 63)) | (1 << (x >> 58))
+    return (1 << (fp & 63)) | (1 << ((fp >> 6) & 63)) | (1 << ((fp >> 12) & 63))
 
 
 def check_invariants(store: ContentStore, live: dict[tuple, int]) -> None:
     slots = store.table_size
-    table = store._tag_table
+    table = store._table.reshape(-1, 2)
     table_shift, filter_shift = int(store._table_shift), int(store._filter_shift)
     salt, base = int(store._salt), int(store._base)
-    occupied = table != 0
-    cids = (table[occupied] & np.uint64(0xFFFFFFFF)).astype(np.int64) - 1
-    assert sorted(cids.tolist()) == sorted(live.values())
+    occupied = table[:, 1] != 0
+    assert sorted(int(c) - 1 for c in table[occupied, 1]) == sorted(live.values())
     expected_words = np.zeros_like(store._filter)
     for s in np.flatnonzero(occupied).tolist():
-        entry = int(table[s])
-        tag, cid = entry >> 32 << 32, (entry & 0xFFFFFFFF) - 1
-        fp = fingerprint(store.row(cid), salt, base)
-        assert tag == fp >> 32 << 32  # an entry keeps its fingerprint's top 32 bits
+        fp, cid = int(table[s, 0]), int(table[s, 1]) - 1
+        assert fp == fingerprint(store.row(cid), salt, base)
         home = fp >> table_shift
         # Reachable from its home slot: no empty slot between them.
         j = home
