@@ -139,10 +139,11 @@ def test_tokens_take_three_bytes_until_an_id_needs_four():
 
 
 def test_the_filter_stays_selective_in_a_large_table():
-    """A table entry keeps 32 bits of its fingerprint and the filter's bits come from them:
-    in a table of 2^21 slots, where the word's choice takes 18 of those bits, a random
-    window still passes the filter about once in 130 (1 in 50 when its bits were the
-    tag's low 18 bits, which the word's choice then fixed in part)."""
+    """The filter's bits come from the fingerprint's low bits and its word from the top
+    ones, apart however large the table: in a table of 2^21 slots (a million contents) a
+    random window passes about once in 135. (A build whose table kept only the top 32 bits
+    and took the filter's bits from them read 1 in 50, and 1 in 132 with those bits mixed,
+    but its probe was 20 % slower: docs/BENCHMARKS.md.)"""
     from local_matcher import kernels
 
     rng = np.random.default_rng(0)
