@@ -26,9 +26,9 @@ class IndexWriter:
     removal closes the current run of adds first. While updates are queued, `tokens_of`
     answers as the index will once they are sent.
 
-    `flush()` records, before each removal, the tokens the claims had (`replaced`, by
-    `(chunk_hash, namespace)`, or by chunk hash for a whole chunk), so a failure part-way
-    can be repaired; `sent` says how many updates of a flush that failed reached the index
+    `flush()` records, with each removal, the tokens the claims had (`replaced`, by
+    `(chunk_hash, namespace)`: what `remove_claim` returns; or by chunk hash for a whole
+    chunk, read before it goes), so a failure part-way can be repaired; `sent` says how many updates of a flush that failed reached the index
     (0 once a flush completes: a batch that fails before its flush sent nothing).
     Called only under the directory lock, and flushed before the lock is released.
     """
@@ -137,10 +137,8 @@ class IndexWriter:
         for kind, first, second in ops:
             if kind is _ADDS:
                 self._send_adds(first)
-            elif kind is _REMOVE_CLAIM:
-                if (first, second) not in self.replaced:  # to restore should this fail
-                    self.replaced[(first, second)] = index.tokens_of(first, second)
-                index.remove_claim(first, second)
+            elif kind is _REMOVE_CLAIM:  # what it had, to restore should this flush fail
+                self.replaced.setdefault((first, second), index.remove_claim(first, second))
             else:
                 if first not in self.replaced:
                     self.replaced[first] = index.tokens_of(first)

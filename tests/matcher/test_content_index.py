@@ -131,7 +131,7 @@ def test_remove_makes_content_undiscoverable(index):
     index.add(Y, b"y", 4, A)
     index.remove_chunk(b"x")
     assert index.match(X + Y, A) == [BlendMatch(b"y", 4, 4)]
-    index.remove_claim(b"y", A)
+    assert index.remove_claim(b"y", A).tolist() == list(Y)  # what the claim held
     assert index.match(X + Y, A) == []
     assert index.stats()["num_contents"] == 0
 
@@ -140,9 +140,9 @@ def test_removing_unknown_things_is_a_no_op(index):
     index.add(X, b"x", 0, A)
     before = index.stats()
     index.remove_chunk(b"unknown")
-    index.remove_claim(b"unknown", A)
-    index.remove_claim(b"x", B)  # namespace without a claim
-    index.remove_claim(b"x", "never-seen")
+    assert index.remove_claim(b"unknown", A) is None
+    assert index.remove_claim(b"x", B) is None  # namespace without a claim
+    assert index.remove_claim(b"x", "never-seen") is None
     index.remove_chunks([b"nope"])
     assert index.stats() == before
     assert index.match(X, A) == [BlendMatch(b"x", 0, 0)]
