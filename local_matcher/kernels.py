@@ -53,6 +53,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.typed import List
 
+from local_matcher import content_groups
 from local_matcher.head_table import other_head
 
 _SCRAMBLE_FACTOR = np.uint64(0x9E3779B97F4A7C15)
@@ -237,9 +238,9 @@ def _filter_passes(query, stride, salt, base, base_pow, width, filter_words, fil
 
 @njit(cache=True, inline="always")
 def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
-                table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
+                table_shift, blocks, width, ns_mask, ns_bit, groups, scratch, found):
     if query.shape[0] < width:
-        return 0, 0
+        return 0, 0, content_groups.begin(groups, 0)
     passes = _filter_passes(query, stride, salt, base, base_pow, width, filter_words,
                             filter_shift, scratch, found)
     n = query.shape[0]
@@ -265,10 +266,11 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
             candidates += 1
             if cid >= 0:
                 _prefetch_row(_row(blocks, cid))
-                _prefetch(seen, cid)
     # Pass 3, in position order: a content's first candidate is compared token by token
-    # and marked seen; later ones are kept unverified as repeats. Each candidate yields one
-    # entry at most, so neither list outgrows the windows.
+    # and, once one is verified, numbered in `groups`; later ones are kept unverified as
+    # repeats. Each candidate yields one entry at most, so neither list outgrows the
+    # windows.
+    bits = content_groups.begin(groups, candidates)
     firsts = repeats = 0
     for i in range(candidates):
         p, cid = found[2, i], found[3, i]
@@ -278,46 +280,50 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
             if cid == -1 or (ns_mask[cid] & ns_bit) == 0:
                 continue
             verified = True
-        if seen[cid] == epoch:
+        if content_groups.group_of(groups, bits, cid) >= 0:
             found[2, repeats] = p
             found[3, repeats] = cid
             repeats += 1
         elif verified or _same_tokens(query, p, _row(blocks, cid)):
-            seen[cid] = epoch
+            content_groups.add(groups, bits, cid, firsts)
             found[0, firsts] = p
             found[1, firsts] = cid
             firsts += 1
-    return firsts, repeats
+    return firsts, repeats, bits
 
 
 @njit(cache=True, nogil=True)
 def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table, table_shift,
-          blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found):
+          blocks, width, ns_mask, ns_bit, groups, scratch, found):
     """Where stored contents occur in `query`: first occurrences verified, repeats not yet.
 
     Windows start at multiples of `stride`. A candidate must pass the filter, have its
     fingerprint in the table and carry `ns_bit` in its namespace mask (a cheap
     over-approximation of "claimed by the requester"). The first candidate of a content
-    is compared token by token; once one is verified, ``seen[cid] = epoch`` marks it and
-    its later candidates are kept unverified as repeats (`match_occupants` compares only
+    is compared token by token; once one is verified, `groups` numbers it
+    (`local_matcher.content_groups`: group i is the i-th first occurrence) and its later
+    candidates are kept unverified as repeats (`match_occupants` compares only
     as many as the content has occupants to offer). A window whose fingerprint several
     candidates share is resolved at once to the one content holding it, if any: each
     window yields one entry at most. Writes, ascending by position, the
     first occurrences' positions and ids to ``found[0]``, ``found[1]`` and the repeats'
     to ``found[2]``, ``found[3]`` (each row at least as long as the number of probes;
-    `scratch` at least the query plus that); returns (firsts, repeats).
+    `scratch` at least the query plus that, `groups` a `content_groups.buffer_for` them);
+    returns (firsts, repeats).
     """
-    return _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
-                       table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found)
+    firsts, repeats, _ = _probe_into(query, stride, salt, base, base_pow, filter_words,
+                                     filter_shift, table, table_shift, blocks, width, ns_mask,
+                                     ns_bit, groups, scratch, found)
+    return firsts, repeats
 
 
 @njit(cache=True, inline="always")
-def _take_into(query, found, firsts, repeats, cursor, first, next_slot, slot_offset, blocks,
-               out):
+def _take_into(query, found, firsts, repeats, groups, bits, cursors, next_slot, slot_offset,
+               blocks, out):
     i = j = k = 0
     while i < firsts or j < repeats:
         if j == repeats or (i < firsts and found[0, i] < found[2, j]):
-            slot = cursor[found[1, i]]
+            slot = cursors[0, i]  # group i: the i-th first occurrence
             if slot != -1:
                 out[0, k] = found[0, i]
                 out[1, k] = slot
@@ -326,11 +332,13 @@ def _take_into(query, found, firsts, repeats, cursor, first, next_slot, slot_off
             i += 1
         else:
             cid = found[3, j]
-            current = cursor[cid]
+            g = content_groups.group_of(groups, bits, cid)
+            current = cursors[0, g]
             if current != -1:
                 slot = next_slot[current]
-                if slot != first[cid] and _same_tokens(query, found[2, j], _row(blocks, cid)):
-                    cursor[cid] = slot
+                if slot != cursors[1, g] and _same_tokens(query, found[2, j],
+                                                          _row(blocks, cid)):
+                    cursors[0, g] = slot
                     out[0, k] = found[2, j]
                     out[1, k] = slot
                     out[2, k] = slot_offset[slot]
@@ -341,9 +349,9 @@ def _take_into(query, found, firsts, repeats, cursor, first, next_slot, slot_off
 
 @njit(cache=True, nogil=True)
 def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
-                    table_shift, blocks, width, ns_mask, ns_bit, seen, epoch, scratch, found,
+                    table_shift, blocks, width, ns_mask, ns_bit, groups, scratch, found,
                     head, slot_ns, ns_id, other_keys, other_slots, other_shift, next_slot,
-                    slot_offset, cursor, first, out):
+                    slot_offset, cursors, out):
     """`probe`, the heads of the requester's lists, then the occupants, in one call.
 
     The head of namespace `ns_id`'s list on a content is ``head[cid]`` when that slot is
@@ -356,27 +364,25 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
     slot left (the next slot is not back at the head); if equal it takes that slot.
     Writes positions, slots and the slots' `slot_offset` to ``out[0]``, ``out[1]``,
     ``out[2]``, ascending. Returns (firsts, repeats, matches)."""
-    firsts, repeats = _probe_into(query, stride, salt, base, base_pow, filter_words,
-                                  filter_shift, table, table_shift, blocks, width, ns_mask,
-                                  ns_bit, seen, epoch, scratch, found)
+    firsts, repeats, bits = _probe_into(query, stride, salt, base, base_pow, filter_words,
+                                        filter_shift, table, table_shift, blocks, width,
+                                        ns_mask, ns_bit, groups, scratch, found)
     for i in range(firsts):  # the contents' entries, one miss each: all in flight at once
         _prefetch(head, found[1, i])
-        _prefetch(cursor, found[1, i])
-        _prefetch(first, found[1, i])
-    for i in range(firsts):
+    for i in range(firsts):  # per group: the list's cursor and its head (where it ends)
         cid = found[1, i]
         slot = head[cid]
         if slot == -1 or slot_ns[slot] != ns_id:
             slot = other_head(other_keys, other_slots, other_shift,
                               (np.int64(ns_id) << 32) | cid)
-        cursor[cid] = slot
-        first[cid] = slot
-    return firsts, repeats, _take_into(query, found, firsts, repeats, cursor, first,
+        cursors[0, i] = slot
+        cursors[1, i] = slot
+    return firsts, repeats, _take_into(query, found, firsts, repeats, groups, bits, cursors,
                                        next_slot, slot_offset, blocks, out)
 
 
 @njit(cache=True, nogil=True)
-def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, blocks, scratch,
+def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, blocks, groups,
                       max_positions):
     """Every verified occurrence, grouped by content, at most `max_positions` per content
     (its leftmost): (positions, sizes, cut), `cut` True when some content had more.
@@ -388,16 +394,17 @@ def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, block
     by token (a mismatch stops at its first differing token) until its content is full;
     one more verified repeat of a full content says it was cut, and the rest of that
     content's repeats are not compared: the work is bounded by the cap, not the query's
-    repetitions. `scratch` is indexed by content id and overwritten."""
-    groups = first_cid.shape[0]
-    for i in range(groups):
-        scratch[first_cid[i]] = i
-    sizes = np.ones(groups, dtype=np.int64)
-    was_cut = np.zeros(groups, dtype=np.uint8)  # 1: full, and one more verified
+    repetitions. `groups`: a `content_groups.buffer_for` the firsts, overwritten."""
+    count = first_cid.shape[0]
+    bits = content_groups.begin(groups, count)
+    for i in range(count):
+        content_groups.add(groups, bits, first_cid[i], i)
+    sizes = np.ones(count, dtype=np.int64)
+    was_cut = np.zeros(count, dtype=np.uint8)  # 1: full, and one more verified
     ok = np.zeros(repeat_pos.shape[0], dtype=np.uint8)
     cut = False
     for j in range(repeat_pos.shape[0]):
-        g = scratch[repeat_cid[j]]
+        g = content_groups.group_of(groups, bits, repeat_cid[j])
         if was_cut[g] or not _same_tokens(query, repeat_pos[j],
                                          _row(blocks, repeat_cid[j])):
             continue
@@ -407,18 +414,18 @@ def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, block
             continue
         ok[j] = 1
         sizes[g] += 1
-    fill = np.empty(groups, dtype=np.int64)
+    fill = np.empty(count, dtype=np.int64)
     total = 0
-    for i in range(groups):
+    for i in range(count):
         fill[i] = total
         total += sizes[i]
     positions = np.empty(total, dtype=np.int64)
-    for i in range(groups):
+    for i in range(count):
         positions[fill[i]] = first_pos[i]
         fill[i] += 1
     for j in range(repeat_pos.shape[0]):
         if ok[j]:
-            g = scratch[repeat_cid[j]]
+            g = content_groups.group_of(groups, bits, repeat_cid[j])
             positions[fill[g]] = repeat_pos[j]
             fill[g] += 1
     return positions, sizes, cut

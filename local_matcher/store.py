@@ -27,7 +27,7 @@ from array import array
 
 import numpy as np
 
-from local_matcher import head_table, kernels
+from local_matcher import content_groups, head_table, kernels
 from local_matcher.head_table import HeadTable
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,8 @@ def _grown(array_: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
-#: The per-content columns kept as int32, and the last epoch `_seen` holds before it wraps.
-_PER_CONTENT_INT32 = ("_first", "_cursor", "_seen", "_free_ids")
-_MAX_EPOCH = np.iinfo(np.int32).max
+#: Per-content scratch columns of earlier builds (a probe's groups are per query now).
+_RETIRED = ("_first", "_cursor", "_seen", "_epoch")
 
 
 class ContentStore:
@@ -99,17 +98,13 @@ class ContentStore:
         self._salt = _as_u64(salt)
         self._base = _as_u64(base | 1)  # odd: multiplication by it is invertible mod 2**64
         self._base_pow = _as_u64(pow(int(self._base), chunk_size, 2**64))
-        self._epoch = 0
         # The token blocks twice over, the same arrays: a Python list for Python (sizes,
         # rows, pickling), numba's typed list for the kernels (`kernels.new_blocks`).
         self._block_arrays: list[np.ndarray] = []
         self._blocks = None
         self.ns_mask = np.zeros(0, dtype=np.uint64)
-        # Per content id, 4 bytes each: slot numbers (the claim lists' are int32), an
-        # epoch (`_next_epoch` wraps it) and the free ids.
-        self._first = np.zeros(0, dtype=np.int32)
-        self._cursor = np.zeros(0, dtype=np.int32)
-        self._seen = np.zeros(0, dtype=np.int32)
+        # Per content id, besides `ns_mask`: the free ids (4 bytes each). What a probe
+        # keeps per content it finds is per query (`_probe_buffers`).
         self._free_ids = np.zeros(0, dtype=np.int32)
         self._free_top = np.zeros(1, dtype=np.int64)
         self._drop_buffers()
@@ -119,14 +114,17 @@ class ContentStore:
     def __getstate__(self) -> dict:
         """Picklable: the blocks travel as the plain list; the typed one is rebuilt."""
         state = dict(vars(self))
-        for name in ("_blocks", "_scratch", "_found", "_out", "_probed"):
+        for name in ("_blocks", "_scratch", "_found", "_out", "_groups", "_cursors",
+                     "_probed"):
             del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
+        for name in _RETIRED:  # pickled by an earlier build
+            state.pop(name, None)
         vars(self).update(state)
-        for name in _PER_CONTENT_INT32:  # a snapshot of a build that kept them as int64
-            setattr(self, name, getattr(self, name).astype(np.int32, copy=False))
+        # A pickle of a build that kept them as int64.
+        self._free_ids = self._free_ids.astype(np.int32, copy=False)
         self._drop_buffers()
         blocks = self._block_arrays
         self._blocks = kernels.new_blocks(blocks[0])
@@ -154,9 +152,8 @@ class ContentStore:
 
     @property
     def nbytes(self) -> int:
-        arrays = (*self._block_arrays, self.ns_mask, self._first, self._cursor, self._seen,
-                  self._free_ids,
-                  self._table, self._filter)
+        arrays = (*self._block_arrays, self.ns_mask, self._free_ids, self._table,
+                  self._filter)
         return sum(a.nbytes for a in arrays)
 
     def _allocate_table(self, bits: int) -> None:
@@ -181,11 +178,10 @@ class ContentStore:
                 self._blocks = kernels.new_blocks(block)
             else:
                 kernels.append_block(self._blocks, block)
-            if len(self._seen) < new:  # grown by doubling: copying them per block is O(n**2)
-                size = max(new, 2 * len(self._seen))
-                self.ns_mask, self._first, self._cursor, self._seen, self._free_ids = (
-                    _grown(a, size) for a in (self.ns_mask, self._first, self._cursor,
-                                              self._seen, self._free_ids))
+            if len(self._free_ids) < new:  # grown by doubling: per block would be O(n**2)
+                size = max(new, 2 * len(self._free_ids))
+                self.ns_mask, self._free_ids = (_grown(a, size)
+                                                for a in (self.ns_mask, self._free_ids))
             # The new ids go under the free ones, lowest on top: reused ids are taken first.
             free, ids = int(self._free_top[0]), self._free_ids
             ids[new - old: new - old + free] = ids[:free].copy()
@@ -242,12 +238,10 @@ class ContentStore:
         candidates, not yet verified (`occurrences`). Both ascending by position;
         views of the store's buffers, valid until its next `probe` or `match_occupants`."""
         self._probe_buffers(query.size)
-        self._next_epoch()
         self._probed = kernels.probe(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
             self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
-            self.ns_mask, np.uint64(ns_bit), self._seen, self._epoch, self._scratch,
-            self._found)
+            self.ns_mask, np.uint64(ns_bit), self._groups, self._scratch, self._found)
         return self._probed_views()
 
     def match_occupants(self, query: np.ndarray, stride: int, ns_bit: int, ns_id: int,
@@ -259,23 +253,14 @@ class ContentStore:
         the first list on a content, its namespace `slot_ns[head[cid]]`; the heads of the
         others in `other_heads`."""
         self._probe_buffers(query.size)
-        self._next_epoch()
         firsts, repeats, matches = kernels.match_occupants(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
             self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
-            self.ns_mask, np.uint64(ns_bit), self._seen, self._epoch, self._scratch,
-            self._found, head, slot_ns, ns_id, *other_heads.for_kernels, next_slot,
-            slot_offset, self._cursor, self._first, self._out)
+            self.ns_mask, np.uint64(ns_bit), self._groups, self._scratch, self._found, head,
+            slot_ns, ns_id, *other_heads.for_kernels, next_slot, slot_offset, self._cursors,
+            self._out)
         self._probed = firsts, repeats
         return self._out[:, :matches]
-
-    def _next_epoch(self) -> None:
-        """A new probe's mark in `_seen`; past int32's range every mark is cleared and
-        counting starts again (once per two billion probes)."""
-        if self._epoch >= _MAX_EPOCH:
-            self._seen[:] = 0
-            self._epoch = 0
-        self._epoch += 1
 
     def probed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What the last `probe` or `match_occupants` found, as `probe` returns it."""
@@ -302,11 +287,15 @@ class ContentStore:
         self._scratch = np.empty(2 * size, dtype=np.uint64)
         self._found = np.empty((4, size), dtype=np.int64)
         self._out = np.empty((3, size), dtype=np.int64)
+        self._groups = content_groups.buffer_for(size)
+        self._cursors = np.empty((2, size), dtype=np.int64)
 
     def _drop_buffers(self) -> None:
         self._scratch = np.empty(0, dtype=np.uint64)
         self._found = np.empty((4, 0), dtype=np.int64)
         self._out = np.empty((3, 0), dtype=np.int64)
+        self._groups = content_groups.buffer_for(1)
+        self._cursors = np.empty((2, 0), dtype=np.int64)
         self._probed = (0, 0)
 
     def occurrences(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
@@ -316,4 +305,4 @@ class ContentStore:
         occurrence, the leftmost `max_positions` of each: (positions, group sizes, whether
         some content had more); repeats are compared token by token here."""
         return kernels.group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid,
-                                         self._blocks, self._cursor, max_positions)
+                                         self._blocks, self._groups, max_positions)

@@ -237,32 +237,33 @@ def test_two_contents_with_the_same_fingerprint_are_both_matchable():
     assert index.match(reverse + X, B) == [BlendMatch(b"r", 4, 0)]
 
 
-def test_the_probe_epoch_wraps_without_hiding_a_content(index):
-    # `_seen` holds int32 epochs: past the range every mark is cleared. A mark left from
-    # long ago (here 1, every content) must not make the first probe after the wrap, at
-    # epoch 1, take each content for one already found.
-    from local_matcher.store import _MAX_EPOCH
+def test_what_one_probe_numbered_does_not_hide_a_content_from_the_next(index):
+    # A probe numbers the contents it finds in a map over a scratch buffer kept between
+    # queries: a smaller later query reads a prefix of it, which must start empty, or a
+    # content the earlier query found would pass for one this query already found.
+    rows = np.arange(1, 1 + 64 * C, dtype=np.uint32).reshape(64, C)
+    index.add_many(rows, [bytes([i]) for i in range(64)], [C * i for i in range(64)], A)
+    everything = rows[::-1].ravel().tolist()
+    assert len(index.match(everything, A)) == 64
+    for i in (0, 17, 63):
+        query = rows[i].tolist() + rows[i].tolist()
+        assert index.match(query, A) == [BlendMatch(bytes([i]), C * i, 0)]
+        columns = index.candidate_columns(query, A)
+        assert columns.positions.tolist() == [0, C]
 
-    index.add(X, b"x", 0, A)
-    index.add(Y, b"y", 4, A)
-    store = index._store
-    store._epoch = _MAX_EPOCH - 1
-    assert len(index.match(X + Y, A)) == 2  # epoch _MAX_EPOCH
-    store._seen[:] = 1
-    assert index.match(X + Y, A) == [BlendMatch(b"x", 0, 0), BlendMatch(b"y", 4, 4)]
-    assert store._epoch == 1
 
-
-def test_a_snapshot_with_int64_content_columns_loads_as_int32(index):
+def test_a_pickle_of_an_earlier_build_loads_without_its_scratch_columns(index):
     import pickle
 
     index.add(X, b"x", 0, A)
     store = index._store
-    for name in ("_first", "_cursor", "_seen", "_free_ids"):  # as an older build kept them
-        setattr(store, name, getattr(store, name).astype(np.int64))
+    store._free_ids = store._free_ids.astype(np.int64)  # as an older build kept them
+    for name in ("_first", "_cursor", "_seen"):  # per-content scratch, per query now
+        setattr(store, name, np.zeros(store.capacity, dtype=np.int64))
+    store._epoch = 7
     loaded = pickle.loads(pickle.dumps(index))
-    assert {getattr(loaded._store, name).dtype
-            for name in ("_first", "_cursor", "_seen", "_free_ids")} == {np.dtype(np.int32)}
+    assert loaded._store._free_ids.dtype == np.dtype(np.int32)
+    assert not {"_first", "_cursor", "_seen", "_epoch"} & set(vars(loaded._store))
     assert loaded.match(Y + X, A) == [BlendMatch(b"x", 0, 4)]
 
 
