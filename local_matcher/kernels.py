@@ -29,16 +29,19 @@ stored row, which a fourth compares.
 Table layout (the invariants every kernel keeps):
 
 - ``table[2s]``/``table[2s+1]``: slot s's fingerprint and content id + 1 (0: empty), side
-  by side so that a probe reads one cache line. Open addressing with linear probing; an
-  entry's home slot is the top ``table_bits`` bits of its fingerprint. Several entries may
-  share a fingerprint (different contents): it is a multimap. Deletion shifts later
-  entries back, so there are no tombstones.
-- ``filter_words``: a blocked filter, one 64-bit word per run of ``2**(table_bits -
-  word_bits)`` home slots (the top ``word_bits`` bits of a fingerprint pick the word), in
-  which each entry sets three bits picked by its fingerprint's low bits; a probe passes
-  when its three bits are set (one memory access). A word holds exactly the bits of the
-  live entries whose home is in its run: those sit in the run or in the cluster running on
-  from its end, so removal recomputes the word from there.
+  by side so that a probe reads one cache line. Open addressing with linear probing over
+  any number of slots (the store sizes it by what it holds, not to a power of two); an
+  entry's home slot is its fingerprint's top 32 bits scaled to the table (`_home`: a
+  multiply and a shift, monotone in the fingerprint). Several entries may share a
+  fingerprint (different contents): it is a multimap. Deletion shifts later entries back,
+  so there are no tombstones.
+- ``filter_words``: a blocked filter of a power of two words (the top ``word_bits`` bits
+  of a fingerprint pick the word), in which each entry sets three bits picked by its
+  fingerprint's low bits; a probe passes when its three bits are set (one memory access).
+  Since homes are monotone in the fingerprint, a word's entries have their homes in one
+  run of slots (`_word_run`); a word holds exactly the bits of the live entries of its
+  run: those sit in the run or in the cluster running on from its end, so removal
+  recomputes the word from there.
 - ``blocks[cid >> BLOCK_BITS][cid & BLOCK_MASK]``: the content's tokens, in fixed-size
   blocks so that growing never copies them, three bytes a token or four (`_token` reads
   either); ``free_ids[:free_top[0]]`` the unused ids.
@@ -178,6 +181,19 @@ def _fingerprint(row, salt, base):
 
 
 @njit(cache=True, inline="always")
+def _home(fp, slots):
+    """An entry's home slot: its fingerprint's top 32 bits scaled to `slots` (monotone in
+    `fp`, which `_word_run` relies on)."""
+    return np.int64(((fp >> _S32) * np.uint64(slots)) >> _S32)
+
+
+@njit(cache=True, inline="always")
+def _next(s, slots):
+    s += 1
+    return 0 if s == slots else s
+
+
+@njit(cache=True, inline="always")
 def _filter_bits(fp):
     """The three bits of `fp` in its filter word, from its low bits (the word is chosen
     by its top bits, so the two are independent)."""
@@ -238,13 +254,13 @@ def _filter_passes(query, stride, salt, base, base_pow, width, filter_words, fil
 
 @njit(cache=True, inline="always")
 def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
-                table_shift, blocks, width, ns_mask, ns_bit, groups, scratch, found):
+                blocks, width, ns_mask, ns_bit, groups, scratch, found):
     if query.shape[0] < width:
         return 0, 0, content_groups.begin(groups, 0)
     passes = _filter_passes(query, stride, salt, base, base_pow, width, filter_words,
                             filter_shift, scratch, found)
     n = query.shape[0]
-    table_mask = (table.shape[0] >> 1) - 1
+    slots = table.shape[0] >> 1
     # Pass 2, for the windows that passed: the table and the namespace pre-test give each
     # its candidate content, written back over found[2:4] (one at most per window read),
     # whose row is prefetched: the rows arrive together instead of one after another.
@@ -253,13 +269,13 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
         p = found[2, i]
         fp = np.uint64(found[3, i])
         cid = -1
-        s = np.int64(fp >> table_shift)
+        s = _home(fp, slots)
         while table[2 * s + 1] != 0:
             if table[2 * s] == fp and (ns_mask[np.int64(table[2 * s + 1]) - 1] & ns_bit):
                 # Several contents with this fingerprint (a collision): -2 says pass 3
                 # must find the one holding the window.
                 cid = np.int64(table[2 * s + 1]) - 1 if cid == -1 else -2
-            s = (s + 1) & table_mask
+            s = _next(s, slots)
         if cid != -1:
             found[2, candidates] = p
             found[3, candidates] = cid
@@ -276,7 +292,7 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
         p, cid = found[2, i], found[3, i]
         verified = False
         if cid == -2:  # the one content that can hold the window, if it is one of those
-            cid = _find(query, p, scratch[n + p // stride], blocks, table, table_shift)
+            cid = _find(query, p, scratch[n + p // stride], blocks, table)
             if cid == -1 or (ns_mask[cid] & ns_bit) == 0:
                 continue
             verified = True
@@ -293,8 +309,8 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
 
 
 @njit(cache=True, nogil=True)
-def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table, table_shift,
-          blocks, width, ns_mask, ns_bit, groups, scratch, found):
+def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table, blocks,
+          width, ns_mask, ns_bit, groups, scratch, found):
     """Where stored contents occur in `query`: first occurrences verified, repeats not yet.
 
     Windows start at multiples of `stride`. A candidate must pass the filter, have its
@@ -312,8 +328,8 @@ def probe(query, stride, salt, base, base_pow, filter_words, filter_shift, table
     returns (firsts, repeats).
     """
     firsts, repeats, _ = _probe_into(query, stride, salt, base, base_pow, filter_words,
-                                     filter_shift, table, table_shift, blocks, width, ns_mask,
-                                     ns_bit, groups, scratch, found)
+                                     filter_shift, table, blocks, width, ns_mask, ns_bit,
+                                     groups, scratch, found)
     return firsts, repeats
 
 
@@ -349,7 +365,7 @@ def _take_into(query, found, firsts, repeats, groups, bits, cursors, next_slot, 
 
 @njit(cache=True, nogil=True)
 def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_shift, table,
-                    table_shift, blocks, width, ns_mask, ns_bit, groups, scratch, found,
+                    blocks, width, ns_mask, ns_bit, groups, scratch, found,
                     head, slot_ns, ns_id, other_keys, other_slots, other_shift, next_slot,
                     slot_offset, cursors, out):
     """`probe`, the heads of the requester's lists, then the occupants, in one call.
@@ -365,8 +381,8 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
     Writes positions, slots and the slots' `slot_offset` to ``out[0]``, ``out[1]``,
     ``out[2]``, ascending. Returns (firsts, repeats, matches)."""
     firsts, repeats, bits = _probe_into(query, stride, salt, base, base_pow, filter_words,
-                                        filter_shift, table, table_shift, blocks, width,
-                                        ns_mask, ns_bit, groups, scratch, found)
+                                        filter_shift, table, blocks, width, ns_mask, ns_bit,
+                                        groups, scratch, found)
     for i in range(firsts):  # the contents' entries, one miss each: all in flight at once
         _prefetch(head, found[1, i])
     for i in range(firsts):  # per group: the list's cursor and its head (where it ends)
@@ -459,33 +475,33 @@ def walk_lists(heads, limits, next_slot):
 
 
 @njit(cache=True, inline="always")
-def _find(tokens, start, fp, blocks, table, table_shift):
+def _find(tokens, start, fp, blocks, table):
     """The id of the stored content equal to the window of `tokens` at `start` (whose
     fingerprint is `fp`), or -1."""
-    table_mask = (table.shape[0] >> 1) - 1
-    s = np.int64(fp >> table_shift)
+    slots = table.shape[0] >> 1
+    s = _home(fp, slots)
     while table[2 * s + 1] != 0:
         cid = np.int64(table[2 * s + 1]) - 1
         if table[2 * s] == fp and _same_tokens(tokens, start, _row(blocks, cid)):
             return cid
-        s = (s + 1) & table_mask
+        s = _next(s, slots)
     return -1
 
 
 @njit(cache=True, inline="always")
-def _place(fp, cid, table, table_shift, filter_words, filter_shift):
-    table_mask = (table.shape[0] >> 1) - 1
-    s = np.int64(fp >> table_shift)
+def _place(fp, cid, table, filter_words, filter_shift):
+    slots = table.shape[0] >> 1
+    s = _home(fp, slots)
     while table[2 * s + 1] != 0:
-        s = (s + 1) & table_mask
+        s = _next(s, slots)
     table[2 * s] = fp
     table[2 * s + 1] = np.uint64(cid + 1)
     filter_words[fp >> filter_shift] |= _filter_bits(fp)
 
 
 @njit(cache=True)
-def insert_rows(rows, salt, base, blocks, table, table_shift, filter_words, filter_shift,
-                free_ids, free_top):
+def insert_rows(rows, salt, base, blocks, table, filter_words, filter_shift, free_ids,
+                free_top):
     """Find-or-insert every row; returns (content ids, 1 where newly stored).
 
     The caller guarantees room: at least ``len(rows)`` free ids and a table that
@@ -496,61 +512,72 @@ def insert_rows(rows, salt, base, blocks, table, table_shift, filter_words, filt
     fresh = np.zeros(n, dtype=np.uint8)
     for i in range(n):
         fp = _fingerprint(rows[i], salt, base)
-        cid = _find(rows[i], 0, fp, blocks, table, table_shift)
+        cid = _find(rows[i], 0, fp, blocks, table)
         if cid == -1:
             free_top[0] -= 1
             cid = free_ids[free_top[0]]
             _put_row(_row(blocks, cid), rows[i])
-            _place(fp, cid, table, table_shift, filter_words, filter_shift)
+            _place(fp, cid, table, filter_words, filter_shift)
             fresh[i] = 1
         cids[i] = cid
     return cids, fresh
 
 
 @njit(cache=True, inline="always")
-def _refill_filter_word(word, table, table_shift, filter_words, filter_shift):
+def _word_run(word, filter_words, filter_shift, slots):
+    """(first, count): the run of slots holding the homes of filter word `word`'s
+    entries, from the home of the word's least fingerprint to that of the next word's
+    (inclusive: a slot may be home to both words' entries)."""
+    w = np.int64(word)
+    first = _home(np.uint64(w) << filter_shift, slots)
+    if w + 1 == filter_words.shape[0]:
+        return first, slots - first
+    return first, _home(np.uint64(w + 1) << filter_shift, slots) - first + 1
+
+
+@njit(cache=True, inline="always")
+def _refill_filter_word(word, table, filter_words, filter_shift):
     """Set filter word `word` from the live entries that map to it. Their home slots are
-    the word's run of slots (the word's bits are the top bits of a home slot), so each
-    sits in that run or in the cluster running on from its end."""
-    table_mask = (table.shape[0] >> 1) - 1
-    run = np.int64(1) << np.int64(filter_shift - table_shift)
-    start = np.int64(word) * run
+    the word's run (`_word_run`), so each sits in that run or in the cluster running on
+    from its end."""
+    slots = table.shape[0] >> 1
+    s, run = _word_run(word, filter_words, filter_shift, slots)
     bits = np.uint64(0)
     i = 0
-    while i < run or table[2 * ((start + i) & table_mask) + 1] != 0:
-        s = (start + i) & table_mask
+    while i < run or table[2 * s + 1] != 0:
         fp = table[2 * s]
         if table[2 * s + 1] != 0 and (fp >> filter_shift) == word:
             bits |= _filter_bits(fp)
+        s = _next(s, slots)
         i += 1
     filter_words[word] = bits
 
 
 @njit(cache=True)
-def remove_contents(cids, salt, base, blocks, table, table_shift, filter_words, filter_shift,
-                    free_ids, free_top):
+def remove_contents(cids, salt, base, blocks, table, filter_words, filter_shift, free_ids,
+                    free_top):
     """Drop stored contents by id and return their ids to the free list."""
-    table_mask = (table.shape[0] >> 1) - 1
+    slots = table.shape[0] >> 1
     for k in range(cids.shape[0]):
         cid = cids[k]
         fp = _fingerprint(_row(blocks, cid), salt, base)
-        s = np.int64(fp >> table_shift)
+        s = _home(fp, slots)
         stored = np.uint64(cid + 1)
         while table[2 * s + 1] != stored:
             if table[2 * s + 1] == 0:  # not stored: nothing to do
                 s = -1
                 break
-            s = (s + 1) & table_mask
+            s = _next(s, slots)
         if s == -1:
             continue
         # Backward-shift deletion keeps every entry reachable from its home slot.
         hole = s
         j = s
         while True:
-            j = (j + 1) & table_mask
+            j = _next(j, slots)
             if table[2 * j + 1] == 0:
                 break
-            want = np.int64(table[2 * j] >> table_shift)
+            want = _home(table[2 * j], slots)
             if hole <= j:
                 stays = hole < want <= j
             else:
@@ -561,16 +588,15 @@ def remove_contents(cids, salt, base, blocks, table, table_shift, filter_words, 
                 hole = j
         table[2 * hole] = 0
         table[2 * hole + 1] = 0
-        _refill_filter_word(fp >> filter_shift, table, table_shift, filter_words,
-                            filter_shift)
+        _refill_filter_word(fp >> filter_shift, table, filter_words, filter_shift)
         free_ids[free_top[0]] = cid
         free_top[0] += 1
 
 
 @njit(cache=True)
-def rebuild_table(old_table, table, table_shift, filter_words, filter_shift):
+def rebuild_table(old_table, table, filter_words, filter_shift):
     """Re-place every live entry of an old table into fresh (zeroed) arrays."""
     for s in range(old_table.shape[0] >> 1):
         if old_table[2 * s + 1] != 0:
-            _place(old_table[2 * s], np.int64(old_table[2 * s + 1]) - 1, table, table_shift,
+            _place(old_table[2 * s], np.int64(old_table[2 * s + 1]) - 1, table,
                    filter_words, filter_shift)

@@ -14,9 +14,12 @@ Sizing invariants:
   store to four bytes a token, once (`_widen`): what is found never depends on it. Ids of unused slots sit on a free stack and are reused,
   so any number of insert/remove cycles never exhausts the store. The arrays indexed by
   content id are at least `capacity` long and grow by doubling.
-- The table has at least `2 * capacity` slots (never more than half full) and the
-  filter 8 bits per table slot, 3 per content in one 64-bit word: at most about 1 probe
-  in 125 passes the filter by chance (1 in 500 at a quarter full).
+- The table has at least twice as many slots as there are contents (never more than
+  half full); past that it grows by a quarter or to twice the contents, whichever is
+  more, so it stays 40-50 % full: its size is not a power of two (`kernels._home`), or it
+  would be 25-50 % full and cost up to twice the bytes. The filter has a power of two
+  words, at least 8 bits per table slot, 3 per content in one 64-bit word: at most about
+  1 probe in 125 passes the filter by chance.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from local_matcher.head_table import HeadTable
 
 log = logging.getLogger(__name__)
 
-_FILTER_BITS_PER_SLOT_LOG2 = 3
+_FILTER_BITS_PER_SLOT = 8
+_MIN_TABLE_SLOTS = 16
 # Probe buffers are kept for queries up to this many tokens (a few MB); longer ones
 # allocate their own, so one huge query does not hold its memory for good.
 _KEPT_BUFFER_TOKENS = 1 << 17
@@ -108,7 +112,7 @@ class ContentStore:
         self._free_ids = np.zeros(0, dtype=np.int32)
         self._free_top = np.zeros(1, dtype=np.int64)
         self._drop_buffers()
-        self._allocate_table(4)
+        self._allocate_table(_MIN_TABLE_SLOTS)
         self._reserve(1)
 
     def __getstate__(self) -> dict:
@@ -125,6 +129,11 @@ class ContentStore:
         vars(self).update(state)
         # A pickle of a build that kept them as int64.
         self._free_ids = self._free_ids.astype(np.int32, copy=False)
+        if state.pop("_table_shift", None) is not None:  # homes were top bits then
+            del self._table_shift
+            old_table = self._table
+            self._allocate_table(old_table.shape[0] >> 1)
+            kernels.rebuild_table(old_table, self._table, self._filter, self._filter_shift)
         self._drop_buffers()
         blocks = self._block_arrays
         self._blocks = kernels.new_blocks(blocks[0])
@@ -156,11 +165,11 @@ class ContentStore:
                   self._filter)
         return sum(a.nbytes for a in arrays)
 
-    def _allocate_table(self, bits: int) -> None:
-        word_bits = bits + _FILTER_BITS_PER_SLOT_LOG2 - 6
-        self._table_shift = np.uint64(64 - bits)
+    def _allocate_table(self, slots: int) -> None:
+        words = -(-slots * _FILTER_BITS_PER_SLOT // 64)
+        word_bits = max(1, (words - 1).bit_length())
         self._filter_shift = np.uint64(64 - word_bits)
-        self._table = np.zeros(2 << bits, dtype=np.uint64)
+        self._table = np.zeros(2 * slots, dtype=np.uint64)
         self._filter = np.zeros(1 << word_bits, dtype=np.uint64)
 
     def _reserve(self, extra: int) -> None:
@@ -187,12 +196,11 @@ class ContentStore:
             ids[new - old: new - old + free] = ids[:free].copy()
             ids[: new - old] = np.arange(new - 1, old - 1, -1)
             self._free_top[0] = free + new - old
-        bits = max(4, (2 * self.capacity - 1).bit_length())
-        if (1 << bits) > self.table_size:
+        needed = 2 * (self.num_contents + extra)
+        if needed > self.table_size:
             old_table = self._table
-            self._allocate_table(bits)
-            kernels.rebuild_table(old_table, self._table, self._table_shift, self._filter,
-                                  self._filter_shift)
+            self._allocate_table(max(needed, self.table_size * 5 // 4))
+            kernels.rebuild_table(old_table, self._table, self._filter, self._filter_shift)
 
     # --- operations -------------------------------------------------------------------
 
@@ -206,14 +214,14 @@ class ContentStore:
             self._widen()
         self._reserve(rows.shape[0])
         return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
-                                   self._table_shift, self._filter, self._filter_shift,
-                                   self._free_ids, self._free_top)
+                                   self._filter, self._filter_shift, self._free_ids,
+                                   self._free_top)
 
     def remove(self, cids: np.ndarray) -> None:
         """Forget stored contents by id (each id once); their slots become reusable."""
         kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._table,
-                                self._table_shift, self._filter, self._filter_shift,
-                                self._free_ids, self._free_top)
+                                self._filter, self._filter_shift, self._free_ids,
+                                self._free_top)
 
     def row(self, cid: int) -> np.ndarray:
         """The stored tokens of content `cid` as uint32 (a view if the store is wide)."""
@@ -240,8 +248,8 @@ class ContentStore:
         self._probe_buffers(query.size)
         self._probed = kernels.probe(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
-            self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
-            self.ns_mask, np.uint64(ns_bit), self._groups, self._scratch, self._found)
+            self._filter_shift, self._table, self._blocks, self.chunk_size, self.ns_mask,
+            np.uint64(ns_bit), self._groups, self._scratch, self._found)
         return self._probed_views()
 
     def match_occupants(self, query: np.ndarray, stride: int, ns_bit: int, ns_id: int,
@@ -255,8 +263,8 @@ class ContentStore:
         self._probe_buffers(query.size)
         firsts, repeats, matches = kernels.match_occupants(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
-            self._filter_shift, self._table, self._table_shift, self._blocks, self.chunk_size,
-            self.ns_mask, np.uint64(ns_bit), self._groups, self._scratch, self._found, head,
+            self._filter_shift, self._table, self._blocks, self.chunk_size, self.ns_mask,
+            np.uint64(ns_bit), self._groups, self._scratch, self._found, head,
             slot_ns, ns_id, *other_heads.for_kernels, next_slot, slot_offset, self._cursors,
             self._out)
         self._probed = firsts, repeats
