@@ -129,11 +129,6 @@ class ContentStore:
         vars(self).update(state)
         # A pickle of a build that kept them as int64.
         self._free_ids = self._free_ids.astype(np.int32, copy=False)
-        if state.pop("_table_shift", None) is not None:  # homes were top bits then
-            del self._table_shift
-            old_table = self._table
-            self._allocate_table(old_table.shape[0] >> 1)
-            kernels.rebuild_table(old_table, self._table, self._filter, self._filter_shift)
         self._drop_buffers()
         blocks = self._block_arrays
         self._blocks = kernels.new_blocks(blocks[0])
