@@ -124,7 +124,7 @@ class ContentIndex:
                 cids, fresh = cids[row_of], fresh[row_of] & first
             ns_ids, vacated = self._claim(chunk_hashes, cids, offsets, namespace, fresh)
             if type(ns_ids) is not np.ndarray:  # one namespace
-                self._store.ns_mask[cids] |= np.uint64(mask_bit(ns_ids))
+                self._store.ns_mask[cids] |= np.uint32(mask_bit(ns_ids))
             elif fresh.all():  # contents of their own: each once
                 self._store.ns_mask[cids] |= mask_bits(ns_ids)
             else:

@@ -44,7 +44,8 @@ Table layout (the invariants every kernel keeps):
   recomputes the word from there.
 - ``blocks[cid >> BLOCK_BITS][cid & BLOCK_MASK]``: the content's tokens, in fixed-size
   blocks so that growing never copies them, three bytes a token or four (`_token` reads
-  either); ``free_ids[:free_top[0]]`` the unused ids.
+  either); ``free_ids[:id_counts[0]]`` the removed contents' ids, to be taken again
+  before ``id_counts[1]``, the first id never handed out.
 """
 
 from __future__ import annotations
@@ -501,10 +502,10 @@ def _place(fp, cid, table, filter_words, filter_shift):
 
 @njit(cache=True)
 def insert_rows(rows, salt, base, blocks, table, filter_words, filter_shift, free_ids,
-                free_top):
+                id_counts):
     """Find-or-insert every row; returns (content ids, 1 where newly stored).
 
-    The caller guarantees room: at least ``len(rows)`` free ids and a table that
+    The caller guarantees room: blocks for ``len(rows)`` more contents and a table that
     stays at most half full after inserting them all.
     """
     n = rows.shape[0]
@@ -514,8 +515,12 @@ def insert_rows(rows, salt, base, blocks, table, filter_words, filter_shift, fre
         fp = _fingerprint(rows[i], salt, base)
         cid = _find(rows[i], 0, fp, blocks, table)
         if cid == -1:
-            free_top[0] -= 1
-            cid = free_ids[free_top[0]]
+            if id_counts[0] > 0:  # a removed content's id first
+                id_counts[0] -= 1
+                cid = np.int64(free_ids[id_counts[0]])
+            else:
+                cid = id_counts[1]
+                id_counts[1] += 1
             _put_row(_row(blocks, cid), rows[i])
             _place(fp, cid, table, filter_words, filter_shift)
             fresh[i] = 1
@@ -555,8 +560,9 @@ def _refill_filter_word(word, table, filter_words, filter_shift):
 
 @njit(cache=True)
 def remove_contents(cids, salt, base, blocks, table, filter_words, filter_shift, free_ids,
-                    free_top):
-    """Drop stored contents by id and return their ids to the free list."""
+                    id_counts):
+    """Drop stored contents by id and put their ids on the free stack (room for them all:
+    the caller's)."""
     slots = table.shape[0] >> 1
     for k in range(cids.shape[0]):
         cid = cids[k]
@@ -589,8 +595,8 @@ def remove_contents(cids, salt, base, blocks, table, filter_words, filter_shift,
         table[2 * hole] = 0
         table[2 * hole + 1] = 0
         _refill_filter_word(fp >> filter_shift, table, filter_words, filter_shift)
-        free_ids[free_top[0]] = cid
-        free_top[0] += 1
+        free_ids[id_counts[0]] = cid
+        id_counts[0] += 1
 
 
 @njit(cache=True)

@@ -11,9 +11,11 @@ Sizing invariants:
   never copies stored tokens. A block row holds each token in three bytes while every
   stored id is below `kernels.PACKED_TOKEN_LIMIT` (2^24; real vocabularies are below
   2^18), so tokens cost 3 B each; the first content with a larger id widens the whole
-  store to four bytes a token, once (`_widen`): what is found never depends on it. Ids of unused slots sit on a free stack and are reused,
-  so any number of insert/remove cycles never exhausts the store. The arrays indexed by
-  content id are at least `capacity` long and grow by doubling.
+  store to four bytes a token, once (`_widen`): what is found never depends on it.
+  Removed contents' ids sit on a free stack and are taken again before any id not yet
+  handed out, so any number of insert/remove cycles never exhausts the store; the stack
+  grows with what is removed, not with what is stored. `ns_mask`, the one array indexed
+  by content id, is at least `capacity` long and grows by doubling.
 - The table has at least twice as many slots as there are contents (never more than
   half full); past that it grows by a quarter or to twice the contents, whichever is
   more, so it stays 40-50 % full: its size is not a power of two (`kernels._home`), or it
@@ -106,11 +108,12 @@ class ContentStore:
         # rows, pickling), numba's typed list for the kernels (`kernels.new_blocks`).
         self._block_arrays: list[np.ndarray] = []
         self._blocks = None
-        self.ns_mask = np.zeros(0, dtype=np.uint64)
-        # Per content id, besides `ns_mask`: the free ids (4 bytes each). What a probe
-        # keeps per content it finds is per query (`_probe_buffers`).
+        # Per content id: its namespaces' bits (`mask_bit`), 4 bytes. What a probe keeps
+        # per content it finds is per query (`_probe_buffers`).
+        self.ns_mask = np.zeros(0, dtype=np.uint32)
         self._free_ids = np.zeros(0, dtype=np.int32)
-        self._free_top = np.zeros(1, dtype=np.int64)
+        # [0]: ids on the free stack; [1]: ids handed out so far (the next new id).
+        self._id_counts = np.zeros(2, dtype=np.int64)
         self._drop_buffers()
         self._allocate_table(_MIN_TABLE_SLOTS)
         self._reserve(1)
@@ -129,6 +132,9 @@ class ContentStore:
         vars(self).update(state)
         # A pickle of a build that kept them as int64.
         self._free_ids = self._free_ids.astype(np.int32, copy=False)
+        if self.ns_mask.dtype == np.uint64:  # 64 bits a mask then: bit k is bit k % 32 now
+            self.ns_mask = ((self.ns_mask & 0xFFFFFFFF) | (self.ns_mask >> np.uint64(32))
+                            ).astype(np.uint32)
         self._drop_buffers()
         blocks = self._block_arrays
         self._blocks = kernels.new_blocks(blocks[0])
@@ -148,7 +154,8 @@ class ContentStore:
 
     @property
     def num_contents(self) -> int:
-        return self.capacity - int(self._free_top[0])
+        freed, handed_out = self._id_counts.tolist()
+        return handed_out - freed
 
     @property
     def table_size(self) -> int:
@@ -169,9 +176,8 @@ class ContentStore:
 
     def _reserve(self, extra: int) -> None:
         """Make room for `extra` new contents: whole blocks, and a table to match."""
-        while int(self._free_top[0]) < extra:
-            old = self.capacity
-            new = old + kernels.BLOCK_ROWS
+        while self.capacity - self.num_contents < extra:
+            new = self.capacity + kernels.BLOCK_ROWS
             # Rows are written before any read; fresh pages are mapped lazily on first write.
             if self.packed:
                 block = np.empty((kernels.BLOCK_ROWS, 3 * self.chunk_size), dtype=np.uint8)
@@ -182,15 +188,8 @@ class ContentStore:
                 self._blocks = kernels.new_blocks(block)
             else:
                 kernels.append_block(self._blocks, block)
-            if len(self._free_ids) < new:  # grown by doubling: per block would be O(n**2)
-                size = max(new, 2 * len(self._free_ids))
-                self.ns_mask, self._free_ids = (_grown(a, size)
-                                                for a in (self.ns_mask, self._free_ids))
-            # The new ids go under the free ones, lowest on top: reused ids are taken first.
-            free, ids = int(self._free_top[0]), self._free_ids
-            ids[new - old: new - old + free] = ids[:free].copy()
-            ids[: new - old] = np.arange(new - 1, old - 1, -1)
-            self._free_top[0] = free + new - old
+            if len(self.ns_mask) < new:  # grown by doubling: per block would be O(n**2)
+                self.ns_mask = _grown(self.ns_mask, max(new, 2 * len(self.ns_mask)))
         needed = 2 * (self.num_contents + extra)
         if needed > self.table_size:
             old_table = self._table
@@ -210,13 +209,16 @@ class ContentStore:
         self._reserve(rows.shape[0])
         return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
                                    self._filter, self._filter_shift, self._free_ids,
-                                   self._free_top)
+                                   self._id_counts)
 
     def remove(self, cids: np.ndarray) -> None:
         """Forget stored contents by id (each id once); their slots become reusable."""
+        needed = int(self._id_counts[0]) + len(cids)
+        if len(self._free_ids) < needed:
+            self._free_ids = _grown(self._free_ids, max(needed, 2 * len(self._free_ids)))
         kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._table,
                                 self._filter, self._filter_shift, self._free_ids,
-                                self._free_top)
+                                self._id_counts)
 
     def row(self, cid: int) -> np.ndarray:
         """The stored tokens of content `cid` as uint32 (a view if the store is wide)."""
@@ -244,7 +246,7 @@ class ContentStore:
         self._probed = kernels.probe(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
             self._filter_shift, self._table, self._blocks, self.chunk_size, self.ns_mask,
-            np.uint64(ns_bit), self._groups, self._scratch, self._found)
+            np.uint32(ns_bit), self._groups, self._scratch, self._found)
         return self._probed_views()
 
     def match_occupants(self, query: np.ndarray, stride: int, ns_bit: int, ns_id: int,
@@ -259,7 +261,7 @@ class ContentStore:
         firsts, repeats, matches = kernels.match_occupants(
             query, stride, self._salt, self._base, self._base_pow, self._filter,
             self._filter_shift, self._table, self._blocks, self.chunk_size, self.ns_mask,
-            np.uint64(ns_bit), self._groups, self._scratch, self._found, head,
+            np.uint32(ns_bit), self._groups, self._scratch, self._found, head,
             slot_ns, ns_id, *other_heads.for_kernels, next_slot, slot_offset, self._cursors,
             self._out)
         self._probed = firsts, repeats

@@ -252,7 +252,7 @@ def test_what_one_probe_numbered_does_not_hide_a_content_from_the_next(index):
         assert columns.positions.tolist() == [0, C]
 
 
-def test_a_pickle_of_an_earlier_build_loads_without_its_scratch_columns(index):
+def test_a_pickle_of_an_earlier_build_loads_as_this_one_keeps_it(index):
     import pickle
 
     index.add(X, b"x", 0, A)
@@ -261,8 +261,11 @@ def test_a_pickle_of_an_earlier_build_loads_without_its_scratch_columns(index):
     for name in ("_first", "_cursor", "_seen"):  # per-content scratch, per query now
         setattr(store, name, np.zeros(store.capacity, dtype=np.int64))
     store._epoch = 7
+    # Masks of 64 bits, A's bit where a namespace id of 32 would have put it (bit 32).
+    store.ns_mask = store.ns_mask.astype(np.uint64) << np.uint64(32)
     loaded = pickle.loads(pickle.dumps(index))
     assert loaded._store._free_ids.dtype == np.dtype(np.int32)
+    assert loaded._store.ns_mask.dtype == np.dtype(np.uint32)
     assert not {"_first", "_cursor", "_seen", "_epoch"} & set(vars(loaded._store))
     assert loaded.match(Y + X, A) == [BlendMatch(b"x", 0, 4)]
 
@@ -378,3 +381,16 @@ def test_many_contents_sharing_one_fingerprint_are_found_where_they_occur(stride
     found = index.candidates(query, A)
     assert {c.chunks[0][0]: c.positions for c in found} == {
         f"h{i}".encode(): tuple(p for p, j in where if j == i) for i in first}
+
+
+def test_namespaces_that_share_a_mask_bit_see_only_their_own_chunks():
+    # The store's namespace masks have 32 bits: namespace ids 0 and 32 share one. That
+    # lets the other's contents through the probe's pre-test, never into a match.
+    index = ContentIndex(chunk_size=C)
+    names = [f"tenant-{i}" for i in range(33)]
+    for i, name in enumerate(names):  # ids by first claim: tenant-i is id i
+        index.add(chunk(100 + i, 1, 2, 3), bytes([i]), 0, name)
+    index.add(X, b"x32", 0, names[32])
+    assert index.match(Y + X, names[0]) == []
+    assert index.candidate_columns(Y + X, names[0]).positions.size == 0
+    assert index.match(Y + X, names[32]) == [BlendMatch(b"x32", 0, 4)]

@@ -159,3 +159,18 @@ def test_the_filter_stays_selective_in_a_large_table():
     passes = kernels._filter_passes(query, 1, store._salt, store._base, store._base_pow,
                                     width, store._filter, store._filter_shift, scratch, found)
     assert passes < query.size / 300
+
+
+def test_the_free_stack_holds_what_was_removed_and_is_taken_first():
+    """Removed contents' ids are handed out again before new ones; the stack grows with
+    what is removed, not with what is stored (no 4 bytes a stored content)."""
+    rng = np.random.default_rng(3)
+    store = ContentStore(4)
+    cids, _ = store.insert(rng.integers(0, 1000, (5000, 4), dtype=np.uint32))
+    assert cids.tolist() == list(range(5000)) and len(store._free_ids) == 0
+    gone = cids[[7, 4000, 123]]
+    store.remove(gone)
+    assert store.num_contents == 4997 and len(store._free_ids) == 3
+    again, fresh = store.insert(rng.integers(1000, 2000, (4, 4), dtype=np.uint32))
+    assert fresh.all() and sorted(again[:3].tolist()) == sorted(gone.tolist())
+    assert again[3] == 5000 and store.num_contents == 5001
