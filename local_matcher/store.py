@@ -159,7 +159,7 @@ class ContentStore:
 
     @property
     def table_size(self) -> int:
-        return self._table.shape[0] >> 1
+        return self._table.shape[0] // 3
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +171,7 @@ class ContentStore:
         words = -(-slots * _FILTER_BITS_PER_SLOT // 64)
         word_bits = max(1, (words - 1).bit_length())
         self._filter_shift = np.uint64(64 - word_bits)
-        self._table = np.zeros(2 * slots, dtype=np.uint64)
+        self._table = np.zeros(3 * slots, dtype=np.uint32)  # kernels.py: its layout
         self._filter = np.zeros(1 << word_bits, dtype=np.uint64)
 
     def _reserve(self, extra: int) -> None:

@@ -1,9 +1,9 @@
 """ContentStore's table and filter against their invariants, under random inserts and removals.
 
-The kernels keep a multimap table (a fingerprint and a content id a slot, any number of
-slots, homes scaled from the fingerprint's top bits, linear probing, backward-shift
-deletion) and a blocked filter whose words hold exactly the bits of the live entries mapping
-to them. A table of 16 or 13 slots, a tiny alphabet and, in most runs, base 1 (every
+The kernels keep a multimap table (a fingerprint and a content id in 12 bytes a slot, any
+number of slots, homes scaled from the fingerprint's top bits, linear probing,
+backward-shift deletion) and a blocked filter whose words hold exactly the bits of the live
+entries mapping to them. A table of 16 or 13 slots, a tiny alphabet and, in most runs, base 1 (every
 permutation of a row collides) make clusters, shared words and equal fingerprints common.
 The fingerprints are checked against the contract's formula written out in Python."""
 
@@ -41,7 +41,8 @@ def _filter_bits(fp: int) -> int:
 
 def check_invariants(store: ContentStore, live: dict[tuple, int]) -> None:
     slots = store.table_size
-    table = store._table.reshape(-1, 2)
+    words = store._table.reshape(-1, 3).astype(np.uint64)  # fingerprint low, high; id + 1
+    table = np.stack([words[:, 0] | (words[:, 1] << np.uint64(32)), words[:, 2]], axis=1)
     filter_shift = int(store._filter_shift)
     salt, base = int(store._salt), int(store._base)
     occupied = table[:, 1] != 0
