@@ -47,7 +47,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from blend_wire.tokens import as_tokens
-from local_matcher import kernels
+from local_matcher import candidate_kernels
 from local_matcher.chunk_hashes import warm_up as warm_up_hashes
 from local_matcher.claims import NONE, ClaimLists, mask_bit, mask_bits
 from local_matcher.store import ContentStore
@@ -305,7 +305,7 @@ class ContentIndex:
                                                       repeat_pos, repeat_cid, max_positions)
             heads = claims.heads_of(first_cid, ns_id)
             limits = np.minimum(sizes + spare_chunks, MAX_CANDIDATE_CHUNKS)
-            slots, counts = kernels.walk_lists(heads, limits, claims.next_slot)
+            slots, counts = candidate_kernels.walk_lists(heads, limits, claims.next_slot)
             if not counts.all():  # 0: a stale mask bit let a content of other namespaces in
                 keep = counts > 0
                 positions = positions[np.repeat(keep, sizes)]

@@ -32,7 +32,7 @@ from array import array
 
 import numpy as np
 
-from local_matcher import content_groups, head_table, kernels
+from local_matcher import candidate_kernels, content_groups, head_table, kernels
 from local_matcher.head_table import HeadTable
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class ContentStore:
             others.set(key, 0)
         heads = head_table.heads_of(found[1], 0, head, slot_ns, *others.for_kernels)
         store.occurrences(query, *found, 1)
-        kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), next_slot)
+        candidate_kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), next_slot)
         store.remove(cids)
         store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
         cls._warmed = True
@@ -309,5 +309,6 @@ class ContentStore:
         """Every verified occurrence `probe` found, grouped by content in order of first
         occurrence, the leftmost `max_positions` of each: (positions, group sizes, whether
         some content had more); repeats are compared token by token here."""
-        return kernels.group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid,
-                                         self._blocks, self._groups, max_positions)
+        return candidate_kernels.group_occurrences(query, first_pos, first_cid, repeat_pos,
+                                                   repeat_cid, self._blocks, self._groups,
+                                                   max_positions)
