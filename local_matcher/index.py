@@ -117,7 +117,7 @@ class ContentIndex:
         rows, chunk_hashes, offsets, namespace, row_of = batch
         with self._lock:
             cids, fresh = self._store.insert(np.ascontiguousarray(rows))
-            self._claims.grow(self._store.capacity)
+            self._claims.grow(self._store.id_limit)
             if row_of is not None:  # a content just stored is fresh for its first chunk
                 first = np.zeros(len(row_of), dtype=np.uint8)
                 first[np.unique(row_of, return_index=True)[1]] = 1

@@ -15,7 +15,7 @@ Sizing invariants:
   Removed contents' ids sit on a free stack and are taken again before any id not yet
   handed out, so any number of insert/remove cycles never exhausts the store; the stack
   grows with what is removed, not with what is stored. `ns_mask`, the one array indexed
-  by content id, is at least `capacity` long and grows by doubling.
+  by content id, covers the ids handed out (`id_limit`) and grows by a quarter.
 - The table has at least twice as many slots as there are contents (never more than
   half full); past that it grows by a quarter or to twice the contents, whichever is
   more, so it stays 40-50 % full: its size is not a power of two (`kernels._home`), or it
@@ -158,6 +158,11 @@ class ContentStore:
         return handed_out - freed
 
     @property
+    def id_limit(self) -> int:
+        """Every content id in use is below this (the ids handed out so far)."""
+        return int(self._id_counts[1])
+
+    @property
     def table_size(self) -> int:
         return self._table.shape[0] // 3
 
@@ -188,8 +193,6 @@ class ContentStore:
                 self._blocks = kernels.new_blocks(block)
             else:
                 kernels.append_block(self._blocks, block)
-            if len(self.ns_mask) < new:  # grown by doubling: per block would be O(n**2)
-                self.ns_mask = _grown(self.ns_mask, max(new, 2 * len(self.ns_mask)))
         needed = 2 * (self.num_contents + extra)
         if needed > self.table_size:
             old_table = self._table
@@ -207,9 +210,12 @@ class ContentStore:
         if self.packed and rows.size and int(rows.max()) >= kernels.PACKED_TOKEN_LIMIT:
             self._widen()
         self._reserve(rows.shape[0])
-        return kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
-                                   self._filter, self._filter_shift, self._free_ids,
-                                   self._id_counts)
+        found = kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
+                                    self._filter, self._filter_shift, self._free_ids,
+                                    self._id_counts)
+        if len(self.ns_mask) < self.id_limit:  # by a quarter: O(1) a content, little slack
+            self.ns_mask = _grown(self.ns_mask, max(self.id_limit, len(self.ns_mask) * 5 // 4))
+        return found
 
     def remove(self, cids: np.ndarray) -> None:
         """Forget stored contents by id (each id once); their slots become reusable."""
