@@ -24,6 +24,11 @@ Invariants:
   number (the same in every slot of one occupant, increasing with the time the occupant
   was first indexed), `next_slot[s]` and `_prev[s]` its neighbours in its circular list
   (the head's prev is the tail), sorted by order number. Free slots are on `_free_slots`.
+- Order numbers are int32 (4 B a slot) and only ever compared; new ones come from
+  `_next_order`. Before a batch of claims could take it past `_MAX_ORDER`, every live
+  number is replaced by its rank among them (`_renumber`): the slots of one occupant keep
+  one number, and every comparison answers as before. As many numbers live as occupants
+  (at most one per slot), so a renumbering leaves room for any batch short of 2^31 claims.
 - the list of (cid, ns) starts at `head[cid]` if `slot_ns[head[cid]] == ns`, else at
   `other_heads.get(ns << 32 | cid)` (`local_matcher.head_table`, a table the lookup
   kernels read): most contents are claimed by one namespace, so their only list costs
@@ -47,6 +52,7 @@ from local_matcher.head_table import HeadTable, heads_of
 NONE = -1  # "no slot" in the slot and head arrays
 _NS_SHIFT = 32  # `other_heads` key: namespace id above, content id below
 _FEW_CLAIMS = 8  # claims on one chunk kept in a tuple (scanned); past this, a _ManyClaims
+_MAX_ORDER = 2**31 - 1  # order numbers are int32 (module doc); tests lower it to force a wrap
 
 
 def mask_bit(ns_id: int) -> int:
@@ -69,8 +75,8 @@ class ClaimLists:
         # Claim slots.
         self.slot_ns = array("i")
         self.slot_cid = array("i")
-        self.slot_offset = array("q")
-        self._slot_order = array("q")
+        self.slot_offset = array("q")  # offsets go up to 2^53: 8 bytes
+        self._slot_order = array("i")
         self.next_slot = array("i")
         self._prev = array("i")
         self._free_slots = array("i")
@@ -90,6 +96,8 @@ class ClaimLists:
             for key, slot in self._more_heads.items():
                 heads.set(key, slot)
             self._more_heads = heads
+        if self._slot_order.typecode == "q":  # a snapshot of a build with 8-byte numbers
+            _renumber(self)
 
     @property
     def other_heads(self) -> HeadTable:
@@ -115,6 +123,8 @@ class ClaimLists:
         """Each chunk claimed by its namespace on its content at its offset, in order
         (`ContentIndex.add` says what changes). Sets `ns_ids[i]` to row i's namespace
         id; returns the contents claims moved away from (to be settled)."""
+        if self._next_order + len(chunk_hashes) > _MAX_ORDER:  # a row: one occupant at most
+            _renumber(self)
         chunks, slot_cid, slot_offset = self.chunks, self.slot_cid, self.slot_offset
         vacated, current, ns_id = [], object(), NONE
         for i, (chunk_hash, cid, offset, name) in enumerate(zip(
@@ -145,6 +155,8 @@ class ClaimLists:
         others are linked at their list's tail, O(1)). Returns the namespace ids (a
         list's, or the one)."""
         count = len(chunk_hashes)
+        if self._next_order + count > _MAX_ORDER:
+            _renumber(self)
         ns_ids = self._namespaces.claimed(namespaces, count)
         self.num_claims += count
         slots = self._new_slots(chunk_hashes)
@@ -152,7 +164,7 @@ class ClaimLists:
         np.frombuffer(self.slot_ns, dtype=i32)[slots] = ns_ids
         np.frombuffer(self.slot_cid, dtype=i32)[slots] = cids
         np.frombuffer(self.slot_offset, dtype=i64)[slots] = offsets
-        np.frombuffer(self._slot_order, dtype=i64)[slots] = np.arange(
+        np.frombuffer(self._slot_order, dtype=i32)[slots] = np.arange(
             self._next_order, self._next_order + count)
         self._next_order += count
         self.num_occupants += count
@@ -183,10 +195,9 @@ class ClaimLists:
             start = len(self.slot_ns)
             slots[reused:] = np.arange(start, start + grown)
             self.chunks.reserve(start + grown)
-            for ints in (self.slot_ns, self.slot_cid, self.next_slot, self._prev):
-                ints.frombytes(bytes(4 * grown))
-            for longs in (self.slot_offset, self._slot_order):
-                longs.frombytes(bytes(8 * grown))
+            for ints in (self.slot_ns, self.slot_cid, self.slot_offset, self._slot_order,
+                         self.next_slot, self._prev):
+                ints.frombytes(bytes(ints.itemsize * grown))
         self.chunks.name_all(slots, chunk_hashes)
         return slots
 
@@ -454,6 +465,27 @@ class ClaimLists:
         elif rest is not claim:
             self.chunks.set(chunk_hash, rest)
         return rest
+
+
+def _renumber(claims: ClaimLists) -> None:
+    """Order numbers by rank (module doc): each live slot's number replaced by its rank
+    among the live slots' distinct numbers, and so each `_ManyClaims`' occupants' (each
+    some live slot's number); `_next_order` becomes the count of distinct numbers (of
+    occupants). Run between batches of claims, never inside one. Also turns an older
+    snapshot's 8-byte numbers into 4-byte ones."""
+    wide = claims._slot_order.typecode == "q"
+    orders = np.frombuffer(claims._slot_order, dtype=np.int64 if wide else np.int32)
+    live = np.ones(len(orders), dtype=bool)
+    live[np.frombuffer(claims._free_slots, dtype=np.int32)] = False
+    distinct, ranks = np.unique(orders[live], return_inverse=True)
+    renumbered = np.zeros(len(orders), dtype=np.int32)  # a free slot's is never read
+    renumbered[live] = ranks
+    for claim in claims.chunks.others.values():  # the chunks that are not one slot
+        if type(claim) is _ManyClaims:
+            for occupant in claim.occupants.values():
+                occupant[0] = int(np.searchsorted(distinct, occupant[0]))
+    claims._slot_order = array("i", renumbered.tobytes())
+    claims._next_order = len(distinct)
 
 
 class _NamespaceIds:

@@ -355,6 +355,16 @@ class ContentIndex:
         """The chunk of each claim slot (of a claim that stands; read without the lock)."""
         return self._claims.chunks.at(slots)
 
+    def claim_offsets(self, slots: np.ndarray) -> np.ndarray:
+        """The stored offset of each claim slot (of claims that stand; int64): what a
+        caller keying data by slot (`only_claim_slots`) can read back instead of keeping."""
+        with self._lock:  # no writer grows the column while it is viewed
+            return np.frombuffer(self._claims.slot_offset, dtype=np.int64)[slots]
+
+    def claim_offset(self, slot: int) -> int:
+        """`claim_offsets` of one slot, read without the lock (one array read)."""
+        return self._claims.slot_offset[slot]
+
     def __getstate__(self) -> dict:
         """Pickled without its lock (a snapshot is taken while nothing writes)."""
         state = dict(vars(self))

@@ -8,12 +8,15 @@ reported)` (bindings.py), iterated in creation order, whose writes are journaled
 - `hot`, a `JournaledDict`: every binding a batch writes, and every shape but the common
   one;
 - columns indexed by the blend index's claim slot of the chunk (`ContentIndex.
-  only_claim_slots`): a chunk stored once, indexed (a digest, an offset below 2^31), one
+  only_claim_slots`): a chunk stored once, indexed (a digest, an offset: its claim's), one
   key in one place and that key's access count, nothing else reported. That is most of a
-  directory, and costs ~40 B a chunk there instead of ~170 B of dict entry, tuple and
+  directory, and costs ~28 B a chunk there instead of ~170 B of dict entry, tuple and
   digest, and ~40 B of its instance's `held_by` set entry: a frozen binding is counted
   per instance instead (`frozen_of`), and thawed (into the set) before a step reads the
-  set for it (`thaw` before a DELETE, `thaw_instance` before a fence).
+  set for it (`thaw` before a DELETE, `thaw_instance` before a fence). Its offset is not
+  kept: it is its claim's stored offset (`ContentIndex.claim_offsets`), the same number
+  by the directory's invariant (bindings.py); a binding whose claim says otherwise (an
+  index a failed repair left behind) stays in `hot`.
 After a batch commits, `freeze` moves the common bindings it wrote to the columns (a bulk
 run's straight from what `insert_run` was given); a write that changes a frozen binding
 first moves it back to `hot` (`_thaw`), one that writes it unchanged leaves it frozen,
@@ -23,13 +26,22 @@ nothing to undo.
 
 Why slots are safe keys: the index changes a chunk's claims only when the directory tells
 it to, and the directory rewrites a chunk's binding (thawing it) before it queues any
-index update of that chunk, so a frozen binding's slot is its chunk's only claim as long
-as it is frozen, and a slot's flag is cleared before the index can free the slot.
+index update of that chunk, so a frozen binding's slot is its chunk's only claim, at its
+offset, as long as it is frozen, and a slot's flag is cleared before the index can free
+the slot or move its claim.
+
+Creation numbers (`order`, `f_order`) are int32 and only compared; new ones come from
+`next_order`. When a batch begins that could take it past `_MAX_ORDER` (one number per
+entry at most), every number is replaced by its rank (`_renumber`): the iteration order
+is the same, so nothing the table says changes, and nothing is journaled; the batch's
+own writes, journaled after it, are undone into the renumbered table.
 
 Readers that skip the directory lock (`hold_codes`, for lookups) read the flags and columns,
 then `hot`, then the flags again: a thaw writes `hot` before it clears the flag, and a
 freeze sets the flag before it leaves `hot`, so a binding moving between the two is found
 in one of them. A lookup's slots may be stale by the time it reads (a hint, as before).
+A `get` without the lock of a binding a batch is moving may pair its old fields with the
+claim's new offset once the batch's index updates are sent (no lookup reads offsets).
 """
 
 from __future__ import annotations
@@ -46,12 +58,13 @@ from coordinator_stub.directory.new_chunks import shared_offset
 
 _MISSING = object()
 _NOTHING = ()
-_MAX_FROZEN_OFFSET = _MAX_FROZEN_COUNT = 2**31 - 1
+_MAX_FROZEN_COUNT = 2**31 - 1
+_MAX_ORDER = 2**31 - 1  # creation numbers are int32 (module doc); tests lower it
 
 
 class BindingTable:
     """Chunk hash -> binding (module doc). Not thread-safe for writes (the directory
-    lock); `get`, `hold_codes` and `in` are safe to call without it."""
+    lock); `get` (module doc), `hold_codes` and `in` are safe to call without it."""
 
     def __init__(self, journal: Journal) -> None:
         self._journal = journal
@@ -62,11 +75,10 @@ class BindingTable:
         self.next_order = 0
         self.index = None  # the blend index whose claim slots key the columns
         self.f_frozen = np.empty(0, dtype=np.uint8)  # 1: the slot's binding is frozen
-        self.f_digest = np.empty(0, dtype=np.int64)
-        self.f_offset = np.empty(0, dtype=np.int32)
+        self.f_digest = np.empty(0, dtype=np.int64)  # (the offset is the claim's)
         self.f_key = np.empty(0, dtype=np.int32)
         self.f_place = np.empty(0, dtype=np.int32)
-        self.f_order = np.empty(0, dtype=np.int64)
+        self.f_order = np.empty(0, dtype=np.int32)
         self.f_accesses = np.empty(0, dtype=np.int32)  # the one key's access count
         self.num_frozen = 0
         self._runs: list[tuple] = []  # the bulk runs of the batch being applied
@@ -206,7 +218,7 @@ class BindingTable:
 
     def _frozen_binding(self, slot: int) -> tuple:
         key, accesses = int(self.f_key[slot]), int(self.f_accesses[slot])
-        return (int(self.f_digest[slot]), shared_offset(int(self.f_offset[slot])),
+        return (int(self.f_digest[slot]), shared_offset(self.index.claim_offset(slot)),
                 (key, int(self.f_place[slot])), (key, accesses) if accesses else _NOTHING,
                 None)
 
@@ -225,9 +237,7 @@ class BindingTable:
                     return  # an ACCESS: stays frozen
                 self._thaw_slot(chunk_hash, slot)
             else:
-                self._journal.note(self, "next_order")
-                self.order[chunk_hash] = self.next_order
-                self.next_order += 1
+                self.order[chunk_hash] = self._new_numbers(1)
         hot[chunk_hash] = binding
 
     def _count_accesses(self, slot: int, accesses: int) -> None:
@@ -247,10 +257,16 @@ class BindingTable:
         if self.num_frozen and self.present(chunk_hashes):
             raise ValueError("insert_absent: some keys are present")
         self.hot.insert_absent(chunk_hashes, bindings)
-        first = self.next_order
+        first = self._new_numbers(len(chunk_hashes))
         self.order.insert_absent(chunk_hashes, range(first, first + len(chunk_hashes)))
+
+    def _new_numbers(self, count: int) -> int:
+        """The first of `count` new creation numbers (journaled; `begin` made room)."""
+        if self.next_order + count > _MAX_ORDER:  # not reached: at most one an entry
+            raise OverflowError("more new bindings in a batch than it has entries")
         self._journal.note(self, "next_order")
-        self.next_order = first + len(chunk_hashes)
+        self.next_order += count
+        return self.next_order - count
 
     def _thaw(self, chunk_hash: bytes) -> bool:
         """A frozen binding back to `hot`, as it is (not journaled: nothing changes);
@@ -279,23 +295,22 @@ class BindingTable:
     def thaw_instance(self, instance_id: str) -> None:
         """Every frozen binding placed at `instance_id` back to `hot` (before a fence):
         one pass over the place column, O(frozen bindings)."""
-        if not self.frozen_of.get(instance_id):
-            return
-        slots = np.flatnonzero(self.f_frozen)
-        places = self.f_place[slots]
-        mine = [p for p in np.unique(places).tolist() if self.instance_of(p) == instance_id]
-        slots = slots[np.isin(places, mine)].tolist()
-        for chunk_hash, slot in zip(self.index.chunks_at(slots), slots):
+        slots = self._frozen_slots_at(instance_id)
+        for chunk_hash, slot in zip(self.index.chunks_at(slots) if slots else (), slots):
             self._thaw_slot(chunk_hash, slot)
 
     def frozen_chunks_of(self, instance_id: str) -> Sequence[bytes]:
         """The chunks of the frozen bindings placed at `instance_id` (inspection)."""
+        slots = self._frozen_slots_at(instance_id)
+        return self.index.chunks_at(slots) if slots else []
+
+    def _frozen_slots_at(self, instance_id: str) -> list[int]:
         if not self.frozen_of.get(instance_id):
             return []
         slots = np.flatnonzero(self.f_frozen)
         places = self.f_place[slots]
         mine = [p for p in np.unique(places).tolist() if self.instance_of(p) == instance_id]
-        return self.index.chunks_at(slots[np.isin(places, mine)].tolist())
+        return slots[np.isin(places, mine)].tolist()
 
     def _held(self, instance_id: str) -> set[bytes]:
         held = self.held_by.get(instance_id)
@@ -313,9 +328,12 @@ class BindingTable:
 
     # --- moving common bindings to the columns ----------------------------------------
 
-    def begin(self) -> None:
-        """A batch starts: the runs it inserts are remembered for `freeze`."""
+    def begin(self, entries: int) -> None:
+        """A batch of `entries` starts: room for as many creation numbers (module doc),
+        and the runs it inserts are remembered for `freeze`."""
         self._runs = []
+        if self.next_order + entries > _MAX_ORDER:
+            _renumber(self)
 
     def insert_run(self, chunk_hashes: list[bytes], contents: list, offsets: list[int],
                    positions: np.ndarray, holds: tuple) -> None:
@@ -325,9 +343,7 @@ class BindingTable:
         then. The caller (`new_chunks.store_runs`) found none of them here."""
         self.hot.insert_absent(chunk_hashes, zip(contents, offsets, repeat(holds),
                                                  repeat(()), repeat(None)))
-        first = self.next_order
-        self._journal.note(self, "next_order")
-        self.next_order = first + len(chunk_hashes)
+        first = self._new_numbers(len(chunk_hashes))
         self._runs.append((chunk_hashes, contents, positions, holds, first))
 
     def freeze(self, written: set[bytes]) -> None:
@@ -365,7 +381,7 @@ class BindingTable:
         sizes = np.array([len(run[0]) for run in runs], dtype=np.int64)
         slots = np.array(self.index.only_claim_slots(hashes), dtype=np.int64)
         offsets = np.concatenate([run[2] for run in runs])
-        kept = (slots >= 0) & (offsets <= _MAX_FROZEN_OFFSET)  # indexed: offset >= 0
+        kept = _at_claim(self.index, slots, offsets)
         firsts = np.array([run[4] for run in runs], dtype=np.int64)
         orders = np.repeat(firsts - np.cumsum(sizes) + sizes, sizes) + np.arange(len(kept))
         contents = list(chain.from_iterable(run[1] for run in runs))
@@ -378,8 +394,8 @@ class BindingTable:
             hashes, contents = list(compress(hashes, kept)), list(compress(contents, kept))
         keys, places = (np.repeat(np.array([run[3][k] for run in runs], dtype=np.int32),
                                   sizes)[kept] for k in (0, 1))
-        self._put(slots[kept], hashes, np.array(contents, dtype=np.int64), offsets[kept],
-                  keys, places, orders[kept], numbered=False)
+        self._put(slots[kept], hashes, np.array(contents, dtype=np.int64), keys, places,
+                  orders[kept], numbered=False)
 
     def _freeze_each(self, chunk_hashes: set[bytes]) -> None:
         """`freeze` of bindings written one by one: their shapes tested."""
@@ -391,25 +407,26 @@ class BindingTable:
         common = _common(bindings)
         hashes, bindings = list(compress(hashes, common)), list(compress(bindings, common))
         slots = np.array(self.index.only_claim_slots(hashes), dtype=np.int64)
-        kept = slots >= 0
+        kept = _at_claim(self.index, slots, np.fromiter(map(_OFFSET, bindings), np.int64,
+                                                        len(bindings)))
         hashes, bindings = list(compress(hashes, kept)), list(compress(bindings, kept))
         n = len(hashes)
         holds = np.fromiter(chain.from_iterable(map(_HOLDS, bindings)), dtype=np.int32,
                             count=2 * n)
         self._put(slots[kept], hashes, np.fromiter(map(_CONTENT, bindings), np.int64, n),
-                  np.fromiter(map(_OFFSET, bindings), np.int64, n), holds[0::2], holds[1::2],
+                  holds[0::2], holds[1::2],
                   np.fromiter(map(self.order.__getitem__, hashes), np.int64, n),
                   np.array([b[3][1] if b[3] else 0 for b in bindings], dtype=np.int32))
 
     def _put(self, slots: np.ndarray, hashes: list[bytes], digests: np.ndarray,
-             offsets: np.ndarray, keys: np.ndarray, places: np.ndarray, orders: np.ndarray,
+             keys: np.ndarray, places: np.ndarray, orders: np.ndarray,
              accesses: np.ndarray | int = 0, numbered: bool = True) -> None:
-        """Bindings (all in `hot`) into the columns at their slots, and out of `hot` (and
-        out of `order`, unless a run's, which were never `numbered` there)."""
+        """Bindings (all in `hot`, at their claims' offsets) into the columns at their
+        slots, and out of `hot` (and out of `order`, unless a run's, never `numbered`)."""
         if not len(hashes):
             return
         self._make_room(int(slots.max()) + 1)
-        self.f_digest[slots], self.f_offset[slots] = digests, offsets
+        self.f_digest[slots] = digests
         self.f_key[slots], self.f_place[slots], self.f_order[slots] = keys, places, orders
         self.f_accesses[slots] = accesses
         self.f_frozen[slots] = 1  # last: the slots are readable as frozen from now on
@@ -432,8 +449,7 @@ class BindingTable:
         if size <= grown:
             return
         size = max(size, grown * 5 // 4, 1024)  # copies: O(1) a chunk
-        for name in ("f_digest", "f_offset", "f_key", "f_place", "f_order", "f_accesses",
-                     "f_frozen"):
+        for name in ("f_digest", "f_key", "f_place", "f_order", "f_accesses", "f_frozen"):
             old = getattr(self, name)  # the flags last: the columns are there before
             new = np.zeros(size, dtype=old.dtype)
             new[:grown] = old
@@ -480,12 +496,11 @@ def _common(bindings: list[tuple]) -> list[bool]:
     n = len(bindings)
     holds = list(map(_HOLDS, bindings))
     if set(map(type, holds)) != {tuple}:  # a chunk with many keys: rare
-        return [type(b[0]) is int and 0 <= b[1] <= _MAX_FROZEN_OFFSET
+        return [type(b[0]) is int and b[1] >= 0
                 and type(b[2]) is tuple and len(b[2]) == 2 and _counted(b) and b[4] is None
                 for b in bindings]
     offsets = np.fromiter(map(_OFFSET, bindings), dtype=np.int64, count=n)
-    common = ((offsets >= 0) & (offsets <= _MAX_FROZEN_OFFSET)
-              & (np.fromiter(map(len, holds), dtype=np.int64, count=n) == 2))
+    common = (offsets >= 0) & (np.fromiter(map(len, holds), dtype=np.int64, count=n) == 2)
     contents = list(map(_CONTENT, bindings))
     if set(map(type, contents)) != {int}:
         common &= np.array([type(content) is int for content in contents], dtype=bool)
@@ -504,6 +519,27 @@ def _counted(binding: tuple) -> bool:
     return accesses == () or (type(accesses) is tuple and len(accesses) == 2
                               and type(binding[2]) is tuple and accesses[0] == binding[2][0]
                               and accesses[1] <= _MAX_FROZEN_COUNT)
+
+
+def _at_claim(index, slots: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per binding, whether its chunk has one claim (its slot; -1: not) and that claim is
+    at the binding's offset, which the columns then read back (module doc)."""
+    kept = slots >= 0
+    kept[kept] = index.claim_offsets(slots[kept]) == offsets[kept]
+    return kept
+
+
+def _renumber(table: BindingTable) -> None:
+    """Creation numbers by rank (module doc), hot and frozen alike, so `next_order` starts
+    again at the count of bindings. Between batches only (`begin`): no run is pending.
+    Not journaled: the table iterates as before."""
+    slots, hashes = np.flatnonzero(table.f_frozen), list(table.order)
+    numbers = np.concatenate([np.fromiter(table.order.values(), dtype=np.int64,
+                                          count=len(hashes)), table.f_order[slots]])
+    distinct, ranks = np.unique(numbers, return_inverse=True)
+    dict.update(table.order, zip(hashes, ranks[:len(hashes)].tolist()))
+    table.f_order[slots] = ranks[len(hashes):]
+    table.next_order = len(distinct)
 
 
 def _undo_accesses(table: BindingTable, slot: int, old: int) -> None:

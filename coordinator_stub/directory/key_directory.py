@@ -155,7 +155,7 @@ class KeyDirectory:
         totals = self._placements.checkpoint()
         bindings = self._bindings
         self._journal.begin()
-        bindings.table.begin()
+        bindings.table.begin(len(batch.entries))
         try:
             yield
             if bindings.writer is not None:

@@ -5,14 +5,16 @@ in the same order, through thaws, rollbacks, reused index slots and snapshots.""
 from __future__ import annotations
 
 import pickle
+import random
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
 
 from blend_wire import BlendNamespace, CacheEventBatch, CacheEventEntry, EncodedObjectKey, \
     pack_kv_rank
-from coordinator_stub.directory import KeyDirectory
+from coordinator_stub.directory import KeyDirectory, binding_table
 
 LANE = "unit"
 
@@ -224,3 +226,116 @@ def test_frozen_chunks_cost_their_instance_no_set_entry_and_a_fence_still_drops_
     assert len(bindings.table) == 1 and bindings.table.frozen_of == {"i0": 1}
     query = np.arange(1, C * 5 + 1, dtype=np.uint32)
     assert directory.match(query, NS) == []
+
+
+def test_a_frozen_bindings_offset_is_its_claims_and_may_pass_2_31():
+    # The columns keep no offset: a frozen binding reads its claim's, any size it has.
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    far = [_entry(f"{i:064x}", range(C * i + 1, C * i + C + 1), offset=2**40 + C * i)
+           for i in range(3)]
+    _store(directory, 1, far)
+    table = directory._bindings.table
+    assert table.num_frozen == 3 and not hasattr(table, "f_offset")
+    assert [binding[1] for _, binding in _as_dict(directory)] == [2**40 + C * i
+                                                                   for i in range(3)]
+    query = np.arange(1, C * 3 + 1, dtype=np.uint32)
+    assert [m.old_st for m in directory.match(query, NS)] == [2**40 + C * i for i in range(3)]
+
+
+def test_a_binding_whose_claim_is_elsewhere_stays_in_the_dict():
+    # Only an index out of step with the directory (a failed repair) holds a claim at
+    # another offset than its binding says: that binding is not frozen, and reads as it is.
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    entries = _chunks(3)
+    _store(directory, 1, entries)
+    _store(directory, 2, [entries[1]], tier="l2")  # a second place: in the dict
+    table, chunk = directory._bindings.table, bytes.fromhex(f"{1:064x}")
+    assert chunk in table.hot
+    directory._index.add(np.array(entries[1].token_ids, dtype=np.uint32), chunk, 999, NS)
+    _store(directory, 3, [entries[1]], kind="delete", tier="l2")  # one place again
+    assert chunk in table.hot and table.num_frozen == 2
+    assert table[chunk][1] == C and [h for h, _ in _as_dict(directory)] == [
+        bytes.fromhex(f"{i:064x}") for i in range(3)]
+    assert directory._bindings.held_by["i0"] == {chunk}
+
+
+def test_a_run_chunk_whose_claim_is_elsewhere_stays_in_the_dict_in_its_place(monkeypatch):
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    index = directory._index
+    real = index.claim_offsets
+
+    def claim_offsets(slots):  # slot 2's claim reads as elsewhere
+        offsets = real(slots)
+        offsets[slots == 2] += 1
+        return offsets
+
+    monkeypatch.setattr(index, "claim_offsets", claim_offsets)
+    _store(directory, 1, _chunks(4))  # one run: slots 0..3
+    table, odd = directory._bindings.table, bytes.fromhex(f"{2:064x}")
+    assert index.only_claim_slots([odd]) == [2]
+    assert table.num_frozen == 3 and list(table.hot) == [odd] and table.order[odd] == 2
+    assert directory._bindings.held_by["i0"] == {odd}
+    _store(directory, 2, _chunks(2, first=4))
+    assert [h for h, _ in _as_dict(directory)] == [bytes.fromhex(f"{i:064x}")
+                                                   for i in range(6)]
+    assert table[odd][1] == C * 2
+
+
+def _history(seed: int, count: int) -> list[tuple]:
+    """Random batches over 24 chunks, mostly one instance, tier and tenant (so chunks come
+    and go): runs of new chunks (frozen), chunks stored again elsewhere or by a second
+    tenant or tier (hot), deletes, accesses, and batches whose index flush fails (rolled
+    back)."""
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(count):
+        kind = rng.choices(["store", "delete", "access"], weights=[5, 4, 1])[0]
+        entries = []
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(24)
+            offset = rng.choice([C * (i % 8)] * 4 + [C * rng.randrange(8), -1])
+            entries.append(_entry(f"{i:064x}", range(C * i + 1, C * i + C + 1), offset,
+                                  salt="t" if rng.random() < 0.1 else ""))
+        batches.append(("i1" if rng.random() < 0.15 else "i0",
+                        "l2" if rng.random() < 0.1 else "l1", kind, entries,
+                        rng.random() < 0.15))
+    return batches
+
+
+def _run_history(history: list[tuple]) -> tuple[list, int, int]:
+    """What the table says after each batch (its bindings in order, the key listing, how
+    many are frozen); how many batches began with a renumbering, and how many of those
+    then failed."""
+    directory = KeyDirectory(chunk_size=C, enable_blend_lookup=True)
+    table = directory._bindings.table
+    seen, renumbered, failed = [], 0, 0
+    for seq, (instance, tier, kind, entries, fail) in enumerate(history, 1):
+        before = table.next_order
+        if fail:
+            with mock.patch.object(directory._bindings.writer, "flush",
+                                   side_effect=RuntimeError("injected")):
+                with pytest.raises(RuntimeError):
+                    _store(directory, seq, entries, instance, kind, tier)
+        else:
+            _store(directory, seq, entries, instance, kind, tier)
+        assert table.next_order <= binding_table._MAX_ORDER
+        renumbered += table.next_order < before
+        failed += fail and table.next_order < before
+        seen.append((_as_dict(directory), directory.list_keys("all", "", "", 0, 1000),
+                     table.num_frozen))
+    return seen, renumbered, failed
+
+
+def test_renumbering_creation_numbers_changes_no_order_through_rollbacks(monkeypatch):
+    for seed in range(3):
+        history = _history(seed, 300)
+        plain, none, _ = _run_history(history)
+        # At most 24 bindings and 8 entries a batch: room is left after each renumbering.
+        monkeypatch.setattr(binding_table, "_MAX_ORDER", 32)
+        wrapped, renumbered, failed = _run_history(history)
+        monkeypatch.undo()
+        # Renumbered often, once at least as a batch began that was then rolled back.
+        assert none == 0 and renumbered >= 5 and failed >= 1
+        assert any(frozen and len(bindings) > frozen for bindings, _, frozen in plain)
+        for step, (expected, got) in enumerate(zip(plain, wrapped)):
+            assert got == expected, (seed, step)
