@@ -443,20 +443,24 @@ def _place(fp, cid, table, filter_words, filter_shift):
 
 
 @njit(cache=True)
-def insert_rows(rows, salt, base, blocks, table, filter_words, filter_shift, free_ids,
-                id_counts):
-    """Find-or-insert every row; returns (content ids, 1 where newly stored).
+def insert_rows(rows, start, cids, fresh, salt, base, blocks, table, filter_words,
+                filter_shift, free_ids, id_counts):
+    """Find-or-insert rows from `start` on, writing each one's content id to `cids` and
+    1 to `fresh` where newly stored, until one more content would make the table more than
+    half full; returns the index of the first row not done (``len(rows)``: all).
 
-    The caller guarantees room: blocks for ``len(rows)`` more contents and a table that
-    stays at most half full after inserting them all.
+    The caller guarantees blocks for ``len(rows) - start`` more contents. Stopping at the
+    table's limit instead of sizing it for a whole batch up front makes the table's size
+    a function of the contents stored, however they were batched.
     """
     n = rows.shape[0]
-    cids = np.empty(n, dtype=np.int64)
-    fresh = np.zeros(n, dtype=np.uint8)
-    for i in range(n):
+    limit = (table.shape[0] // 3) // 2
+    for i in range(start, n):
         fp = _fingerprint(rows[i], salt, base)
         cid = _find(rows[i], 0, fp, blocks, table)
         if cid == -1:
+            if id_counts[1] - id_counts[0] >= limit:
+                return i
             if id_counts[0] > 0:  # a removed content's id first
                 id_counts[0] -= 1
                 cid = np.int64(free_ids[id_counts[0]])
@@ -467,7 +471,7 @@ def insert_rows(rows, salt, base, blocks, table, filter_words, filter_shift, fre
             _place(fp, cid, table, filter_words, filter_shift)
             fresh[i] = 1
         cids[i] = cid
-    return cids, fresh
+    return n
 
 
 @njit(cache=True, inline="always")

@@ -17,9 +17,10 @@ Sizing invariants:
   grows with what is removed, not with what is stored. `ns_mask`, the one array indexed
   by content id, covers the ids handed out (`id_limit`) and grows by a quarter.
 - The table has at least twice as many slots as there are contents (never more than
-  half full); past that it grows by a quarter or to twice the contents, whichever is
-  more, so it stays 40-50 % full: its size is not a power of two (`kernels._home`), or it
-  would be 25-50 % full and cost up to twice the bytes. The filter has a power of two
+  half full): it grows by a quarter when one more content would pass that, so it stays
+  40-50 % full, and its size depends only on the contents stored, not on how they were
+  batched. Its size is not a power of two (`kernels._home`), or it would be 25-50 % full
+  and cost up to twice the bytes. The filter has a power of two
   words, at least 8 bits per table slot, 3 per content in one 64-bit word: at most about
   1 probe in 125 passes the filter by chance.
 """
@@ -93,7 +94,7 @@ class ContentStore:
         store.occurrences(query, *found, 1)
         candidate_kernels.walk_lists(heads, np.ones(heads.size, dtype=np.int64), next_slot)
         store.remove(cids)
-        store._reserve(store.capacity + 1)  # grows the table: compiles rebuild_table
+        store._grow_table()  # compiles rebuild_table
         cls._warmed = True
 
     def __init__(self, chunk_size: int, fingerprint_key: tuple[int, int] | None = None) -> None:
@@ -180,7 +181,8 @@ class ContentStore:
         self._filter = np.zeros(1 << word_bits, dtype=np.uint64)
 
     def _reserve(self, extra: int) -> None:
-        """Make room for `extra` new contents: whole blocks, and a table to match."""
+        """Make room for `extra` new contents: whole blocks (the table grows as contents
+        are stored: `insert`)."""
         while self.capacity - self.num_contents < extra:
             new = self.capacity + kernels.BLOCK_ROWS
             # Rows are written before any read; fresh pages are mapped lazily on first write.
@@ -193,11 +195,12 @@ class ContentStore:
                 self._blocks = kernels.new_blocks(block)
             else:
                 kernels.append_block(self._blocks, block)
-        needed = 2 * (self.num_contents + extra)
-        if needed > self.table_size:
-            old_table = self._table
-            self._allocate_table(max(needed, self.table_size * 5 // 4))
-            kernels.rebuild_table(old_table, self._table, self._filter, self._filter_shift)
+
+    def _grow_table(self) -> None:
+        """A quarter more slots, every entry placed again."""
+        old_table = self._table
+        self._allocate_table(self.table_size * 5 // 4)
+        kernels.rebuild_table(old_table, self._table, self._filter, self._filter_shift)
 
     # --- operations -------------------------------------------------------------------
 
@@ -210,18 +213,31 @@ class ContentStore:
         if self.packed and rows.size and int(rows.max()) >= kernels.PACKED_TOKEN_LIMIT:
             self._widen()
         self._reserve(rows.shape[0])
-        found = kernels.insert_rows(rows, self._salt, self._base, self._blocks, self._table,
-                                    self._filter, self._filter_shift, self._free_ids,
-                                    self._id_counts)
-        if len(self.ns_mask) < self.id_limit:  # by a quarter: O(1) a content, little slack
-            self.ns_mask = _grown(self.ns_mask, max(self.id_limit, len(self.ns_mask) * 5 // 4))
-        return found
+        count = rows.shape[0]
+        cids, fresh = np.empty(count, dtype=np.int64), np.zeros(count, dtype=np.uint8)
+        done = 0
+        while True:
+            done = kernels.insert_rows(rows, done, cids, fresh, self._salt, self._base,
+                                       self._blocks, self._table, self._filter,
+                                       self._filter_shift, self._free_ids, self._id_counts)
+            if done == count:
+                break
+            self._grow_table()
+        size = len(self.ns_mask)
+        while size < self.id_limit:  # by a quarter at a time: the same sizes however batched
+            size = max(size * 5 // 4, 1024)
+        if size > len(self.ns_mask):
+            self.ns_mask = _grown(self.ns_mask, size)
+        return cids, fresh
 
     def remove(self, cids: np.ndarray) -> None:
         """Forget stored contents by id (each id once); their slots become reusable."""
         needed = int(self._id_counts[0]) + len(cids)
-        if len(self._free_ids) < needed:
-            self._free_ids = _grown(self._free_ids, max(needed, 2 * len(self._free_ids)))
+        size = len(self._free_ids)
+        while size < needed:  # doubling from 16: the same sizes however batched
+            size = max(2 * size, 16)
+        if size > len(self._free_ids):
+            self._free_ids = _grown(self._free_ids, size)
         kernels.remove_contents(cids, self._salt, self._base, self._blocks, self._table,
                                 self._filter, self._filter_shift, self._free_ids,
                                 self._id_counts)

@@ -143,10 +143,11 @@ def test_tokens_take_three_bytes_until_an_id_needs_four():
 def test_the_filter_stays_selective_in_a_large_table():
     """The filter's bits come from the fingerprint's low bits and its word from the top
     ones, apart however large the table: with a million contents (a table 40-50 % full,
-    its filter a power of two words, here 14 bits a slot) a random window passes about
-    once in 640. (A build whose table kept only the top 32 bits and took the filter's bits
-    from them read 1 in 50 at 8 bits a slot, and 1 in 132 with those bits mixed, but its
-    probe was 20 % slower: docs/BENCHMARKS.md.)"""
+    its filter a power of two words, 8-16 bits a slot) a random window passes about once
+    in 140 (1 in 640 in a build whose filter had 14 bits a slot here). (A build whose table
+    kept only the top 32 bits and took the filter's bits from them read 1 in 50 at 8 bits a
+    slot, and 1 in 132 with those bits mixed, but its probe was 20 % slower:
+    docs/BENCHMARKS.md.)"""
     from local_matcher import kernels
 
     rng = np.random.default_rng(0)
@@ -159,7 +160,7 @@ def test_the_filter_stays_selective_in_a_large_table():
     found = np.empty((4, query.size), dtype=np.int64)
     passes = kernels._filter_passes(query, 1, store._salt, store._base, store._base_pow,
                                     width, store._filter, store._filter_shift, scratch, found)
-    assert passes < query.size / 300
+    assert passes < query.size / 100
 
 
 def test_the_free_stack_holds_what_was_removed_and_is_taken_first():
@@ -171,7 +172,7 @@ def test_the_free_stack_holds_what_was_removed_and_is_taken_first():
     assert cids.tolist() == list(range(5000)) and len(store._free_ids) == 0
     gone = cids[[7, 4000, 123]]
     store.remove(gone)
-    assert store.num_contents == 4997 and len(store._free_ids) == 3
+    assert store.num_contents == 4997 and len(store._free_ids) == 16  # its least size
     again, fresh = store.insert(rng.integers(1000, 2000, (4, 4), dtype=np.uint32))
     assert fresh.all() and sorted(again[:3].tolist()) == sorted(gone.tolist())
     assert again[3] == 5000 and store.num_contents == 5001
