@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from local_matcher import content_groups
-from local_matcher.kernels import _row, _same_tokens
+from local_matcher.kernels import _row, _same_windows, _width
 
 
 @njit(cache=True, nogil=True)
@@ -22,7 +22,8 @@ def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, block
     ``positions[sum(sizes[:i]):][:sizes[i]]`` (a content's first occurrence precedes its
     repeats, which `probe` returns ascending). The candidates form names every position
     of a content, not only as many as it has occupants, so each repeat is compared token
-    by token (a mismatch stops at its first differing token) until its content is full;
+    by token with its content's first occurrence, verified against the stored row (a
+    mismatch stops at its first differing token) until its content is full;
     one more verified repeat of a full content says it was cut, and the rest of that
     content's repeats are not compared: the work is bounded by the cap, not the query's
     repetitions. `groups`: a `content_groups.buffer_for` the firsts, overwritten."""
@@ -34,10 +35,10 @@ def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, block
     was_cut = np.zeros(count, dtype=np.uint8)  # 1: full, and one more verified
     ok = np.zeros(repeat_pos.shape[0], dtype=np.uint8)
     cut = False
+    width = _width(_row(blocks, 0))
     for j in range(repeat_pos.shape[0]):
         g = content_groups.group_of(groups, bits, repeat_cid[j])
-        if was_cut[g] or not _same_tokens(query, repeat_pos[j],
-                                         _row(blocks, repeat_cid[j])):
+        if was_cut[g] or not _same_windows(query, repeat_pos[j], first_pos[g], width):
             continue
         if sizes[g] >= max_positions:
             was_cut[g] = 1

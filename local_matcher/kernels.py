@@ -237,6 +237,17 @@ def _same_tokens(query, start, stored):
 
 
 @njit(cache=True, inline="always")
+def _same_windows(query, start, verified, width):
+    """Whether the window at `start` equals the one at `verified`, already compared with
+    its stored content: a repeat is checked against the query itself, in cache, instead of
+    against a stored row."""
+    for j in range(width):
+        if query[start + j] != query[verified + j]:
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
 def _filter_passes(query, stride, salt, base, base_pow, width, filter_words, filter_shift,
                    scratch, found):
     """Pass 1 of `probe`: the fingerprint of every window of `width` tokens starting at a
@@ -373,8 +384,8 @@ def _take_into(query, found, firsts, repeats, groups, bits, cursors, next_slot, 
             current = cursors[0, g]
             if current != -1:
                 slot = next_slot[current]
-                if slot != cursors[1, g] and _same_tokens(query, found[2, j],
-                                                          _row(blocks, cid)):
+                if slot != cursors[1, g] and _same_windows(query, found[2, j], found[0, g],
+                                                           _width(_row(blocks, cid))):
                     cursors[0, g] = slot
                     out[0, k] = found[2, j]
                     out[1, k] = slot
@@ -397,8 +408,9 @@ def match_occupants(query, stride, salt, base, base_pow, filter_words, filter_sh
 
     Occupants: first occurrences and repeat candidates are merged in position order. A
     first occurrence takes the head of the requester's circular list on its content
-    (-1: none). A repeat candidate is compared token by token only while that list has a
-    slot left (the next slot is not back at the head); if equal it takes that slot.
+    (-1: none). A repeat candidate is compared token by token (with its content's first
+    occurrence, verified) only while that list has a slot left (the next slot is not back
+    at the head); if equal it takes that slot.
     Writes positions, slots and the slots' `slot_offset` to ``out[0]``, ``out[1]``,
     ``out[2]``, ascending. Returns (firsts, repeats, matches)."""
     firsts, repeats, bits = _probe_into(query, stride, salt, base, base_pow, filter_words,

@@ -330,7 +330,8 @@ class ContentStore:
                     ) -> tuple[np.ndarray, np.ndarray, bool]:
         """Every verified occurrence `probe` found, grouped by content in order of first
         occurrence, the leftmost `max_positions` of each: (positions, group sizes, whether
-        some content had more); repeats are compared token by token here."""
+        some content had more); repeats are compared token by token here, with their
+        content's first occurrence."""
         return candidate_kernels.group_occurrences(query, first_pos, first_cid, repeat_pos,
                                                    repeat_cid, self._blocks, self._groups,
                                                    max_positions)
