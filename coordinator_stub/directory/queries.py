@@ -14,6 +14,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from blend_wire import BlendNamespace
+from coordinator_stub.directory import place_kernels
 from coordinator_stub.directory.binding_table import BindingTable
 from coordinator_stub.directory.bindings import OwnContent, access_count
 from coordinator_stub.directory.placements import (
@@ -54,36 +55,25 @@ def place_columns(table: BindingTable, placements: Placements, chunk_hashes: Seq
 
     Per chunk, a read of the binding table's columns, or of its dict for a chunk not
     frozen there, done by C maps and numpy (`BindingTable.hold_codes`; `slots`, the claim
-    slots a lookup found, spare it the index's dict); the placement records are read once per distinct record (`_where`): a lookup
-    names hundreds of chunks but a handful of distinct records (a record is its
-    `(key_no, place_no)` pairs, and keys and places are few), so no Python runs per
-    chunk. Instances are numbered in order of first mention, as a pass over the chunks
-    would."""
+    slots a lookup found, spare it the index's dict); the placement records are read once
+    per distinct record (`_where`): a lookup names hundreds of chunks but a handful of
+    distinct records (a record is its `(key_no, place_no)` pairs, and keys and places are
+    few), so no Python runs per chunk; numbering the records and gathering each chunk's
+    holders are a kernel pass each (`place_kernels`). Instances are numbered in order of
+    first mention, as a pass over the chunks would."""
     codes, records = table.hold_codes(chunk_hashes, _NOWHERE, slots)
-    # Records numbered densely in order of first mention, each read once.
-    distinct, first, of_code = np.unique(codes, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    dense = np.empty(len(order), dtype=np.int64)
-    dense[order] = np.arange(len(order))
-    of_chunk = dense[of_code.reshape(-1)]
+    of_chunk, firsts = place_kernels.number_records(codes)  # records by first mention
     number: dict[str, int] = {}
     shared_of, count_of, held_by = [], [], []
-    for code in distinct[order].tolist():
+    for code in codes[firsts].tolist():  # each distinct record read once
         record = (code >> 32, code & _LOW32) if code >= 0 else records[-1 - code]
         l1, is_shared = _where(record, placements, namespace)
         shared_of.append(is_shared)
         count_of.append(len(l1))
         held_by.extend(number.setdefault(name, len(number)) for name in l1)
-    counts = np.array(count_of, dtype=np.int64)[of_chunk]
-    holder_start = np.zeros(len(codes) + 1, dtype=np.int64)
-    np.cumsum(counts, out=holder_start[1:])
-    # Each chunk's holders: its record's run of `held_by`, gathered as one array.
-    record_start = np.zeros(len(count_of) + 1, dtype=np.int64)
-    np.cumsum(count_of, out=record_start[1:])
-    source = (np.repeat(record_start[:-1][of_chunk] - holder_start[:-1], counts)
-              + np.arange(holder_start[-1]))
-    return PlaceColumns(list(number), holder_start,
-                        np.array(held_by, dtype=np.int64)[source],
+    holder_start, holders = place_kernels.gather_holders(
+        of_chunk, np.array(count_of, dtype=np.int64), np.array(held_by, dtype=np.int64))
+    return PlaceColumns(list(number), holder_start, holders,
                         np.array(shared_of, dtype=np.uint8)[of_chunk])
 
 
