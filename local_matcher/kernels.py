@@ -293,6 +293,8 @@ def _probe_into(query, stride, salt, base, base_pow, filter_words, filter_shift,
                             filter_shift, scratch, found)
     n = query.shape[0]
     slots = table.shape[0] // 3
+    for i in range(passes):  # their home slots, all in flight at once
+        _prefetch(table, 3 * _home(np.uint64(found[3, i]), slots))
     # Pass 2, for the windows that passed: the table and the namespace pre-test give each
     # its candidate content, written back over found[2:4] (one at most per window read),
     # whose row is prefetched: the rows arrive together instead of one after another.
