@@ -9,11 +9,11 @@ import numpy as np
 from numba import njit
 
 from local_matcher import content_groups
-from local_matcher.kernels import _row, _same_windows, _width
+from local_matcher.kernels import _same_windows
 
 
 @njit(cache=True, nogil=True)
-def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, blocks, groups,
+def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, width, groups,
                       max_positions):
     """Every verified occurrence, grouped by content, at most `max_positions` per content
     (its leftmost): (positions, sizes, cut), `cut` True when some content had more.
@@ -26,7 +26,8 @@ def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, block
     mismatch stops at its first differing token) until its content is full;
     one more verified repeat of a full content says it was cut, and the rest of that
     content's repeats are not compared: the work is bounded by the cap, not the query's
-    repetitions. `groups`: a `content_groups.buffer_for` the firsts, overwritten."""
+    repetitions. `width`: the chunk size; `groups`: a `content_groups.buffer_for` the
+    firsts, overwritten."""
     count = first_cid.shape[0]
     bits = content_groups.begin(groups, count)
     for i in range(count):
@@ -35,7 +36,6 @@ def group_occurrences(query, first_pos, first_cid, repeat_pos, repeat_cid, block
     was_cut = np.zeros(count, dtype=np.uint8)  # 1: full, and one more verified
     ok = np.zeros(repeat_pos.shape[0], dtype=np.uint8)
     cut = False
-    width = _width(_row(blocks, 0))
     for j in range(repeat_pos.shape[0]):
         g = content_groups.group_of(groups, bits, repeat_cid[j])
         if was_cut[g] or not _same_windows(query, repeat_pos[j], first_pos[g], width):

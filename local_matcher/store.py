@@ -332,6 +332,8 @@ class ContentStore:
         occurrence, the leftmost `max_positions` of each: (positions, group sizes, whether
         some content had more); repeats are compared token by token here, with their
         content's first occurrence."""
+        # The chunk size, not the blocks: repeats are compared within the query, and a
+        # typed list costs every call ~2 us to pass.
         return candidate_kernels.group_occurrences(query, first_pos, first_cid, repeat_pos,
-                                                   repeat_cid, self._blocks, self._groups,
+                                                   repeat_cid, self.chunk_size, self._groups,
                                                    max_positions)
