@@ -18,27 +18,54 @@ from numba import njit
 _NO_RANK = 1 << 30
 
 
+#: A counting sort by position when the positions span at most this many per occurrence
+#: (work O(occurrences) either way); else a merge sort.
+_COUNTING_SPAN = 16
+
+
 @njit(cache=True, nogil=True)
 def occurrences(position_start, positions, prefix):
     """(position, entry) of every occurrence at or past `prefix`, ordered by position,
     then entry: the order the rule visits them in."""
     entries = position_start.shape[0] - 1
     count = 0
+    top = prefix
     for e in range(entries):
         for k in range(position_start[e], position_start[e + 1]):
             if positions[k] >= prefix:
                 count += 1
+                top = max(top, positions[k])
     occ_pos = np.empty(count, dtype=np.int64)
     occ_entry = np.empty(count, dtype=np.int64)
-    n = 0
+    span = top - prefix + 1
+    if span > _COUNTING_SPAN * count:
+        n = 0
+        for e in range(entries):
+            for k in range(position_start[e], position_start[e + 1]):
+                if positions[k] >= prefix:
+                    occ_pos[n] = positions[k]
+                    occ_entry[n] = e
+                    n += 1
+        order = np.argsort(occ_pos, kind="mergesort")  # stable: entry order within a position
+        return occ_pos[order], occ_entry[order]
+    # Counting sort: each position's first slot, then the occurrences in entry order (so
+    # stable, as the merge sort). Small chunks find many occurrences close together.
+    at = np.zeros(span + 1, dtype=np.int64)
     for e in range(entries):
         for k in range(position_start[e], position_start[e + 1]):
             if positions[k] >= prefix:
-                occ_pos[n] = positions[k]
-                occ_entry[n] = e
-                n += 1
-    order = np.argsort(occ_pos, kind="mergesort")  # stable: entry order within a position
-    return occ_pos[order], occ_entry[order]
+                at[positions[k] - prefix + 1] += 1
+    for i in range(span):
+        at[i + 1] += at[i]
+    for e in range(entries):
+        for k in range(position_start[e], position_start[e + 1]):
+            p = positions[k]
+            if p >= prefix:
+                slot = at[p - prefix]
+                at[p - prefix] = slot + 1
+                occ_pos[slot] = p
+                occ_entry[slot] = e
+    return occ_pos, occ_entry
 
 
 @njit(cache=True, nogil=True)
