@@ -309,6 +309,22 @@ def claim_one_by_one(claims, hashes, cids, offsets, namespaces, fresh):
     return ids
 
 
+def apply_index_op(index, op: tuple) -> None:
+    """One step of a content-index property test: ("add", tokens, hash, offset, namespace),
+    ("add_many", rows, one_namespace_each), ("remove_claim", hash, namespace) or
+    ("remove_chunk", hash); `rows` are (tokens, hash, offset, namespace)."""
+    if op[0] == "add":
+        index.add(op[1], op[2], op[3], op[4])
+    elif op[0] == "add_many":
+        contents, hashes, offsets, namespaces = zip(*op[1])
+        index.add_many(np.array(contents, dtype=np.uint32), list(hashes), list(offsets),
+                       list(namespaces) if op[2] else namespaces[0])
+    elif op[0] == "remove_claim":
+        index.remove_claim(op[1], op[2])
+    else:
+        index.remove_chunk(op[1])
+
+
 def remove_claim_holding(index, tokens, chunk_hash, namespace) -> None:
     """LMCache's `remove_claim(tokens, chunk_hash, namespace)`: the namespace's claim goes
     only if its content is `tokens` (None: whatever it is)."""

@@ -12,6 +12,7 @@ from array import array
 
 import numpy as np
 
+from helpers import apply_index_op
 from local_matcher import ContentIndex
 from local_matcher import claims as claims_module
 
@@ -51,19 +52,6 @@ def _operations(seed: int, count: int) -> list[tuple]:
     return ops
 
 
-def _apply(index: ContentIndex, op: tuple) -> None:
-    if op[0] == "add":
-        index.add(op[1], op[2], op[3], op[4])
-    elif op[0] == "add_many":
-        contents, hashes, offsets, namespaces = zip(*op[1])
-        index.add_many(np.array(contents, dtype=np.uint32), list(hashes), list(offsets),
-                       list(namespaces) if op[2] else namespaces[0])
-    elif op[0] == "remove_claim":
-        index.remove_claim(op[1], op[2])
-    else:
-        index.remove_chunk(op[1])
-
-
 def _order_ranks(claims) -> tuple:
     """Each live slot's order number as its rank among the live ones, and each many-claims
     record's occupants' likewise: what comparisons of order numbers can tell."""
@@ -99,7 +87,7 @@ def _run(ops: list[tuple]) -> tuple[list, int, int]:
     seen, renumbered, with_many = [], 0, 0
     for op in ops:
         before = index._claims._next_order
-        _apply(index, op)
+        apply_index_op(index, op)
         after = index._claims._next_order
         assert after <= claims_module._MAX_ORDER
         seen.append(_seen(index))
@@ -147,8 +135,8 @@ def test_an_older_snapshots_8_byte_order_numbers_load_as_4_byte_ones():
     ops = _operations(7, 160)
     old, fresh = (ContentIndex(chunk_size=C, fingerprint_key=KEY) for _ in range(2))
     for op in ops[:120]:
-        _apply(old, op)
-        _apply(fresh, op)
+        apply_index_op(old, op)
+        apply_index_op(fresh, op)
     # As a build with 8-byte numbers held them: past 2^31 and wide apart, in the slots and
     # in the many-claims records alike (the order of each comparison kept).
     claims = old._claims
@@ -163,6 +151,6 @@ def test_an_older_snapshots_8_byte_order_numbers_load_as_4_byte_ones():
     assert loaded._claims._next_order == loaded._claims.num_occupants
     assert _seen(loaded) == _seen(fresh)
     for op in ops[120:]:  # and they go on alike
-        _apply(loaded, op)
-        _apply(fresh, op)
+        apply_index_op(loaded, op)
+        apply_index_op(fresh, op)
         assert _seen(loaded) == _seen(fresh)

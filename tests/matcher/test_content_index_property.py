@@ -15,8 +15,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import (claim_one_by_one, remove_chunk_holding, remove_claim_holding,
-                     slot_chunks)
+from helpers import (apply_index_op, claim_one_by_one, remove_chunk_holding,
+                     remove_claim_holding, slot_chunks)
 from local_matcher import ContentIndex
 from local_matcher.types import CANDIDATE_SPARE_CHUNKS, MAX_CANDIDATE_CHUNKS
 
@@ -247,12 +247,5 @@ def test_the_bulk_claim_leaves_what_claiming_chunk_by_chunk_does(operations):
     each._claims.claim_new = lambda *args: claim_one_by_one(each._claims, *args)
     for op in operations:
         for index in (bulk, each):
-            if op[0] == "add_many":
-                rows, hashes, offsets, namespaces = zip(*op[1])
-                index.add_many(np.array(rows, dtype=np.uint32), list(hashes), list(offsets),
-                               list(namespaces) if op[2] else namespaces[0])
-            elif op[0] == "remove_claim":
-                index.remove_claim(op[1], op[2])
-            else:
-                index.remove_chunk(op[1])
+            apply_index_op(index, op)
         assert _claims_state(bulk) == _claims_state(each)
