@@ -315,14 +315,14 @@ class ContentStore:
         self._found = np.empty((4, size), dtype=np.int64)
         self._out = np.empty((3, size), dtype=np.int64)
         self._groups = content_groups.buffer_for(size)
-        self._cursors = np.empty((2, size), dtype=np.int64)
+        self._cursors = np.empty((2, size), dtype=np.int32)  # claim slots are int32
 
     def _drop_buffers(self) -> None:
         self._scratch = np.empty(0, dtype=np.uint64)
         self._found = np.empty((4, 0), dtype=np.int64)
         self._out = np.empty((3, 0), dtype=np.int64)
         self._groups = content_groups.buffer_for(1)
-        self._cursors = np.empty((2, 0), dtype=np.int64)
+        self._cursors = np.empty((2, 0), dtype=np.int32)
         self._probed = (0, 0)
 
     def occurrences(self, query: np.ndarray, first_pos: np.ndarray, first_cid: np.ndarray,
